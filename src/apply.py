@@ -1,0 +1,151 @@
+"""Apply a mapper: the source's cache → a decode-ready target `DynamicCache`.
+
+`KVTransfer` is built once per (mapper, source model, target model) — it verifies the artifact
+against both models and puts the coefficients on the target's device — and is then called per
+handoff. Per target layer: gather the selected source blocks, one head-batched matmul, re-apply the
+target's RoPE at the same positions. `handoff` wraps it with deterministic rollback to plain prefill.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from transformers import DynamicCache, PreTrainedModel
+
+from src.artifact import Mapper
+from src.models import KVInterface, describe_kv, fingerprint
+from src.rope import apply_rope, remove_rope, rope_cos_sin
+from src.support import gather_features
+
+
+class TransferError(ValueError):
+    """This source cache cannot be mapped safely; the message names why. Callers roll back to prefill."""
+
+
+def map_rows(mapper: Mapper, source_k: torch.Tensor, source_v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Content rows [L_s, H_s, n, d_s] (K and V) → mapped target content rows [L_t, H_t, n, d_t]."""
+    mapped = {"k": [], "v": []}
+    for layer in range(mapper.source_layers.shape[0]):
+        layers = mapper.source_layers[layer]
+        for component, rows in (("k", source_k), ("v", source_v)):
+            x = gather_features(rows, layers, mapper.head_index).to(mapper.weight_k.dtype)  # [H_t, n, p]
+            weight, bias = (
+                getattr(mapper, f"weight_{component}")[layer],
+                getattr(mapper, f"bias_{component}")[layer],
+            )
+            mapped[component].append(torch.baddbmm(bias[:, None, :], x, weight))  # [H_t, n, d_t]
+    return torch.stack(mapped["k"]), torch.stack(mapped["v"])
+
+
+def _layers_of(cache) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    if isinstance(cache, DynamicCache):
+        return [(layer.keys, layer.values) for layer in cache.layers]
+    return [tuple(pair) for pair in cache]
+
+
+@dataclass
+class Handoff:
+    cache: DynamicCache
+    mode: str  # "transfer" or "prefill"
+    reason: str | None  # why the transfer was refused (mode == "prefill")
+
+
+class KVTransfer:
+    """A verified mapper bound to its source and target models, reusable for every handoff."""
+
+    def __init__(
+        self,
+        mapper: Mapper,
+        source: PreTrainedModel,
+        target: PreTrainedModel,
+        tokenizer_hash: str,
+        compute_dtype: torch.dtype = torch.float32,
+    ):
+        manifest = mapper.manifest
+        for what, recorded, actual in (
+            ("source fingerprint", manifest.get("source_fingerprint"), fingerprint(source)),
+            ("target fingerprint", manifest.get("target_fingerprint"), fingerprint(target)),
+            ("tokenizer hash", manifest.get("tokenizer_hash"), tokenizer_hash),
+        ):
+            if recorded != actual:
+                raise TransferError(f"mapper does not belong to this pair: {what} {str(recorded)[:12]} ≠ {actual[:12]}")
+        self.source, self.target = source, target
+        self.source_kv: KVInterface = describe_kv(source)
+        self.target_kv: KVInterface = describe_kv(target)
+        expected = (self.target_kv.num_layers, self.target_kv.num_kv_heads)
+        if tuple(mapper.weight_k.shape[:2]) != expected or mapper.weight_k.shape[-1] != self.target_kv.head_dim:
+            raise TransferError(f"mapper shape {tuple(mapper.weight_k.shape)} does not fit the target's KV interface")
+        self.device = next(target.parameters()).device
+        self.dtype = next(target.parameters()).dtype
+        self.mapper = mapper.to(self.device, compute_dtype)
+
+    def _check(self, layers: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> tuple[int, int]:
+        kv = self.source_kv
+        if len(layers) != kv.num_layers:
+            raise TransferError(f"source cache has {len(layers)} layers, the source model {kv.num_layers}")
+        source_device = next(self.source.parameters()).device
+        source_dtype = next(self.source.parameters()).dtype
+        shape = None
+        for index, (key, value) in enumerate(layers):
+            for name, t in (("keys", key), ("values", value)):
+                if t.dim() != 4 or t.shape[1] != kv.num_kv_heads or t.shape[3] != kv.head_dim:
+                    raise TransferError(
+                        f"source cache layer {index} {name} has shape {tuple(t.shape)}, "
+                        f"expected [batch, {kv.num_kv_heads}, seq, {kv.head_dim}]"
+                    )
+                if shape is not None and t.shape != shape:
+                    raise TransferError(f"source cache layer {index} {name} shape {tuple(t.shape)} ≠ {tuple(shape)}")
+                if t.dtype != source_dtype:
+                    raise TransferError(
+                        f"source cache layer {index} {name} is {t.dtype}, the source model {source_dtype}"
+                    )
+                if t.device != source_device:
+                    raise TransferError(
+                        f"source cache layer {index} {name} is on {t.device}, the source on {source_device}"
+                    )
+                if not torch.isfinite(t).all():
+                    raise TransferError(f"source cache layer {index} {name} contains NaN or Inf")
+                shape = t.shape
+        return shape[0], shape[2]
+
+    @torch.no_grad()
+    def __call__(self, source_cache, positions: torch.Tensor | None = None) -> DynamicCache:
+        """source_cache: DynamicCache or [(keys, values)] with [B, H_s, T, d_s]; positions [T] (default 0..T−1)."""
+        layers = _layers_of(source_cache)
+        batch, seq = self._check(layers)
+        positions = torch.arange(seq) if positions is None else positions
+        if positions.shape[-1] != seq:
+            raise TransferError(f"{positions.shape[-1]} positions given for a {seq}-token cache")
+        cos, sin = rope_cos_sin(self.source.model.rotary_emb, positions.to(layers[0][0].device))
+        source_k = torch.stack([remove_rope(k, cos, sin, self.source_kv.rope_layout) for k, _ in layers])
+        source_v = torch.stack([v for _, v in layers])  # [L_s, B, H_s, T, d_s]
+        to_rows = lambda t: t.to(self.device).transpose(1, 2).flatten(2, 3)  # [L_s, H_s, B·T, d_s]
+        target_k, target_v = map_rows(self.mapper, to_rows(source_k), to_rows(source_v))  # [L_t, H_t, B·T, d_t]
+        to_cache = lambda t: t.unflatten(2, (batch, seq)).transpose(1, 2)  # [L_t, B, H_t, T, d_t]
+        target_k, target_v = to_cache(target_k), to_cache(target_v)
+        cos, sin = rope_cos_sin(self.target.model.rotary_emb, positions.to(self.device))
+        cache = DynamicCache(config=self.target.config)
+        for layer in range(self.target_kv.num_layers):
+            keys = apply_rope(target_k[layer], cos, sin, self.target_kv.rope_layout).to(self.dtype)
+            values = target_v[layer].to(self.dtype)
+            if not (torch.isfinite(keys).all() and torch.isfinite(values).all()):
+                raise TransferError(f"mapped target layer {layer} is not finite (corrupt coefficients?)")
+            cache.update(keys, values, layer)
+        return cache
+
+
+@torch.no_grad()
+def prefill(model: PreTrainedModel, input_ids: torch.Tensor) -> DynamicCache:
+    """The ordinary path: the model's own cache for input_ids [B, T]."""
+    device = next(model.parameters()).device
+    return model(input_ids.to(device), use_cache=True).past_key_values
+
+
+def handoff(transfer: KVTransfer, source_cache, input_ids: torch.Tensor) -> Handoff:
+    """Mapped cache when the transfer is safe, else — deterministically — the target's own prefill."""
+    try:
+        return Handoff(cache=transfer(source_cache), mode="transfer", reason=None)
+    except TransferError as refusal:
+        return Handoff(cache=prefill(transfer.target, input_ids), mode="prefill", reason=str(refusal))

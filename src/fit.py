@@ -1,0 +1,177 @@
+"""Fit the mapper: per target layer × head × component, a weighted centered ridge map (Eqs. 8–10).
+
+The support decides the features (full / local / cyclic gather, or block-PCA of all heads), the
+weighting decides w (uniform, or Attn-Repair with α* per layer × head × component), the statistics
+come from `stats` (streaming by default, a materializing reference for checks).
+"""
+
+from __future__ import annotations
+
+import torch
+from tqdm import tqdm
+from transformers import PreTrainedModel
+
+from src.apply import map_rows
+from src.artifact import Mapper
+from src.models import describe_kv, fingerprint
+from src.select import select_layers
+from src.stats import reference_moments, ridge_solve, streaming_moments
+from src.support import coefficient_count, gather_features, head_assignment, pca_basis
+from src.traces import Traces
+from src.weighting import attn_repair_weights
+
+
+def _design(
+    rows: torch.Tensor, layers: torch.Tensor, head_index: torch.Tensor, pca: tuple | None, span: slice
+) -> torch.Tensor:
+    """Features of one row span [H_t, b, p] (PCA-projected to k·d_s when `pca` is given)."""
+    x = gather_features(rows[:, :, span], layers, head_index)  # [H_t, b, k·f·d_s]
+    if pca is None:
+        return x
+    mean, basis = pca  # [L_s, H_s·d_s], [L_s, H_s·d_s, w]
+    blocks = x.double().unflatten(-1, (layers.numel(), -1)) - mean[layers]  # [H_t, b, k, H_s·d_s]
+    return torch.einsum("hbkc,kcw->hbkw", blocks, basis[layers]).flatten(2)  # [H_t, b, k·w]
+
+
+def _fold_pca(weight: torch.Tensor, bias: torch.Tensor, layers: torch.Tensor, pca: tuple):
+    """A map on PCA coordinates as the same map on all-head features: W_full = blockdiag(P_j)·W."""
+    mean, basis = pca
+    width = basis.shape[-1]
+    per_layer = weight.unflatten(1, (layers.numel(), width))  # [H_t, k, w, d_t]
+    full = torch.einsum("kcw,hkwd->hkcd", basis[layers], per_layer)  # [H_t, k, H_s·d_s, d_t]
+    shift = torch.einsum("kc,hkcd->hd", mean[layers], full)  # [H_t, d_t]
+    return full.flatten(1, 2), bias - shift
+
+
+def fit_mapper(
+    traces: Traces,
+    source_layers: torch.Tensor,
+    head_index: torch.Tensor,
+    support: str,
+    weighting: str,
+    lam: float,
+    lam_relative: bool,
+    chunk_rows: int,
+    reference: bool = False,
+    alpha_cap: float = 1.0,
+) -> Mapper:
+    """Fit K and V maps for every target layer from traces; returns the Mapper (manifest partly filled)."""
+    if weighting == "attn_repair" and traces.attn_k is None:
+        raise ValueError("attn_repair weighting needs traces collected with attention_boundaries > 0")
+    num_target_layers, target_heads = traces.target_k.shape[:2]
+    source_dim = traces.source_k.shape[-1]
+    pcas = {}
+    if support == "pca":
+        pcas = {"k": pca_basis(traces.source_k, source_dim), "v": pca_basis(traces.source_v, source_dim)}
+    coefficients: dict[str, list[torch.Tensor]] = {name: [] for name in ("weight_k", "bias_k", "weight_v", "bias_v")}
+    alpha_stats: dict[str, list] = {"k": [], "v": []}
+    for layer in tqdm(range(num_target_layers), desc="fit target layers", unit="layer"):
+        layers = source_layers[layer]
+        for component, source_rows, target_rows, raw in (
+            ("k", traces.source_k, traces.target_k[layer], traces.attn_k),
+            ("v", traces.source_v, traces.target_v[layer], traces.attn_v),
+        ):
+            pca = pcas.get(component)
+            width = _design(source_rows, layers, head_index, pca, slice(0, 1)).shape[-1]
+            weights = None
+            if weighting == "attn_repair":
+                weights, stats = attn_repair_weights(raw[layer], width, alpha_cap)  # [H_t, n]
+                alpha_stats[component].append(stats["alpha"])
+            chunk = lambda span, rows=source_rows, y=target_rows, w=weights, ls=layers, pc=pca: (
+                _design(rows, ls, head_index, pc, span),
+                y[:, span],
+                None if w is None else w[:, span],
+            )
+            if reference:
+                moments = reference_moments(*chunk(slice(0, traces.rows)))
+            else:
+                moments = streaming_moments(chunk, traces.rows, chunk_rows)
+            weight, bias = ridge_solve(moments, lam, lam_relative)
+            if pca is not None:
+                weight, bias = _fold_pca(weight, bias, layers, pca)
+            coefficients[f"weight_{component}"].append(weight.float())
+            coefficients[f"bias_{component}"].append(bias.float())
+    fitted_width = width if support == "pca" else None
+    manifest = {
+        "support": support,
+        "weighting": weighting,
+        "lambda": lam,
+        "lambda_relative": lam_relative,
+        "alpha_cap": alpha_cap,
+        "alpha": alpha_stats if weighting == "attn_repair" else None,
+        "k": int(source_layers.shape[1]),
+        "fan_in": int(head_index.shape[1]),
+        "fitted_width": fitted_width,
+        "source_layers": source_layers.tolist(),
+        "head_index": head_index.tolist(),
+        "calibration": dict(traces.meta),
+    }
+    return Mapper(
+        source_layers=source_layers.clone(),
+        head_index=head_index.clone(),
+        **{name: torch.stack(values) for name, values in coefficients.items()},
+        manifest=manifest,
+    )
+
+
+def fit_transfer(
+    source: PreTrainedModel,
+    target: PreTrainedModel,
+    traces: Traces,
+    tokenizer_hash: str,
+    support: str = "local",
+    k: int = 8,
+    selection: str = "r2",
+    weighting: str = "uniform",
+    lam: float = 0.01,
+    lam_relative: bool = False,
+    shift: int = 0,
+    chunk_rows: int = 4096,
+    alpha_cap: float = 1.0,
+) -> Mapper:
+    """Select layers and fit a mapper for this model pair; the manifest identifies pair and method."""
+    source_kv, target_kv = describe_kv(source), describe_kv(target)
+    head_index = head_assignment(support, source_kv.num_kv_heads, target_kv.num_kv_heads, shift)
+    selection_heads = head_assignment(
+        "full" if support == "full" else "local", source_kv.num_kv_heads, target_kv.num_kv_heads
+    )
+    source_layers, scores = select_layers(traces, selection_heads, k, selection, chunk_rows)
+    mapper = fit_mapper(
+        traces,
+        source_layers,
+        head_index,
+        support,
+        weighting,
+        lam,
+        lam_relative,
+        chunk_rows,
+        alpha_cap=alpha_cap,
+    )
+    fan_in = source_kv.num_kv_heads if support == "pca" else head_index.shape[1]
+    mapper.manifest.update(
+        method=f"{support}+{weighting}",
+        selection=selection,
+        shift=shift,
+        selection_scores=None if scores is None else scores.tolist(),
+        coefficient_count=coefficient_count(
+            target_kv.num_layers, target_kv.num_kv_heads, k, fan_in, source_kv.head_dim, target_kv.head_dim
+        ),
+        source_fingerprint=fingerprint(source),
+        target_fingerprint=fingerprint(target),
+        tokenizer_hash=tokenizer_hash,
+        source_kv=source_kv.to_dict(),
+        target_kv=target_kv.to_dict(),
+    )
+    return mapper
+
+
+def mapper_r2(mapper: Mapper, traces: Traces) -> dict[str, float]:
+    """R² of the mapped K and V on these rows (content space), pooled over layers, heads and channels."""
+    predicted_k, predicted_v = map_rows(mapper, traces.source_k.float(), traces.source_v.float())
+    scores = {}
+    for name, predicted, actual in (("k", predicted_k, traces.target_k), ("v", predicted_v, traces.target_v)):
+        actual = actual.double()
+        residual = ((actual - predicted.double()) ** 2).sum()
+        spread = ((actual - actual.mean(dim=2, keepdim=True)) ** 2).sum()
+        scores[f"r2_{name}"] = float(1 - residual / spread)
+    return scores

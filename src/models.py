@@ -1,0 +1,179 @@
+"""Load or build the two models, describe their KV interface, fingerprint them, check a pair.
+
+Every other stage reads model differences from `KVInterface`, never from a model name.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
+
+SUPPORTED_FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
+_VOLATILE_CONFIG_KEYS = (
+    "_name_or_path",
+    "transformers_version",
+    "dtype",
+    "torch_dtype",
+    "_attn_implementation",
+)
+
+
+class IncompatiblePairError(ValueError):
+    """The source and target models cannot exchange KV caches; the message names what differs."""
+
+
+@dataclass(frozen=True)
+class KVInterface:
+    """What a KV cache of this model looks like, read from its config and modules."""
+
+    family: str
+    num_layers: int
+    num_kv_heads: int
+    num_q_heads: int
+    head_dim: int
+    rope_parameters: dict
+    rope_dim: int  # leading dims of each head that RoPE rotates (partial rotary < head_dim)
+    rope_layout: str  # "half" (rotate_half, HF Llama family) or "interleaved"
+    attention_scaling: float  # factor folded into cos/sin by the rotary module (YaRN, longrope)
+    attention_softmax_scale: float  # the `scaling` of q·k in the attention module
+    qk_norm: bool
+    layer_types: tuple[str, ...]
+    sliding_window: int | None
+    kv_lora_rank: int | None  # MLA latent rank; None for ordinary GQA
+
+    @property
+    def q_per_kv(self) -> int:
+        return self.num_q_heads // self.num_kv_heads
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def build_random_model(config: dict, seed: int, dtype: torch.dtype = torch.float32) -> PreTrainedModel:
+    """A random-weight model from a config dict (`model_type` + overrides). Timing only, never quality."""
+    fields = dict(config)
+    model_type = fields.pop("model_type")
+    hf_config = AutoConfig.for_model(model_type, **fields)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(hf_config, dtype=dtype, attn_implementation="eager")
+    return model.eval()
+
+
+def load_model(path: str | Path, dtype: torch.dtype = torch.float32, device: str = "cpu") -> PreTrainedModel:
+    """A pretrained model from a local directory (never the hub)."""
+    path = Path(path)
+    if not (path / "config.json").is_file():
+        raise FileNotFoundError(f"no model at {path} (expected config.json there); see scripts/fetch_models.py")
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True, attn_implementation="eager")
+    return model.to(device).eval()
+
+
+def load_tokenizer(path: str | Path):
+    return AutoTokenizer.from_pretrained(Path(path), local_files_only=True)
+
+
+def describe_kv(model: PreTrainedModel) -> KVInterface:
+    """Read the KV interface of a decoder-only RoPE model from its config and first attention module."""
+    config = model.config.get_text_config(decoder=True)
+    attention = model.model.layers[0].self_attn
+    rotary = model.model.rotary_emb
+    num_q_heads = config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // num_q_heads
+    layer_types = tuple(getattr(config, "layer_types", None) or ["full_attention"] * config.num_hidden_layers)
+    uniform_window = getattr(config, "sliding_window", None)
+    if getattr(config, "use_sliding_window", True) is False:
+        uniform_window = None
+    return KVInterface(
+        family=config.model_type,
+        num_layers=config.num_hidden_layers,
+        num_kv_heads=config.num_key_value_heads,
+        num_q_heads=num_q_heads,
+        head_dim=head_dim,
+        rope_parameters=dict(config.rope_parameters),
+        rope_dim=int(rotary.inv_freq.numel() * 2),
+        rope_layout="half",
+        attention_scaling=float(rotary.attention_scaling),
+        attention_softmax_scale=float(attention.scaling),
+        qk_norm=hasattr(attention, "k_norm"),
+        layer_types=layer_types,
+        sliding_window=uniform_window,
+        kv_lora_rank=getattr(config, "kv_lora_rank", None),
+    )
+
+
+def config_hash(model: PreTrainedModel) -> str:
+    config = {k: v for k, v in model.config.to_dict().items() if k not in _VOLATILE_CONFIG_KEYS}
+    return hashlib.sha256(json.dumps(config, sort_keys=True, default=str).encode()).hexdigest()
+
+
+def weight_hash(model: PreTrainedModel) -> str:
+    """sha256 over every parameter and buffer, in name order, as stored (dtype included)."""
+    digest = hashlib.sha256()
+    for name, tensor in sorted(model.state_dict().items()):
+        digest.update(f"{name}:{tensor.dtype}:{tuple(tensor.shape)}".encode())
+        digest.update(tensor.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()
+
+
+def fingerprint(model: PreTrainedModel) -> str:
+    """Identity of a model = hash(config) + hash(weights); computed once and cached on the model."""
+    cached = getattr(model, "_kvrelay_fingerprint", None)
+    if cached is None:
+        cached = hashlib.sha256((config_hash(model) + weight_hash(model)).encode()).hexdigest()
+        model._kvrelay_fingerprint = cached
+    return cached
+
+
+def tokenizer_hash(tokenizer) -> str:
+    """sha256 of what decides token ids: vocab, merges, added tokens, normalizer, pre-tokenizer."""
+    if hasattr(tokenizer, "backend_tokenizer"):
+        spec = json.loads(tokenizer.backend_tokenizer.to_str())
+        identity = {key: spec.get(key) for key in ("model", "added_tokens", "normalizer", "pre_tokenizer")}
+    else:
+        identity = {"vocab": sorted(tokenizer.get_vocab().items())}
+    return hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()
+
+
+def vocabulary_hash(model: PreTrainedModel) -> str:
+    """Stand-in for a tokenizer hash when a random-weight model has no tokenizer: the vocab size only."""
+    return hashlib.sha256(f"vocab_size={model.config.get_text_config().vocab_size}".encode()).hexdigest()
+
+
+def check_compatible(
+    source: KVInterface,
+    target: KVInterface,
+    source_tokenizer_hash: str,
+    target_tokenizer_hash: str,
+    allow_sliding_window: bool = False,
+) -> None:
+    """Refuse, before anything runs, a pair whose caches cannot be mapped token by token."""
+    if source_tokenizer_hash != target_tokenizer_hash:
+        raise IncompatiblePairError(
+            f"tokenizers differ (source {source_tokenizer_hash[:12]} vs target {target_tokenizer_hash[:12]}): "
+            "cross-model transfer needs identical token ids for the shared prefix"
+        )
+    for role, kv in (("source", source), ("target", target)):
+        if kv.family not in SUPPORTED_FAMILIES:
+            raise IncompatiblePairError(
+                f"{role} model family {kv.family!r} is not supported (supported: {', '.join(SUPPORTED_FAMILIES)})"
+            )
+        if kv.kv_lora_rank is not None:
+            raise IncompatiblePairError(f"{role} model uses latent (MLA) attention; its cache is not per-head K/V")
+        kinds = set(kv.layer_types)
+        if len(kinds) > 1:
+            raise IncompatiblePairError(
+                f"{role} model is hybrid ({sorted(kinds)}): per-layer cache kinds differ; not supported"
+            )
+        if kinds != {"full_attention"} or kv.sliding_window is not None:
+            if not allow_sliding_window:
+                raise IncompatiblePairError(
+                    f"{role} model uses sliding-window attention (window {kv.sliding_window}): refused by default; "
+                    "set allow_sliding_window=true to map it (the target cache then keeps only the window)"
+                )
+        if kv.rope_layout not in ("half", "interleaved"):
+            raise IncompatiblePairError(f"{role} model RoPE layout {kv.rope_layout!r} is unknown")

@@ -1,0 +1,54 @@
+"""RoPE codec: take a model's rotation off cached keys (content space) and put another model's on.
+
+cos/sin always come from the model's own rotary module, so every scaling type (linear, dynamic,
+llama3, YaRN, longrope) and the `attention_scaling` factor that YaRN/longrope fold into cos/sin are
+exact. Only the leading `rope_dim` channels of each head rotate (partial rotary); the rest pass through.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def rope_cos_sin(rotary_emb: torch.nn.Module, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin: [B, 1, T, rope_dim] in float32 for positions [B, T] (or [T]), attention_scaling included."""
+    if positions.dim() == 1:
+        positions = positions[None]
+    anchor = torch.empty(0, dtype=torch.float32, device=rotary_emb.inv_freq.device)
+    cos, sin = rotary_emb(anchor, positions.to(anchor.device))  # [B, T, rope_dim]
+    return cos[:, None].float(), sin[:, None].float()
+
+
+def _rotate(x: torch.Tensor, layout: str) -> torch.Tensor:
+    """The 90° partner of each rotated pair: rotate_half for "half", (-x2, x1) per pair for "interleaved"."""
+    if layout == "half":
+        x1, x2 = x.chunk(2, dim=-1)
+        return torch.cat((-x2, x1), dim=-1)
+    pairs = x.unflatten(-1, (-1, 2))  # [..., rope_dim/2, 2]
+    return torch.stack((-pairs[..., 1], pairs[..., 0]), dim=-1).flatten(-2)
+
+
+def _interleave(cos: torch.Tensor, layout: str) -> torch.Tensor:
+    """HF builds cos as cat(freqs, freqs); the interleaved layout repeats each frequency in place."""
+    if layout == "half":
+        return cos
+    half = cos[..., : cos.shape[-1] // 2]
+    return half.repeat_interleave(2, dim=-1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layout: str = "half") -> torch.Tensor:
+    """x: [B, H, T, head_dim] content keys → rotated keys, computed in float32, returned in x.dtype."""
+    rope_dim = cos.shape[-1]
+    cos, sin = _interleave(cos, layout), _interleave(sin, layout)
+    rotated, passthrough = x[..., :rope_dim].float(), x[..., rope_dim:]
+    out = rotated * cos + _rotate(rotated, layout) * sin  # RoFormer rotation, scaled by attention_scaling
+    return torch.cat((out.to(x.dtype), passthrough), dim=-1)
+
+
+def remove_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layout: str = "half") -> torch.Tensor:
+    """Exact inverse of `apply_rope`: R(θ)ᵀ / (cos² + sin²), which also divides out attention_scaling²."""
+    rope_dim = cos.shape[-1]
+    cos, sin = _interleave(cos, layout), _interleave(sin, layout)
+    rotated, passthrough = x[..., :rope_dim].float(), x[..., rope_dim:]
+    out = (rotated * cos - _rotate(rotated, layout) * sin) / (cos * cos + sin * sin)
+    return torch.cat((out.to(x.dtype), passthrough), dim=-1)

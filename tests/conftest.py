@@ -1,0 +1,37 @@
+"""Tiny random-weight configs of every supported family (correctness only, never quality)."""
+
+import pytest
+import torch
+
+from src.models import build_random_model
+
+TINY = dict(
+    vocab_size=96,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=3,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=256,
+    tie_word_embeddings=False,
+)
+FAMILIES = {
+    "llama": dict(TINY, model_type="llama", head_dim=16),
+    "mistral": dict(TINY, model_type="mistral", head_dim=16, sliding_window=None),
+    "qwen2": dict(TINY, model_type="qwen2"),
+    "qwen3": dict(TINY, model_type="qwen3", head_dim=16),
+}
+
+
+def tiny(family: str, seed: int = 0, **overrides) -> torch.nn.Module:
+    return build_random_model(dict(FAMILIES[family], **overrides), seed=seed)
+
+
+@pytest.fixture(params=sorted(FAMILIES))
+def family(request) -> str:
+    return request.param
+
+
+def calibration_ids(sequences: int, length: int, vocab: int = 96, seed: int = 0) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randint(0, vocab, (sequences, length), generator=generator)
