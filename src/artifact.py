@@ -119,6 +119,8 @@ def load_mapper(
         manifest = json.loads(manifest_path.read_text())
     except json.JSONDecodeError as error:
         raise ArtifactError(f"{manifest_path} is not valid JSON ({error})") from error
+    if not isinstance(manifest, dict):
+        raise ArtifactError(f"{manifest_path} holds a JSON {type(manifest).__name__}, not a manifest object")
     if manifest.get("schema_version") != SCHEMA_VERSION:
         raise ArtifactError(f"schema_version {manifest.get('schema_version')} ≠ supported {SCHEMA_VERSION}")
     actual = _sha256(tensor_path)
@@ -136,8 +138,16 @@ def load_mapper(
             raise ArtifactError(
                 f"mapper was fitted for another model pair: {what} {str(recorded)[:12]} ≠ this pair's {given[:12]}"
             )
+    shapes = manifest.get("shapes")
+    expected_names = {"source_layers", "head_index", *_COEFFICIENTS}
+    if not isinstance(shapes, dict) or set(shapes) != expected_names:
+        listed = set(shapes or {})
+        raise ArtifactError(
+            f"manifest shapes do not list exactly the mapper tensors: missing {sorted(expected_names - listed)}, "
+            f"unexpected {sorted(listed - expected_names)}"
+        )
     tensors = load_file(tensor_path)
-    for name, shape in manifest["shapes"].items():
+    for name, shape in shapes.items():
         if name not in tensors or list(tensors[name].shape) != shape:
             raise ArtifactError(f"tensor {name!r} missing or of the wrong shape (manifest says {shape})")
-    return Mapper(**{name: tensors[name] for name in manifest["shapes"]}, manifest=manifest)
+    return Mapper(**{name: tensors[name] for name in shapes}, manifest=manifest)

@@ -14,7 +14,7 @@ from transformers import PreTrainedModel
 from src.apply import map_rows
 from src.artifact import Mapper
 from src.models import describe_kv, fingerprint
-from src.select import select_layers
+from src.select import layers_for_support
 from src.stats import reference_moments, ridge_solve, streaming_moments
 from src.support import coefficient_count, gather_features, head_assignment, pca_basis
 from src.traces import Traces
@@ -132,10 +132,7 @@ def fit_transfer(
     """Select layers and fit a mapper for this model pair; the manifest identifies pair and method."""
     source_kv, target_kv = describe_kv(source), describe_kv(target)
     head_index = head_assignment(support, source_kv.num_kv_heads, target_kv.num_kv_heads, shift)
-    selection_heads = head_assignment(
-        "full" if support == "full" else "local", source_kv.num_kv_heads, target_kv.num_kv_heads
-    )
-    source_layers, scores = select_layers(traces, selection_heads, k, selection, chunk_rows)
+    source_layers, scores = layers_for_support(traces, support, k, selection, chunk_rows)
     mapper = fit_mapper(
         traces,
         source_layers,
@@ -165,13 +162,14 @@ def fit_transfer(
     return mapper
 
 
-def mapper_r2(mapper: Mapper, traces: Traces) -> dict[str, float]:
-    """R² of the mapped K and V on these rows (content space), pooled over layers, heads and channels."""
+def mapper_r2(mapper: Mapper, traces: Traces) -> dict[str, float | list[float]]:
+    """R² of the mapped K and V on these rows (content space): pooled, and per target layer (`*_layers`)."""
     predicted_k, predicted_v = map_rows(mapper, traces.source_k.float(), traces.source_v.float())
-    scores = {}
+    scores: dict[str, float | list[float]] = {}
     for name, predicted, actual in (("k", predicted_k, traces.target_k), ("v", predicted_v, traces.target_v)):
         actual = actual.double()
-        residual = ((actual - predicted.double()) ** 2).sum()
-        spread = ((actual - actual.mean(dim=2, keepdim=True)) ** 2).sum()
-        scores[f"r2_{name}"] = float(1 - residual / spread)
+        residual = ((actual - predicted.double()) ** 2).sum((1, 2, 3))  # [L_t]
+        spread = ((actual - actual.mean(dim=2, keepdim=True)) ** 2).sum((1, 2, 3))  # [L_t]
+        scores[f"r2_{name}"] = float(1 - residual.sum() / spread.sum())
+        scores[f"r2_{name}_layers"] = (1 - residual / spread).tolist()
     return scores

@@ -20,6 +20,7 @@ _VOLATILE_CONFIG_KEYS = (
     "dtype",
     "torch_dtype",
     "_attn_implementation",
+    "architectures",
 )
 
 
@@ -86,8 +87,13 @@ def describe_kv(model: PreTrainedModel) -> KVInterface:
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // num_q_heads
     layer_types = tuple(getattr(config, "layer_types", None) or ["full_attention"] * config.num_hidden_layers)
     uniform_window = getattr(config, "sliding_window", None)
-    if getattr(config, "use_sliding_window", True) is False:
+    if getattr(config, "use_sliding_window", True) is False or (
+        getattr(config, "layer_types", None) is not None and "sliding_attention" not in layer_types
+    ):
         uniform_window = None
+    # hybrid models (Gemma 3) keep one frequency table per layer type: describe the first layer's
+    prefix = "" if hasattr(rotary, "inv_freq") else f"{layer_types[0]}_"
+    inv_freq, attention_scaling = getattr(rotary, f"{prefix}inv_freq"), getattr(rotary, f"{prefix}attention_scaling")
     return KVInterface(
         family=config.model_type,
         num_layers=config.num_hidden_layers,
@@ -95,9 +101,9 @@ def describe_kv(model: PreTrainedModel) -> KVInterface:
         num_q_heads=num_q_heads,
         head_dim=head_dim,
         rope_parameters=dict(config.rope_parameters),
-        rope_dim=int(rotary.inv_freq.numel() * 2),
+        rope_dim=int(inv_freq.numel() * 2),
         rope_layout="half",
-        attention_scaling=float(rotary.attention_scaling),
+        attention_scaling=float(attention_scaling),
         attention_softmax_scale=float(attention.scaling),
         qk_norm=hasattr(attention, "k_norm"),
         layer_types=layer_types,
@@ -121,12 +127,14 @@ def weight_hash(model: PreTrainedModel) -> str:
 
 
 def fingerprint(model: PreTrainedModel) -> str:
-    """Identity of a model = hash(config) + hash(weights); computed once and cached on the model."""
+    """Identity of a model = hash(config) + hash(weights). Cached on the model and recomputed when the
+    config or any tensor's in-place version counter changes."""
+    state = (config_hash(model), tuple(t._version for t in model.state_dict().values()))
     cached = getattr(model, "_kvrelay_fingerprint", None)
-    if cached is None:
-        cached = hashlib.sha256((config_hash(model) + weight_hash(model)).encode()).hexdigest()
-        model._kvrelay_fingerprint = cached
-    return cached
+    if cached is None or cached[0] != state:
+        digest = hashlib.sha256((state[0] + weight_hash(model)).encode()).hexdigest()
+        model._kvrelay_fingerprint = cached = (state, digest)
+    return cached[1]
 
 
 def tokenizer_hash(tokenizer) -> str:
@@ -177,3 +185,36 @@ def check_compatible(
                 )
         if kv.rope_layout not in ("half", "interleaved"):
             raise IncompatiblePairError(f"{role} model RoPE layout {kv.rope_layout!r} is unknown")
+
+
+@dataclass
+class Pair:
+    """A source → target pair ready for transfer: models, the shared tokenizer (None if random), its hash."""
+
+    source: PreTrainedModel
+    target: PreTrainedModel
+    tokenizer: object | None
+    tokenizer_hash: str
+    weights: str  # "real" or "random" — random weights are for timing only
+
+
+def load_pair(
+    source: dict,
+    target: dict,
+    weights: str,
+    dtype: torch.dtype,
+    device: str,
+    allow_sliding_window: bool = False,
+) -> Pair:
+    """Both models of a pair (each spec: `path` for real weights, `config` + `seed` for random), checked."""
+    if weights == "random":
+        models = [build_random_model(spec["config"], spec["seed"], dtype).to(device) for spec in (source, target)]
+        tokenizer, hashes = None, [vocabulary_hash(model) for model in models]
+    elif weights == "real":
+        models = [load_model(spec["path"], dtype, device) for spec in (source, target)]
+        tokenizers = [load_tokenizer(spec["path"]) for spec in (source, target)]
+        tokenizer, hashes = tokenizers[1], [tokenizer_hash(tok) for tok in tokenizers]
+    else:
+        raise ValueError(f"weights must be 'real' or 'random', not {weights!r}")
+    check_compatible(describe_kv(models[0]), describe_kv(models[1]), *hashes, allow_sliding_window)
+    return Pair(source=models[0], target=models[1], tokenizer=tokenizer, tokenizer_hash=hashes[1], weights=weights)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from src.support import gather_features
+from src.support import gather_features, head_assignment
 from src.traces import Traces
 
 SELECTIONS = ("r2", "depth", "identity")
@@ -74,3 +74,12 @@ def select_layers(
     scores = probe_r2(traces, head_index, chunk_rows)
     chosen = scores.argsort(dim=1, descending=True, stable=True)[:, :k]
     return chosen.sort(dim=1).values, scores
+
+
+def layers_for_support(
+    traces: Traces, support: str, k: int, method: str, chunk_rows: int
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Selection shared by all paired estimators: probes use all heads for `full`, the local map otherwise."""
+    probe = "full" if support == "full" else "local"
+    heads = head_assignment(probe, traces.source_k.shape[1], traces.target_k.shape[1])
+    return select_layers(traces, heads, k, method, chunk_rows)

@@ -9,10 +9,13 @@ queries are still at hand.
 from __future__ import annotations
 
 import hashlib
+import json
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import numpy as np
 import torch
+from safetensors.torch import load_file, save_file
 from tqdm import tqdm
 from transformers import PreTrainedModel
 
@@ -52,6 +55,16 @@ class Traces:
             meta=dict(self.meta, rows=int(index.numel())),
         )
 
+    def to(self, device: str | torch.device) -> Traces:
+        move = lambda t: None if t is None else t.to(device)
+        fields = ("source_k", "source_v", "target_k", "target_v", "attn_k", "attn_v")
+        return Traces(
+            **{name: move(getattr(self, name)) for name in fields},
+            sequence_index=self.sequence_index,
+            position=self.position,
+            meta=self.meta,
+        )
+
     def split_heldout(self, fraction: float) -> tuple[Traces, Traces]:
         """Fit rows / held-out rows, split by whole sequences (the last `fraction` of them)."""
         sequences = int(self.sequence_index.max()) + 1
@@ -60,6 +73,29 @@ class Traces:
             raise ValueError(f"need ≥ 2 calibration sequences to hold some out, have {sequences}")
         heldout = self.sequence_index >= first_heldout
         return self.select_rows(torch.nonzero(~heldout)[:, 0]), self.select_rows(torch.nonzero(heldout)[:, 0])
+
+
+_TENSORS = ("source_k", "source_v", "target_k", "target_v", "sequence_index", "position", "attn_k", "attn_v")
+
+
+def save_traces(traces: Traces, path: str | Path) -> None:
+    """traces → <path>.safetensors + <path>.json (meta), for reuse across k, λ and support changes."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tensors = {name: getattr(traces, name).contiguous() for name in _TENSORS if getattr(traces, name) is not None}
+    save_file(tensors, path.with_suffix(".safetensors"))
+    path.with_suffix(".json").write_text(json.dumps(traces.meta, indent=2))
+
+
+def load_traces(path: str | Path) -> Traces | None:
+    """Traces saved by `save_traces`, or None when there are none at this path."""
+    path = Path(path)
+    if not (path.with_suffix(".safetensors").is_file() and path.with_suffix(".json").is_file()):
+        return None
+    tensors = load_file(path.with_suffix(".safetensors"))
+    return Traces(
+        **{name: tensors.get(name) for name in _TENSORS}, meta=json.loads(path.with_suffix(".json").read_text())
+    )
 
 
 def corpus_hash(sequences: torch.Tensor) -> str:

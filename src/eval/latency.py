@@ -1,0 +1,50 @@
+"""Handoff latency: mapping a present source cache vs the target re-prefilling the same prefix.
+
+Timing discipline: warm-up, then `repeats` timed calls; CUDA events on GPU (synchronized), wall
+clock on CPU; the methods are measured side by side in one process.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+import torch
+
+from src.apply import KVTransfer, prefill
+
+
+def time_ms(fn: Callable[[], object], repeats: int, warmup: int, device: torch.device) -> list[float]:
+    """Milliseconds of each of `repeats` calls of fn after `warmup` untimed calls."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            torch.cuda.synchronize(device)
+            times.append(start.elapsed_time(end))
+        else:
+            began = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - began) * 1e3)
+    return times
+
+
+def percentiles(times: list[float], name: str) -> dict[str, float]:
+    t = torch.tensor(times, dtype=torch.float64)
+    return {f"{name}_ms_p50": float(t.quantile(0.5)), f"{name}_ms_p95": float(t.quantile(0.95))}
+
+
+@torch.no_grad()
+def handoff_latency(transfer: KVTransfer, prefix: torch.Tensor, repeats: int, warmup: int) -> dict[str, float]:
+    """apply (map only) and re-prefill latencies for prefix ids [B, T], and their p50 speedup."""
+    source_cache = prefill(transfer.source, prefix)
+    device = transfer.device
+    metrics = percentiles(time_ms(lambda: transfer(source_cache), repeats, warmup, device), "apply")
+    metrics |= percentiles(time_ms(lambda: prefill(transfer.target, prefix), repeats, warmup, device), "prefill")
+    metrics["handoff_speedup"] = metrics["prefill_ms_p50"] / metrics["apply_ms_p50"]
+    return metrics

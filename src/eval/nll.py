@@ -1,0 +1,44 @@
+"""Teacher-forced NLL of a horizon after a prefix whose cache is native or transferred.
+
+The prefix cache covers tokens 0..P−2; the target then reads tokens P−1..P+H−2 on top of it and is
+scored on P..P+H−1, so the native path equals one full forward and the transferred path differs only
+by the cache.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from transformers import DynamicCache, PreTrainedModel
+
+from src.apply import KVTransfer, prefill
+
+
+@torch.no_grad()
+def continuation_nll(model: PreTrainedModel, cache: DynamicCache, ids: torch.Tensor, prefix_len: int) -> torch.Tensor:
+    """Per-stream mean NLL [B] of ids[:, prefix_len:] given a cache of ids[:, :prefix_len−1]."""
+    device = next(model.parameters()).device
+    ids = ids.to(device)
+    logits = model(ids[:, prefix_len - 1 : -1], past_key_values=cache).logits.float()  # [B, H, V]
+    targets = ids[:, prefix_len:]  # [B, H]
+    return F.cross_entropy(logits.transpose(1, 2), targets, reduction="none").mean(-1)
+
+
+def horizon_nll(transfer: KVTransfer, streams: torch.Tensor, prefix_len: int) -> dict[str, float]:
+    """Mean horizon NLL of native source, native target and the transferred cache on streams [N, P+H]."""
+    source, target = transfer.source, transfer.target
+    prefix = streams[:, : prefix_len - 1]
+    modes: dict[str, Callable[[], tuple[PreTrainedModel, DynamicCache]]] = {
+        "native_source": lambda: (source, prefill(source, prefix)),
+        "native_target": lambda: (target, prefill(target, prefix)),
+        "transfer": lambda: (target, transfer(prefill(source, prefix))),
+    }
+    scores = {}
+    for mode, build in modes.items():
+        model, cache = build()
+        scores[f"nll_{mode}"] = float(continuation_nll(model, cache, streams, prefix_len).mean())
+    gap = scores["nll_native_source"] - scores["nll_native_target"]
+    scores["nll_gap_recovered"] = (scores["nll_native_source"] - scores["nll_transfer"]) / gap if gap else float("nan")
+    return scores

@@ -1,0 +1,66 @@
+"""Optuna over k and λ, driven directly (PyPI's hydra-optuna-sweeper 1.3.0 pins optuna < 3).
+
+Each trial copies the composed config, sets `fit.k` and `fit.lam`, and runs the same fit_eval job as
+an MLflow child run of one study run. Traces are cached, so trials refit without re-running the
+models. The study lives in sqlite (`sweep.storage`) and resumes when started again with the same name.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import mlflow
+import optuna
+from omegaconf import DictConfig, OmegaConf
+from transformers import AutoConfig
+
+from src import tracking
+from src.support import coefficient_count
+
+
+def _coefficients(cfg: DictConfig, k: int) -> int:
+    """C(f) (Eqs. 12–13) of the pair's shapes at this k, for the storage budget."""
+    source, target = cfg.pair.source.get("config"), cfg.pair.target.get("config")
+    if source is None or target is None:
+        return 0
+    head_dim = lambda c: c.get("head_dim") or c.hidden_size // c.num_attention_heads
+    fan_in = source.num_key_value_heads if cfg.support.kind in ("full", "pca") else 1
+    return coefficient_count(
+        target.num_hidden_layers, target.num_key_value_heads, k, fan_in, head_dim(source), head_dim(target)
+    )
+
+
+def _source_layers(cfg: DictConfig) -> int:
+    config = cfg.pair.source.get("config")
+    if config is not None:
+        return config.num_hidden_layers
+    return AutoConfig.from_pretrained(cfg.pair.source.path, local_files_only=True).num_hidden_layers
+
+
+def optimize(cfg: DictConfig, job: Callable[[DictConfig], float]) -> float:
+    """Run (or resume) the study; returns the best objective value."""
+    sweep = cfg.sweep
+    tracking.configure(cfg.tracking.uri, cfg.tracking.experiment, cfg.tracking.artifacts)
+    study = optuna.create_study(
+        study_name=sweep.study_name,
+        storage=sweep.storage,
+        direction=sweep.direction,
+        load_if_exists=True,
+        sampler=optuna.samplers.TPESampler(seed=sweep.seed),
+    )
+
+    def objective(trial: optuna.Trial) -> float:
+        k = trial.suggest_int("k", sweep.k.low, min(sweep.k.high, _source_layers(cfg)))
+        lam = trial.suggest_float("lam", sweep.lam.low, sweep.lam.high, log=sweep.lam.log)
+        if sweep.max_coefficients is not None and _coefficients(cfg, k) > sweep.max_coefficients:
+            raise optuna.TrialPruned(f"k={k} exceeds the storage budget of {sweep.max_coefficients} coefficients")
+        trial_cfg = OmegaConf.merge(cfg, {"fit": {"k": k, "lam": lam}})
+        return job(trial_cfg)
+
+    with mlflow.start_run(run_name=f"optuna:{sweep.study_name}", nested=mlflow.active_run() is not None):
+        mlflow.set_tags({"job": "optuna", "study": sweep.study_name, "storage": sweep.storage})
+        study.optimize(objective, n_trials=sweep.n_trials)
+        mlflow.log_params({f"best_{name}": value for name, value in study.best_params.items()})
+        mlflow.log_metric(f"best_{cfg.objective}", study.best_value)
+    print(f"best of {len(study.trials)} trials: {study.best_params} → {cfg.objective} = {study.best_value:.4f}")
+    return study.best_value
