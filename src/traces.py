@@ -202,14 +202,15 @@ def collect_traces(
         for start in tqdm(range(0, num_sequences, batch_size), desc="calibration traces", unit="batch"):
             ids = sequences[start : start + batch_size]
             positions = torch.arange(seq_len)
-            for model, kv, keys in ((source, source_kv, ("sk", "sv")), (target, target_kv, ("tk", "tv"))):
+            roles = ((source, source_kv, ("sk", "sv"), False), (target, target_kv, ("tk", "tv"), True))
+            for model, kv, keys, is_target in roles:  # source and target may be one model (self-transfer)
                 device = next(model.parameters()).device
                 cache = model(ids.to(device), use_cache=True).past_key_values
                 layers = content_kv(model, kv, cache, positions.to(device))
                 for name, index in zip(keys, (0, 1), strict=True):
                     rows = torch.stack([layer[index][:, :, sampled.to(device)] for layer in layers])  # [L, B, H, t, d]
                     parts[name].append(rows.permute(0, 2, 1, 3, 4).flatten(2, 3).to(storage_device, storage_dtype))
-                if capture is not None and model is target:
+                if capture is not None and is_target:
                     cos, sin = rope_cos_sin(target.model.rotary_emb, positions.to(device))
                     per_layer = [
                         attention_sensitivity(

@@ -166,3 +166,33 @@ def test_list_reports_status_and_paths(tmp_path, capsys):
     lines = {line.split()[0]: line.split()[1:] for line in capsys.readouterr().out.splitlines()}
     assert lines["smollm2_135m"] == ["ready", str(ready)]
     assert lines["qwen25coder_0p5b"][0] == "missing"
+
+
+class FlagTokenizer:
+    """Stands in for a transformers tokenizer: only the two flags apply_gguf_bos_eos touches."""
+
+    add_bos_token = False
+    add_eos_token = False
+
+
+def test_apply_gguf_bos_eos_reads_the_flags(tmp_path):
+    gguf = pytest.importorskip("gguf")
+    path = tmp_path / "flags.gguf"
+    writer = gguf.GGUFWriter(str(path), arch="gemma3")
+    writer.add_bool("tokenizer.ggml.add_bos_token", True)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+    tokenizer = FlagTokenizer()
+    fm.apply_gguf_bos_eos(tokenizer, path)
+    assert tokenizer.add_bos_token is True
+    assert "add_eos_token" not in vars(tokenizer)  # absent from the GGUF: left alone
+
+
+def test_pin_tokenizer_json_keeps_the_rest_of_the_config(tmp_path):
+    (tmp_path / "tokenizer_config.json").write_text('{"tokenizer_class": "GemmaTokenizer", "bos_token": "<bos>"}')
+    fm.pin_tokenizer_json(tmp_path)
+    config = (tmp_path / "tokenizer_config.json").read_text()
+    assert '"tokenizer_class": "TokenizersBackend"' in config and '"bos_token": "<bos>"' in config

@@ -1,0 +1,317 @@
+"""Applying a mapper (`src.apply`): self-transfer exactness for every family, relocated positions, refusal
+of unsafe caches with a named reason, deterministic rollback to prefill, and corrupt coefficients.
+
+Self-transfer: S = T (the same tiny model object), Head-Local support, identity selection, k = 1,
+λ = 1e-6. The fitted map is then the identity up to the ridge shrinkage W = (A + λI)⁻¹A ≈ I − λA⁻¹ and the
+float32 round trip through remove/apply RoPE, which leaves ≲ 1e-6 absolute error on the cache (measured
+~5e-7). We allow 1e-4 on cache entries and 1e-3 on logits: four orders of magnitude below the spread of
+the random models' logits, so greedy tokens must agree exactly.
+"""
+
+import functools
+import re
+from dataclasses import replace
+
+import pytest
+import torch
+
+from src.apply import KVTransfer, TransferError, handoff, prefill
+from src.fit import fit_transfer
+from src.models import vocabulary_hash
+from src.traces import collect_traces
+from tests.conftest import calibration_ids, tiny
+
+CACHE_TOL = 1e-4
+LOGIT_TOL = 1e-3
+NEW_TOKENS = 8
+
+
+@functools.cache
+def _self_transfer(family: str) -> KVTransfer:
+    model = tiny(family)
+    token_hash = vocabulary_hash(model)
+    traces = collect_traces(model, model, calibration_ids(4, 48, seed=1), stride=1, batch_size=4)
+    mapper = fit_transfer(model, model, traces, token_hash, support="local", k=1, selection="identity", lam=1e-6)
+    return KVTransfer(mapper, model, model, token_hash)
+
+
+def _prompt(batch=1, length=20, seed=5):
+    return calibration_ids(batch, length, seed=seed)
+
+
+def _assert_cache_close(ours, theirs, tol=CACHE_TOL):
+    assert len(ours.layers) == len(theirs.layers)
+    for index, (a, b) in enumerate(zip(ours.layers, theirs.layers, strict=True)):
+        assert a.keys.shape == b.keys.shape and a.values.shape == b.values.shape, index
+        assert a.keys.dtype == b.keys.dtype and a.values.dtype == b.values.dtype, index
+        torch.testing.assert_close(a.keys, b.keys, rtol=0, atol=tol, msg=f"layer {index} keys")
+        torch.testing.assert_close(a.values, b.values, rtol=0, atol=tol, msg=f"layer {index} values")
+
+
+def _assert_cache_equal(ours, theirs):
+    assert len(ours.layers) == len(theirs.layers)
+    for a, b in zip(ours.layers, theirs.layers, strict=True):
+        assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
+
+
+@torch.no_grad()
+def _greedy(model, cache, last_ids, steps=NEW_TOKENS):
+    """Manual decode loop from a cache that covers all but the last prompt token."""
+    tokens, logits = [], []
+    next_ids = last_ids
+    for _ in range(steps):
+        step = model(next_ids, past_key_values=cache, use_cache=True).logits[:, -1]
+        logits.append(step)
+        next_ids = step.argmax(-1, keepdim=True)
+        tokens.append(next_ids)
+    return torch.cat(tokens, dim=1), torch.stack(logits, dim=1)
+
+
+def _source_layers(cache):
+    return [(layer.keys.clone(), layer.values.clone()) for layer in cache.layers]
+
+
+# --------------------------------------------------------------------------- self-transfer, every family
+
+
+def test_self_transfer_reproduces_prefill_cache(family):
+    transfer = _self_transfer(family)
+    model = transfer.target
+    for batch in (1, 2):
+        prompt = _prompt(batch=batch)
+        mapped = transfer(prefill(model, prompt[:, :-1]))
+        _assert_cache_close(mapped, prefill(model, prompt[:, :-1]))
+        assert mapped.get_seq_length() == prompt.shape[1] - 1
+
+
+def test_self_transfer_greedy_decode_matches_native(family):
+    transfer = _self_transfer(family)
+    model = transfer.target
+    prompt = _prompt()
+    native_tokens, native_logits = _greedy(model, prefill(model, prompt[:, :-1]), prompt[:, -1:])
+    mapped_tokens, mapped_logits = _greedy(model, transfer(prefill(model, prompt[:, :-1])), prompt[:, -1:])
+    assert mapped_tokens.tolist() == native_tokens.tolist()
+    torch.testing.assert_close(mapped_logits, native_logits, rtol=0, atol=LOGIT_TOL)
+    with torch.no_grad():  # the native loop itself agrees with one full forward over the prompt
+        full = model(prompt).logits[:, -1]
+    torch.testing.assert_close(native_logits[:, 0], full, rtol=0, atol=1e-5)
+    # the tolerance is meaningful: logits spread far wider than LOGIT_TOL
+    assert float(native_logits.std()) > 100 * LOGIT_TOL
+
+
+def test_self_transfer_generate_matches_native(family):
+    """`generate` with a prefix cache: pass the *whole* prompt as input_ids; generate feeds only the tokens the
+    cache does not cover (here the last one). Passing only the uncovered token fails in transformers 5.17.
+    eos_token_id=None keeps the random models from stopping early on token 2."""
+    transfer = _self_transfer(family)
+    model = transfer.target
+    prompt = _prompt()
+    options = dict(max_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=None)
+    with torch.no_grad():
+        native = model.generate(input_ids=prompt, **options)
+        mapped = model.generate(input_ids=prompt, past_key_values=transfer(prefill(model, prompt[:, :-1])), **options)
+    assert native.shape == (1, prompt.shape[1] + NEW_TOKENS)
+    assert mapped.tolist() == native.tolist()
+    manual, _ = _greedy(model, transfer(prefill(model, prompt[:, :-1])), prompt[:, -1:])
+    assert manual.tolist() == native[:, prompt.shape[1] :].tolist()
+
+
+def test_relocated_positions_self_transfer(family):
+    """A cache computed at positions 50..69, mapped with positions=50..69, equals the target's own there."""
+    transfer = _self_transfer(family)
+    model = transfer.target
+    prompt = _prompt()
+    positions = torch.arange(50, 70)
+    with torch.no_grad():
+        own = model(prompt, position_ids=positions[None], use_cache=True).past_key_values
+    _assert_cache_close(transfer(_source_layers(own), positions=positions), own)
+
+
+@functools.cache
+def _twisted_transfer(family: str) -> KVTransfer:
+    """S → T where T is S with its last layer's content keys linearly mixed per head (k ↦ M_h k, M_h not a
+    rotation, so it does not commute with RoPE): an exact affine pair whose map depends on positions."""
+    source, target = tiny(family), tiny(family)
+    generator = torch.Generator().manual_seed(4)
+    attention = target.model.layers[-1].self_attn
+    with torch.no_grad():
+        if hasattr(attention, "k_norm"):  # k = k_norm(k_proj x): a channel scale is the linear handle
+            attention.k_norm.weight.mul_(0.5 + torch.rand(attention.k_norm.weight.shape, generator=generator))
+        else:
+            heads = target.config.num_key_value_heads
+            dim = attention.k_proj.weight.shape[0] // heads
+            mix = torch.block_diag(
+                *[torch.eye(dim) + 0.5 * torch.randn(dim, dim, generator=generator) / dim**0.5 for _ in range(heads)]
+            )
+            attention.k_proj.weight.copy_(mix @ attention.k_proj.weight)
+            if attention.k_proj.bias is not None:
+                attention.k_proj.bias.copy_(mix @ attention.k_proj.bias)
+    token_hash = vocabulary_hash(target)
+    traces = collect_traces(source, target, calibration_ids(4, 48, seed=1), stride=1, batch_size=4)
+    mapper = fit_transfer(source, target, traces, token_hash, support="local", k=1, selection="identity", lam=1e-6)
+    return KVTransfer(mapper, source, target, token_hash)
+
+
+def test_relocated_positions_position_dependent_map(family):
+    transfer = _twisted_transfer(family)
+    prompt = _prompt()
+    positions = torch.arange(50, 70)
+    with torch.no_grad():
+        source = transfer.source(prompt, position_ids=positions[None], use_cache=True).past_key_values
+        own = transfer.target(prompt, position_ids=positions[None], use_cache=True).past_key_values
+    last_source, last_own = source.layers[-1].keys, own.layers[-1].keys
+    assert float((last_source - last_own).abs().max()) > 1e-2  # the pair really differs
+    _assert_cache_close(transfer(_source_layers(source), positions=positions), own)
+    # mapping as if the tokens sat at 0..19 is wrong on the twisted layer (values are position-free)
+    shifted = transfer(_source_layers(source))
+    torch.testing.assert_close(shifted.layers[-1].values, own.layers[-1].values, rtol=0, atol=CACHE_TOL)
+    assert float((shifted.layers[-1].keys - last_own).abs().max()) > 1e-2
+
+
+# --------------------------------------------------------------------------- refusal and rollback
+
+
+def _bad_caches(cache):
+    layers = _source_layers(cache)
+    nan = [(k.clone(), v.clone()) for k, v in layers]
+    nan[1][0][0, 1, 3, 5] = float("nan")
+    inf = [(k.clone(), v.clone()) for k, v in layers]
+    inf[2][1][0, 0, 0, 0] = float("inf")
+    return {
+        "nan_in_one_layer": (nan, r"layer 1 keys contains NaN"),
+        "inf_in_values": (inf, r"layer 2 values contains NaN or Inf"),
+        "too_few_layers": (layers[:2], r"source cache has 2 layers, the source model 3"),
+        "too_many_layers": (layers + layers[:1], r"source cache has 4 layers, the source model 3"),
+        "wrong_head_count": (
+            [(k[:, :1], v[:, :1]) for k, v in layers],
+            r"layer 0 keys has shape \(1, 1, 19, 16\), expected \[batch, 2, seq, 16\]",
+        ),
+        "wrong_head_dim": (
+            [(k[..., :8], v[..., :8]) for k, v in layers],
+            r"layer 0 keys has shape \(1, 2, 19, 8\), expected \[batch, 2, seq, 16\]",
+        ),
+        "three_dim_tensor": ([(k[0], v[0]) for k, v in layers], r"layer 0 keys has shape \(2, 19, 16\)"),
+        "key_value_mismatch": ([(k, v[:, :, :-1]) for k, v in layers], r"layer 0 values shape"),
+        "bf16_for_fp32_model": (
+            [(k.bfloat16(), v.bfloat16()) for k, v in layers],
+            r"layer 0 keys is torch\.bfloat16, the source model torch\.float32",
+        ),
+    }
+
+
+BAD_CASES = [
+    "nan_in_one_layer",
+    "inf_in_values",
+    "too_few_layers",
+    "too_many_layers",
+    "wrong_head_count",
+    "wrong_head_dim",
+    "three_dim_tensor",
+    "key_value_mismatch",
+    "bf16_for_fp32_model",
+]
+
+
+@pytest.mark.parametrize("case", BAD_CASES)
+def test_bad_source_cache_is_refused(case):
+    transfer = _self_transfer("llama")
+    prompt = _prompt()
+    bad, message = _bad_caches(prefill(transfer.source, prompt[:, :-1]))[case]
+    with pytest.raises(TransferError, match=message):
+        transfer(bad)
+
+
+@pytest.mark.parametrize("case", BAD_CASES)
+def test_handoff_rolls_back_to_prefill(case):
+    transfer = _self_transfer("llama")
+    prompt = _prompt()
+    prefix = prompt[:, :-1]
+    bad, message = _bad_caches(prefill(transfer.source, prefix))[case]
+    result = handoff(transfer, bad, prefix)
+    assert result.mode == "prefill"
+    assert isinstance(result.reason, str)
+    assert re.search(message, result.reason), result.reason
+    _assert_cache_equal(result.cache, prefill(transfer.target, prefix))  # deterministic rollback
+
+
+def test_handoff_rollback_decodes_like_prefill():
+    transfer = _self_transfer("llama")
+    prompt = _prompt()
+    prefix = prompt[:, :-1]
+    bad, _ = _bad_caches(prefill(transfer.source, prefix))["nan_in_one_layer"]
+    result = handoff(transfer, bad, prefix)
+    assert result.mode == "prefill"
+    tokens, logits = _greedy(transfer.target, result.cache, prompt[:, -1:], steps=4)
+    native_tokens, native_logits = _greedy(transfer.target, prefill(transfer.target, prefix), prompt[:, -1:], steps=4)
+    assert tokens.tolist() == native_tokens.tolist() and torch.equal(logits, native_logits)
+
+
+def test_mismatched_positions_length_is_refused():
+    transfer = _self_transfer("llama")
+    cache = prefill(transfer.source, _prompt()[:, :-1])  # 19 tokens
+    for positions in (torch.arange(20), torch.arange(18), torch.arange(50, 70)):
+        with pytest.raises(TransferError, match=rf"{positions.numel()} positions given for a 19-token cache"):
+            transfer(cache, positions=positions)
+
+
+def test_handoff_transfers_a_good_cache():
+    transfer = _self_transfer("llama")
+    prefix = _prompt()[:, :-1]
+    result = handoff(transfer, prefill(transfer.source, prefix), prefix)
+    assert result.mode == "transfer" and result.reason is None
+    _assert_cache_close(result.cache, prefill(transfer.target, prefix))
+    # a list of (keys, values) is accepted like a DynamicCache
+    result = handoff(transfer, _source_layers(prefill(transfer.source, prefix)), prefix)
+    assert result.mode == "transfer"
+
+
+# --------------------------------------------------------------------------- corrupt coefficients
+
+
+def _corrupt(mapper, name, index, value):
+    tensor = getattr(mapper, name).clone()
+    tensor[index] = value
+    return replace(mapper, **{name: tensor})
+
+
+@pytest.mark.parametrize(
+    "name,index,value,layer",
+    [
+        ("weight_k", (1, 0, 3, 5), float("nan"), 1),
+        ("weight_v", (2, 1, 0, 0), float("nan"), 2),
+        ("bias_k", (0, 1, 7), float("nan"), 0),
+        ("bias_v", (1, 0, 2), float("inf"), 1),
+    ],
+)
+def test_corrupt_mapper_coefficient_is_refused(name, index, value, layer):
+    good = _self_transfer("llama")
+    model = good.target
+    token_hash = vocabulary_hash(model)
+    corrupt = _corrupt(good.mapper, name, index, value)
+    assert torch.isfinite(getattr(good.mapper, name)).all()  # the shared mapper is untouched
+    transfer = KVTransfer(corrupt, model, model, token_hash)
+    prefix = _prompt()[:, :-1]
+    with pytest.raises(TransferError, match=rf"mapped target layer {layer} is not finite"):
+        transfer(prefill(model, prefix))
+    result = handoff(transfer, prefill(model, prefix), prefix)
+    assert result.mode == "prefill" and f"mapped target layer {layer}" in result.reason
+    _assert_cache_equal(result.cache, prefill(model, prefix))
+
+
+# --------------------------------------------------------------------------- binding to the pair
+
+
+def test_transfer_refuses_another_pair():
+    good = _self_transfer("llama")
+    model = good.target
+    token_hash = vocabulary_hash(model)
+    with pytest.raises(TransferError, match="tokenizer hash"):
+        KVTransfer(good.mapper, model, model, "0" * 64)
+    other = tiny("llama", seed=3)  # same architecture, other weights
+    with pytest.raises(TransferError, match="target fingerprint"):
+        KVTransfer(good.mapper, model, other, token_hash)
+    with pytest.raises(TransferError, match="source fingerprint"):
+        KVTransfer(good.mapper, other, model, token_hash)
+    wrong_shape = replace(good.mapper, weight_k=good.mapper.weight_k[:2])
+    with pytest.raises(TransferError, match="does not fit the target"):
+        KVTransfer(wrong_shape, model, model, token_hash)
