@@ -25,17 +25,25 @@ class TransferError(ValueError):
 
 
 def map_rows(mapper: Mapper, source_k: torch.Tensor, source_v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Content rows [L_s, H_s, n, d_s] (K and V) → mapped target content rows [L_t, H_t, n, d_t]."""
+    """Content rows [L_s, H_s, n, d_s] (K and V) → mapped target content rows [L_t, H_t, n, d_t].
+
+    When every target head reads the same source heads (full / pca support) the features are gathered
+    once and all heads are one GEMM against W reshaped to [p, H_t·d_t]."""
+    shared = bool((mapper.head_index == mapper.head_index[:1]).all())
+    heads = mapper.head_index[:1] if shared else mapper.head_index
     mapped = {"k": [], "v": []}
     for layer in range(mapper.source_layers.shape[0]):
         layers = mapper.source_layers[layer]
         for component, rows in (("k", source_k), ("v", source_v)):
-            x = gather_features(rows, layers, mapper.head_index).to(mapper.weight_k.dtype)  # [H_t, n, p]
-            weight, bias = (
-                getattr(mapper, f"weight_{component}")[layer],
-                getattr(mapper, f"bias_{component}")[layer],
-            )
-            mapped[component].append(torch.baddbmm(bias[:, None, :], x, weight))  # [H_t, n, d_t]
+            x = gather_features(rows, layers, heads).to(mapper.weight_k.dtype)  # [H_t or 1, n, p]
+            weight = getattr(mapper, f"weight_{component}")[layer]  # [H_t, p, d_t]
+            bias = getattr(mapper, f"bias_{component}")[layer]  # [H_t, d_t]
+            if shared:
+                y = torch.addmm(bias.flatten(), x[0], weight.permute(1, 0, 2).flatten(1))  # [n, H_t·d_t]
+                y = y.unflatten(1, bias.shape).transpose(0, 1)  # [H_t, n, d_t]
+            else:
+                y = torch.baddbmm(bias[:, None, :], x, weight)  # [H_t, n, d_t]
+            mapped[component].append(y)
     return torch.stack(mapped["k"]), torch.stack(mapped["v"])
 
 
@@ -138,9 +146,9 @@ class KVTransfer:
 
 @torch.no_grad()
 def prefill(model: PreTrainedModel, input_ids: torch.Tensor) -> DynamicCache:
-    """The ordinary path: the model's own cache for input_ids [B, T]."""
+    """The ordinary path: the model's own cache for input_ids [B, T] (logits of the last token only)."""
     device = next(model.parameters()).device
-    return model(input_ids.to(device), use_cache=True).past_key_values
+    return model(input_ids.to(device), use_cache=True, logits_to_keep=1).past_key_values
 
 
 def handoff(transfer: KVTransfer, source_cache, input_ids: torch.Tensor) -> Handoff:

@@ -14,6 +14,7 @@ passes when one of its runs passes every criterion; the exit status is non-zero 
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -52,6 +53,9 @@ def judge_run(metrics: dict[str, float], tags: dict[str, str], min_speedup: floa
     if tags.get("weights") != "real" or not losses:
         why = "random weights: no quality evidence" if tags.get("weights") != "real" else "no task measured"
         verdicts.append(Verdict("quality: loss vs native target", why, f"≤ {max_loss} pt every task", "MISSING"))
+    elif not all(math.isfinite(v) for v in losses.values()):
+        broken = sorted(name for name, v in losses.items() if not math.isfinite(v))
+        verdicts.append(Verdict("quality: loss vs native target", f"non-finite: {broken}", f"≤ {max_loss} pt", "FAIL"))
     else:
         worst_task = max(losses, key=losses.get)
         verdicts.append(

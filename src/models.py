@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -55,22 +57,34 @@ class KVInterface:
         return asdict(self)
 
 
-def build_random_model(config: dict, seed: int, dtype: torch.dtype = torch.float32) -> PreTrainedModel:
-    """A random-weight model from a config dict (`model_type` + overrides). Timing only, never quality."""
+def build_random_model(
+    config: dict,
+    seed: int,
+    dtype: torch.dtype = torch.float32,
+    device: str = "cpu",
+    attn_implementation: str = "eager",
+) -> PreTrainedModel:
+    """A random-weight model from a config dict (`model_type` + overrides), initialized on `device`.
+    Timing, memory and plumbing only, never quality."""
     fields = dict(config)
     model_type = fields.pop("model_type")
     hf_config = AutoConfig.for_model(model_type, **fields)
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(hf_config, dtype=dtype, attn_implementation="eager")
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(hf_config, dtype=dtype, attn_implementation=attn_implementation)
     return model.eval()
 
 
-def load_model(path: str | Path, dtype: torch.dtype = torch.float32, device: str = "cpu") -> PreTrainedModel:
+def load_model(
+    path: str | Path, dtype: torch.dtype = torch.float32, device: str = "cpu", attn_implementation: str = "eager"
+) -> PreTrainedModel:
     """A pretrained model from a local directory (never the hub)."""
     path = Path(path)
     if not (path / "config.json").is_file():
         raise FileNotFoundError(f"no model at {path} (expected config.json there); see scripts/fetch_models.py")
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True, attn_implementation="eager")
+    model = AutoModelForCausalLM.from_pretrained(
+        path, dtype=dtype, local_files_only=True, attn_implementation=attn_implementation
+    )
     return model.to(device).eval()
 
 
@@ -117,13 +131,19 @@ def config_hash(model: PreTrainedModel) -> str:
     return hashlib.sha256(json.dumps(config, sort_keys=True, default=str).encode()).hexdigest()
 
 
+def _tensor_digest(item: tuple[str, torch.Tensor]) -> bytes:
+    name, tensor = item
+    digest = hashlib.sha256(f"{name}:{tensor.dtype}:{tuple(tensor.shape)}".encode())
+    digest.update(tensor.detach().cpu().contiguous().view(torch.uint8).numpy())
+    return digest.digest()
+
+
 def weight_hash(model: PreTrainedModel) -> str:
-    """sha256 over every parameter and buffer, in name order, as stored (dtype included)."""
-    digest = hashlib.sha256()
-    for name, tensor in sorted(model.state_dict().items()):
-        digest.update(f"{name}:{tensor.dtype}:{tuple(tensor.shape)}".encode())
-        digest.update(tensor.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
-    return digest.hexdigest()
+    """sha256 over the per-tensor sha256 of every parameter and buffer (name, dtype, shape, bytes), in name
+    order; tensors are hashed in parallel threads (hashlib releases the GIL), so 30B-class models take seconds."""
+    items = sorted(model.state_dict().items())
+    with ThreadPoolExecutor(max_workers=min(16, os.cpu_count() or 1)) as pool:
+        return hashlib.sha256(b"".join(pool.map(_tensor_digest, items))).hexdigest()
 
 
 def fingerprint(model: PreTrainedModel) -> str:
@@ -205,13 +225,17 @@ def load_pair(
     dtype: torch.dtype,
     device: str,
     allow_sliding_window: bool = False,
+    attn_implementation: str = "eager",
 ) -> Pair:
     """Both models of a pair (each spec: `path` for real weights, `config` + `seed` for random), checked."""
     if weights == "random":
-        models = [build_random_model(spec["config"], spec["seed"], dtype).to(device) for spec in (source, target)]
+        models = [
+            build_random_model(spec["config"], spec["seed"], dtype, device, attn_implementation)
+            for spec in (source, target)
+        ]
         tokenizer, hashes = None, [vocabulary_hash(model) for model in models]
     elif weights == "real":
-        models = [load_model(spec["path"], dtype, device) for spec in (source, target)]
+        models = [load_model(spec["path"], dtype, device, attn_implementation) for spec in (source, target)]
         tokenizers = [load_tokenizer(spec["path"]) for spec in (source, target)]
         tokenizer, hashes = tokenizers[1], [tokenizer_hash(tok) for tok in tokenizers]
     else:

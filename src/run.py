@@ -51,6 +51,7 @@ def load(cfg: DictConfig) -> Pair:
         dtype,
         cfg.pair.device,
         cfg.pair.allow_sliding_window,
+        cfg.pair.attn_implementation,
     )
 
 
@@ -169,7 +170,7 @@ def fit_eval(cfg: DictConfig) -> float:
         cfg.paths.data, nll_cfg.corpus, nll_cfg.streams, nll_cfg.prefix_len + nll_cfg.horizon, pair.tokenizer, vocab
     )
     metrics |= horizon_nll(transfer, streams, nll_cfg.prefix_len)
-    prefix = streams[:1, : latency_cfg.prefix_len]
+    prefix = token_sequences(cfg.paths.data, nll_cfg.corpus, 1, latency_cfg.prefix_len, pair.tokenizer, vocab)
     metrics |= handoff_latency(transfer, prefix, latency_cfg.repeats, latency_cfg.warmup)
     if cfg.eval.rollback:
         metrics |= verify_rollback(transfer, prefix)
@@ -263,11 +264,11 @@ def construction(cfg: DictConfig) -> None:
                 )
                 timing[path].append(time.perf_counter() - began)
         difference = max(
-            float(
-                (mappers["generic"].weight_k - mappers["streaming"].weight_k).abs().max()
-                / mappers["generic"].weight_k.abs().max()
-            ),
-            0.0,
+            float((generic - streaming).abs().max() / generic.abs().max())
+            for generic, streaming in zip(
+                mappers["generic"].tensors().values(), mappers["streaming"].tensors().values(), strict=True
+            )
+            if generic.is_floating_point()
         )
         rows[budget] = {f"{p}_seconds": float(torch.tensor(t).median()) for p, t in timing.items()}
         rows[budget]["max_relative_difference"] = difference

@@ -42,12 +42,9 @@ def optimize(cfg: DictConfig, job: Callable[[DictConfig], float]) -> float:
     sweep = cfg.sweep
     tracking.configure(cfg.tracking.uri, cfg.tracking.experiment, cfg.tracking.artifacts)
     study = optuna.create_study(
-        study_name=sweep.study_name,
-        storage=sweep.storage,
-        direction=sweep.direction,
-        load_if_exists=True,
-        sampler=optuna.samplers.TPESampler(seed=sweep.seed),
+        study_name=sweep.study_name, storage=sweep.storage, direction=sweep.direction, load_if_exists=True
     )
+    study.sampler = optuna.samplers.TPESampler(seed=sweep.seed + len(study.trials))  # a resume explores anew
 
     def objective(trial: optuna.Trial) -> float:
         k = trial.suggest_int("k", sweep.k.low, min(sweep.k.high, _source_layers(cfg)))
@@ -60,6 +57,9 @@ def optimize(cfg: DictConfig, job: Callable[[DictConfig], float]) -> float:
     with mlflow.start_run(run_name=f"optuna:{sweep.study_name}", nested=mlflow.active_run() is not None):
         mlflow.set_tags({"job": "optuna", "study": sweep.study_name, "storage": sweep.storage})
         study.optimize(objective, n_trials=sweep.n_trials)
+        if not any(t.state == optuna.trial.TrialState.COMPLETE for t in study.trials):
+            print(f"no trial of {len(study.trials)} completed (all pruned or failed): no best point")
+            return float("nan")
         mlflow.log_params({f"best_{name}": value for name, value in study.best_params.items()})
         mlflow.log_metric(f"best_{cfg.objective}", study.best_value)
     print(f"best of {len(study.trials)} trials: {study.best_params} → {cfg.objective} = {study.best_value:.4f}")

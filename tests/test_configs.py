@@ -1,0 +1,319 @@
+"""Hydra configs: every experiment and every group option composes and resolves, and the invariants
+the paper's protocols rely on hold (sweeps, the linear map, the quickstart pair, one home per default)."""
+
+import functools
+import itertools
+import re
+from pathlib import Path
+
+import pytest
+import yaml
+from hydra import compose, initialize_config_dir
+from hydra.experimental.callback import Callback
+from hydra.types import RunMode
+from hydra.utils import get_class
+from omegaconf import OmegaConf
+
+from src.corpus import CORPORA
+
+REPO = Path(__file__).resolve().parents[1]
+CONF = REPO / "conf"
+EXPERIMENTS = sorted(p.stem for p in (CONF / "experiment").glob("*.yaml"))
+GROUPS = sorted(p.name for p in CONF.iterdir() if p.is_dir() and p.name != "experiment")
+OPTIONS = [(group, p.stem) for group in GROUPS for p in sorted((CONF / group).glob("*.yaml"))]
+JOBS = set(re.findall(r'cfg\.job == "(\w+)"', (REPO / "src/run.py").read_text()))
+PAPER_ROWS = 128_000  # 500 sequences × 1,024 tokens, every 4th token
+
+
+@pytest.fixture(autouse=True)
+def _environment(monkeypatch, tmp_path):
+    monkeypatch.setenv("KVRELAY_HOME", str(tmp_path / "home"))
+    monkeypatch.delenv("KVRELAY_DATA", raising=False)
+
+
+@functools.cache
+def composed(*overrides: str, hydra: bool = False):
+    """The composed (unresolved, read-only) config; resolution happens later, under the test's environment."""
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        cfg = compose("run", overrides=list(overrides), return_hydra_config=hydra)
+    OmegaConf.set_readonly(cfg, True)
+    return cfg
+
+
+def resolved(*overrides: str) -> dict:
+    return OmegaConf.to_container(composed(*overrides), resolve=True)
+
+
+def sweep_params(experiment: str) -> dict[str, list[str]]:
+    params = composed(f"+experiment={experiment}", hydra=True).hydra.sweeper.params or {}
+    return {key: str(value).split(",") for key, value in params.items()}
+
+
+def leaves(node, prefix: str = "") -> dict[str, object]:
+    if not isinstance(node, dict):
+        return {prefix[:-1]: node}
+    out = {}
+    for key, value in node.items():
+        out |= leaves(value, f"{prefix}{key}.")
+    return out
+
+
+def file_keys(path: Path) -> dict[str, object]:
+    """Fully qualified leaf keys a config file sets (its package applied; `defaults` and `hydra` left out)."""
+    text = path.read_text()
+    body = {k: v for k, v in (yaml.safe_load(text) or {}).items() if k not in ("defaults", "hydra")}
+    relative = path.relative_to(CONF)
+    is_global = "# @package _global_" in text or relative.parent == Path(".")
+    return leaves(body if is_global else {relative.parent.name: body})
+
+
+def default_choices() -> dict[str, str]:
+    defaults = yaml.safe_load((CONF / "run.yaml").read_text())["defaults"]
+    return {k: v for entry in defaults if isinstance(entry, dict) for k, v in entry.items()}
+
+
+# --- composition ------------------------------------------------------------------------------------------------
+
+
+def test_found_the_configs():
+    assert {"quickstart", "table1", "attribution", "budget_sweep", "latency", "construction", "gate", "optuna"} <= set(
+        EXPERIMENTS
+    )
+    assert {"pair", "support", "weighting", "budget", "fit", "eval", "tracking", "gate", "sweep"} <= set(GROUPS)
+    assert JOBS == {"fit_eval", "latency", "construction", "gate", "optuna"}
+
+
+@pytest.mark.parametrize("experiment", EXPERIMENTS)
+def test_every_experiment_composes_and_resolves(experiment):
+    cfg = resolved(f"+experiment={experiment}")
+    assert cfg["job"] in JOBS
+    assert cfg["paths"]["home"].endswith("home")
+    assert cfg["tracking"]["uri"].startswith("sqlite:///"), "MLflow ≥ 3.13 refuses the plain file store"
+    if experiment != "gate":
+        assert cfg["tracking"]["experiment"] != "kvrelay", "each experiment tracks into its own MLflow experiment"
+
+
+@pytest.mark.parametrize(("group", "option"), OPTIONS, ids=[f"{g}={o}" for g, o in OPTIONS])
+def test_every_group_option_composes_and_resolves(group, option):
+    cfg = resolved(f"{group}={option}")
+    assert group in cfg
+    for experiment in ("quickstart", "table1"):  # also under an experiment that overrides groups
+        assert group in resolved(f"+experiment={experiment}", f"{group}={option}")
+
+
+def test_options_of_a_group_set_the_same_keys():
+    """Swapping an option never leaves a key of another option behind (or missing)."""
+    for group in GROUPS:
+        shapes = {}
+        for path in sorted((CONF / group).glob("*.yaml")):
+            keys = {k for k in file_keys(path) if k.startswith(f"{group}.")}
+            depth = 2 if group == "pair" else None  # real pairs have a path, random pairs a seed + config
+            shapes[path.stem] = {".".join(k.split(".")[:depth]) for k in keys}
+        assert len({frozenset(v) for v in shapes.values()}) == 1, (group, shapes)
+
+
+# --- defaults list and single source of each default -------------------------------------------------------------
+
+
+def test_run_defaults_have_no_experiment_entry():
+    defaults = yaml.safe_load((CONF / "run.yaml").read_text())["defaults"]
+    names = [entry if isinstance(entry, str) else next(iter(entry)) for entry in defaults]
+    assert not any("experiment" in name for name in names), names
+    assert "_self_" in names
+    assert set(default_choices()) == set(GROUPS)
+    for group, option in default_choices().items():
+        assert (CONF / group / f"{option}.yaml").is_file()
+
+
+def test_each_default_lives_in_one_file():
+    """run.yaml plus the default option of each group: no leaf key is defined twice."""
+    files = [CONF / "run.yaml"] + [CONF / group / f"{option}.yaml" for group, option in default_choices().items()]
+    owners: dict[str, list[str]] = {}
+    for path in files:
+        for key in file_keys(path):
+            owners.setdefault(key, []).append(str(path.relative_to(CONF)))
+    duplicated = {key: where for key, where in owners.items() if len(where) > 1}
+    assert not duplicated
+    composed_keys = set(leaves(OmegaConf.to_container(composed(), resolve=False)))
+    assert set(owners) == composed_keys
+
+
+def test_fit_defaults_are_only_in_fit_default():
+    for key in ("fit.lam", "fit.lam_relative", "fit.chunk_rows", "fit.coefficient_dtype"):
+        where = [str(p.relative_to(CONF)) for p in CONF.rglob("*.yaml") if key in file_keys(p)]
+        assert where == ["fit/default.yaml"], (key, where)
+    lam = [str(p.relative_to(CONF)) for p in CONF.rglob("*.yaml") if re.search(r"^\s*lam:", p.read_text(), re.M)]
+    assert sorted(lam) == ["fit/default.yaml", "sweep/k_lambda.yaml"]  # sweep.lam is the search range
+
+
+@pytest.mark.parametrize("experiment", EXPERIMENTS)
+def test_experiments_only_change_existing_keys(experiment):
+    """`# @package _global_`, and every key an experiment sets exists in the base config and differs from it."""
+    path = CONF / "experiment" / f"{experiment}.yaml"
+    assert path.read_text().splitlines()[0].strip() == "# @package _global_"
+    base = leaves(OmegaConf.to_container(composed(), resolve=False))
+    for key, value in file_keys(path).items():
+        assert key in base, f"{experiment} sets unknown key {key}"
+        assert base[key] != value, f"{experiment} repeats the default {key}={value}"
+
+
+# --- paths, hydra, tracking ---------------------------------------------------------------------------------------
+
+
+def test_paths_follow_the_environment(monkeypatch, tmp_path):
+    assert resolved()["paths"]["home"] == str(tmp_path / "home")
+    monkeypatch.delenv("KVRELAY_HOME")
+    monkeypatch.setenv("HOME", str(tmp_path / "user"))
+    monkeypatch.setenv("KVRELAY_DATA", "/somewhere/data")
+    paths = resolved()["paths"]
+    assert paths["home"] == str(tmp_path / "user/.cache/kvrelay")
+    assert paths["data"] == "/somewhere/data"
+    monkeypatch.delenv("KVRELAY_DATA")
+    data = resolved()["paths"]["data"]
+    assert (REPO / data).resolve() == REPO.parent / "shared/data"  # relative to the repo root (the cwd of a run)
+    assert resolved("paths.home=/x")["pair"] == resolved()["pair"]  # tiny pair: no path under home
+
+
+def test_real_pairs_live_under_home():
+    cfg = resolved("pair=qwen25coder_0p5b_to_1p5b", "paths.home=/models_home")
+    assert cfg["pair"]["source"]["path"] == "/models_home/models/qwen25coder_0p5b"
+    assert cfg["pair"]["target"]["path"] == "/models_home/models/qwen25coder_1p5b"
+
+
+def test_hydra_settings():
+    cfg = composed(hydra=True)
+    assert cfg.hydra.job.chdir is False
+    assert "${now:" in OmegaConf.to_container(cfg.hydra.run)["dir"]
+    target = cfg.hydra.callbacks.mlflow_parent._target_
+    assert target == "src.tracking.MLflowParentRun"
+    assert issubclass(get_class(target), Callback)
+    assert cfg.hydra.mode in (None, RunMode.RUN)
+
+
+def test_tracking_and_sweep_stores_are_sqlite():
+    cfg = resolved()
+    assert cfg["tracking"]["uri"].startswith("sqlite:///")
+    assert cfg["sweep"]["storage"].startswith("sqlite:///")
+
+
+# --- the experiments ----------------------------------------------------------------------------------------------
+
+
+def test_table1_sweeps_support_and_weighting_on_paper_budget():
+    cfg = composed("+experiment=table1", hydra=True)
+    assert cfg.hydra.mode == RunMode.MULTIRUN
+    assert sweep_params("table1") == {"support": ["full", "local"], "weighting": ["uniform", "attn_repair"]}
+    assert cfg.budget.sequences * cfg.budget.seq_len // cfg.budget.stride == PAPER_ROWS
+    assert cfg.tracking.experiment == "table1"
+
+
+def test_attribution_sweeps_the_controls():
+    cfg = composed("+experiment=attribution", hydra=True)
+    assert cfg.hydra.mode == RunMode.MULTIRUN
+    assert sweep_params("attribution") == {
+        "support": ["pca", "cyclic", "local"],
+        "weighting": ["uniform", "attn_repair"],
+    }
+    assert cfg.budget.sequences * cfg.budget.seq_len // cfg.budget.stride == PAPER_ROWS
+    assert resolved("support=cyclic")["support"]["shift"] != 0, "a cyclic control with shift 0 is Head-Local"
+
+
+def test_budget_sweep_is_nested_prefixes_of_the_paper_budget():
+    cfg = composed("+experiment=budget_sweep", hydra=True)
+    assert cfg.hydra.mode == RunMode.MULTIRUN
+    sizes = [int(v) for v in sweep_params("budget_sweep")["budget.sequences"]]
+    assert sizes == [50, 100, 200, 500] == sorted(sizes)
+    assert max(sizes) == cfg.budget.sequences == 500
+    assert cfg.weighting.kind == "attn_repair"
+    assert list(cfg.eval.construction.budgets) == sizes  # the construction job times the same prefixes
+
+
+@pytest.mark.parametrize("experiment", ["table1", "attribution", "budget_sweep"])
+def test_every_sweep_point_composes_on_the_same_pair_and_corpus(experiment):
+    """Paired comparisons: the swept points share the pair, the calibration corpus and the evaluation."""
+    params = sweep_params(experiment)
+    points = [dict(zip(params, values, strict=True)) for values in itertools.product(*params.values())]
+    configs = [resolved(f"+experiment={experiment}", *(f"{k}={v}" for k, v in point.items())) for point in points]
+    for point, cfg in zip(points, configs, strict=True):
+        for key, value in point.items():
+            if "." in key:
+                group, field = key.split(".")
+                assert str(cfg[group][field]) == value
+            else:
+                assert cfg[key] == resolved(f"{key}={value}")[key]
+    for shared in ("pair", "eval", "fit"):
+        assert all(cfg[shared] == configs[0][shared] for cfg in configs), shared
+    budgets = [{k: v for k, v in cfg["budget"].items() if k != "sequences"} for cfg in configs]
+    assert all(b == budgets[0] for b in budgets)
+    assert len({str(cfg["support"]) + str(cfg["weighting"]) + str(cfg["budget"]) for cfg in configs}) == len(points)
+
+
+def test_support_linear_is_depth_selection_with_k1():
+    for overrides in ((), ("+experiment=quickstart",), ("+experiment=table1",)):
+        cfg = resolved(*overrides, "support=linear")
+        assert cfg["support"] == {"kind": "local", "shift": 0, "selection": "depth"}
+        assert cfg["fit"]["k"] == 1
+        assert cfg["fit"]["lam"] == resolved()["fit"]["lam"]  # the rest of fit untouched
+    assert resolved("support=linear", "fit.k=3")["fit"]["k"] == 3  # the command line still wins
+    assert resolved("support=local")["fit"]["k"] == resolved()["fit"]["k"] > 1
+
+
+def test_quickstart_is_the_tiny_random_pair_on_cpu():
+    cfg = composed("+experiment=quickstart", hydra=True)
+    assert cfg.hydra.mode in (None, RunMode.RUN)
+    cfg = resolved("+experiment=quickstart")
+    assert cfg["pair"] == resolved("pair=tiny_random")["pair"]
+    assert cfg["pair"]["weights"] == "random"
+    assert cfg["pair"]["device"] == "cpu"
+    assert cfg["pair"]["source"]["seed"] != cfg["pair"]["target"]["seed"]
+    assert (cfg["job"], cfg["support"]["kind"], cfg["weighting"]["kind"]) == ("fit_eval", "local", "attn_repair")
+    assert cfg["budget"] == resolved("budget=tiny")["budget"]
+    assert cfg["tracking"]["experiment"] == "quickstart" == cfg["gate"]["experiment"]
+
+
+@pytest.mark.parametrize(
+    ("experiment", "job"),
+    [("latency", "latency"), ("construction", "construction"), ("gate", "gate"), ("optuna", "optuna")],
+)
+def test_job_experiments_select_their_job(experiment, job):
+    assert resolved(f"+experiment={experiment}")["job"] == job
+
+
+# --- group contents -----------------------------------------------------------------------------------------------
+
+
+def test_pairs():
+    pairs = [resolved(f"pair={option}", "paths.home=/h")["pair"] for group, option in OPTIONS if group == "pair"]
+    assert len({p["direction"] for p in pairs}) == len(pairs)
+    assert len({p["name"] for p in pairs}) == len(pairs)
+    for pair in pairs:
+        assert pair["weights"] in ("real", "random")
+        if pair["weights"] == "random":
+            assert pair["source"]["seed"] != pair["target"]["seed"]
+            assert {"config", "seed"} <= set(pair["source"]) and {"config", "seed"} <= set(pair["target"])
+        else:
+            assert pair["source"]["path"] != pair["target"]["path"]
+
+
+def test_budgets_and_evaluation():
+    for option in ("tiny", "paper"):
+        budget = resolved(f"budget={option}")["budget"]
+        assert 0 < budget["heldout_fraction"] < 1
+        assert budget["seq_len"] % budget["stride"] == 0
+        assert round(budget["sequences"] * budget["heldout_fraction"]) >= 1
+        assert budget["corpus"] in CORPORA
+    cfg = resolved()
+    assert cfg["eval"]["nll"]["corpus"] in CORPORA
+    assert cfg["eval"]["nll"]["corpus"] != cfg["budget"]["corpus"], "evaluation text must be disjoint from calibration"
+    latency = cfg["eval"]["latency"]
+    assert latency["prefix_len"] <= cfg["eval"]["nll"]["prefix_len"] + cfg["eval"]["nll"]["horizon"]
+    assert latency["prefix_lens"] == sorted(latency["prefix_lens"])
+
+
+def test_sweep_and_gate_defaults():
+    cfg = resolved()
+    sweep = cfg["sweep"]
+    assert 1 <= sweep["k"]["low"] <= sweep["k"]["high"]
+    assert 0 < sweep["lam"]["low"] < cfg["fit"]["lam"] < sweep["lam"]["high"]
+    assert sweep["direction"] == "maximize" and cfg["objective"] == "nll_gap_recovered"
+    assert cfg["gate"] == {"experiment": "quickstart", "parent": None, "min_speedup": 2.0, "max_loss_points": 1.0}

@@ -1,0 +1,162 @@
+"""Choice scoring on a context cache (`src.eval.scoring`): the native modes equal a plain full forward over
+context + continuation (1e-4), batching over continuations of different lengths equals scoring them one at a
+time, a self-transfer identity mapper reproduces native scoring (1e-3, see tests/test_apply.py for why), and
+the source prefill + map run once per context whatever the number of continuations.
+"""
+
+import functools
+
+import pytest
+import torch
+
+from src.apply import KVTransfer
+from src.eval.scoring import (
+    choice_loglikelihoods,
+    context_cache,
+    greedy_decode,
+    shared_continuation_loglikelihoods,
+)
+from src.fit import fit_transfer
+from src.models import Pair, vocabulary_hash
+from src.traces import collect_traces
+from tests.conftest import calibration_ids, tiny
+
+NATIVE_TOL = 1e-4
+TRANSFER_TOL = 1e-3
+
+
+@functools.cache
+def _pair() -> Pair:
+    source, target = tiny("qwen2", seed=1), tiny("llama", seed=0)
+    return Pair(source=source, target=target, tokenizer=None, tokenizer_hash=vocabulary_hash(target), weights="random")
+
+
+@functools.cache
+def _self_transfer() -> tuple[Pair, KVTransfer]:
+    model = tiny("llama", seed=2)
+    token_hash = vocabulary_hash(model)
+    traces = collect_traces(model, model, calibration_ids(4, 48, seed=1), stride=1, batch_size=4)
+    mapper = fit_transfer(model, model, traces, token_hash, support="local", k=1, selection="identity", lam=1e-6)
+    pair = Pair(source=model, target=model, tokenizer=None, tokenizer_hash=token_hash, weights="random")
+    return pair, KVTransfer(mapper, model, model, token_hash)
+
+
+@torch.no_grad()
+def _full_forward(model, context: torch.Tensor, continuation: torch.Tensor) -> tuple[float, bool]:
+    """Stock HF scoring: one forward over context + continuation, read at the continuation's positions."""
+    ids = torch.cat([context, continuation])[None]  # [1, T_c + L]
+    logprobs = model(ids).logits.float().log_softmax(-1)[0, context.numel() - 1 : -1]  # [L, V]
+    total = logprobs.gather(-1, continuation[:, None]).sum()
+    return float(total), bool((logprobs.argmax(-1) == continuation).all())
+
+
+@torch.no_grad()
+def _greedy_reference(model, context: torch.Tensor, steps: int) -> torch.Tensor:
+    """Greedy continuation by full forwards, no cache."""
+    ids = context[None]  # [1, T]
+    for _ in range(steps):
+        ids = torch.cat([ids, model(ids).logits[:, -1].argmax(-1, keepdim=True)], dim=1)  # [1, T + 1]
+    return ids[0, context.numel() :]
+
+
+def _continuations(model, context: torch.Tensor) -> list[torch.Tensor]:
+    """Lengths 1–7, one of them the model's own greedy continuation (is_greedy must then be True)."""
+    random = [calibration_ids(1, length, seed=10 + length)[0] for length in (1, 3, 7, 2)]
+    return [*random, _greedy_reference(model, context, 4)]
+
+
+def _assert_scores_close(ours, theirs, tol):
+    assert len(ours) == len(theirs)
+    for (value, greedy), (expected, expected_greedy) in zip(ours, theirs, strict=True):
+        assert value == pytest.approx(expected, abs=tol)
+        assert greedy == expected_greedy
+
+
+@pytest.mark.parametrize("mode", ["native_target", "native_source"])
+@pytest.mark.parametrize("context_len", [1, 2, 17])
+def test_native_equals_full_forward(mode, context_len):
+    pair = _pair()
+    model = pair.target if mode == "native_target" else pair.source
+    context = calibration_ids(1, context_len, seed=3)[0]  # [T_c]
+    continuations = _continuations(model, context)
+    scores = choice_loglikelihoods(mode, pair, context, continuations)
+    _assert_scores_close(scores, [_full_forward(model, context, c) for c in continuations], NATIVE_TOL)
+    assert scores[-1][1] and not all(greedy for _, greedy in scores)
+
+
+def test_batched_equals_one_at_a_time():
+    pair = _pair()
+    context = calibration_ids(1, 12, seed=4)[0]
+    continuations = _continuations(pair.target, context)
+    batched = choice_loglikelihoods("native_target", pair, context, continuations)
+    alone = [choice_loglikelihoods("native_target", pair, context, [c])[0] for c in continuations]
+    _assert_scores_close(batched, alone, 1e-5)
+
+
+def test_self_transfer_equals_native():
+    pair, transfer = _self_transfer()
+    for context_len in (1, 9, 30):
+        context = calibration_ids(1, context_len, seed=context_len)[0]
+        continuations = _continuations(pair.target, context)
+        native = choice_loglikelihoods("native_target", pair, context, continuations)
+        mapped = choice_loglikelihoods("transfer", pair, context, continuations, transfer)
+        _assert_scores_close(mapped, native, TRANSFER_TOL)
+
+
+class _CountingTransfer:
+    """Delegates to a KVTransfer and counts the handoffs."""
+
+    def __init__(self, transfer: KVTransfer):
+        self.transfer, self.source, self.target, self.calls = transfer, transfer.source, transfer.target, 0
+
+    def __call__(self, cache):
+        self.calls += 1
+        return self.transfer(cache)
+
+
+def test_transfer_prefills_and_maps_once_per_context():
+    pair, transfer = _self_transfer()
+    counting = _CountingTransfer(transfer)
+    context = calibration_ids(1, 10, seed=6)[0]
+    continuations = _continuations(pair.target, context)
+    forwards = []
+    hook = pair.source.register_forward_pre_hook(lambda module, args, kwargs: forwards.append(1), with_kwargs=True)
+    try:
+        choice_loglikelihoods("transfer", pair, context, continuations, counting)
+    finally:
+        hook.remove()
+    assert counting.calls == 1
+    assert len(forwards) == 2  # one source prefill + one batched read of all five continuations (S = T here)
+
+
+def test_shared_continuation_loops_contexts():
+    pair = _pair()
+    contexts = [calibration_ids(1, length, seed=length)[0] for length in (5, 8, 1)]
+    continuation = calibration_ids(1, 3, seed=7)[0]
+    scores = shared_continuation_loglikelihoods("native_target", pair, contexts, continuation)
+    _assert_scores_close(scores, [_full_forward(pair.target, c, continuation) for c in contexts], NATIVE_TOL)
+
+
+def test_greedy_decode_from_cache():
+    pair = _pair()
+    context = calibration_ids(1, 11, seed=8)[0]
+    cache = context_cache("native_target", pair, context)
+    tokens = greedy_decode(pair.target, cache, int(context[-1]), 6, stop=lambda tokens: False)
+    assert tokens == _greedy_reference(pair.target, context, 6).tolist()
+    cache = context_cache("native_target", pair, context)
+    assert greedy_decode(pair.target, cache, int(context[-1]), 6, stop=lambda tokens: len(tokens) == 2) == tokens[:2]
+
+
+def test_refusals():
+    pair, transfer = _self_transfer()
+    context, continuation = calibration_ids(1, 4)[0], calibration_ids(1, 2)[0]
+    with pytest.raises(ValueError, match="mode must be one of"):
+        choice_loglikelihoods("prefill", pair, context, [continuation])
+    with pytest.raises(ValueError, match="needs a KVTransfer"):
+        choice_loglikelihoods("transfer", pair, context, [continuation])
+    with pytest.raises(ValueError, match="needs a KVTransfer built on this pair"):
+        choice_loglikelihoods("transfer", _pair(), context, [continuation], transfer)
+    with pytest.raises(ValueError, match="at least one token"):
+        choice_loglikelihoods("native_target", pair, context[:0], [continuation])
+    with pytest.raises(ValueError, match="each of at least one token"):
+        choice_loglikelihoods("native_target", pair, context, [continuation, continuation[:0]])
