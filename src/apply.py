@@ -24,27 +24,33 @@ class TransferError(ValueError):
     """This source cache cannot be mapped safely; the message names why. Callers roll back to prefill."""
 
 
-def map_rows(mapper: Mapper, source_k: torch.Tensor, source_v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Content rows [L_s, H_s, n, d_s] (K and V) → mapped target content rows [L_t, H_t, n, d_t].
+def map_layer(
+    mapper: Mapper, layer: int, source_k: torch.Tensor, source_v: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Content rows [L_s, H_s, n, d_s] (K and V) → target layer `layer`'s mapped content rows [H_t, n, d_t].
 
     When every target head reads the same source heads (full / pca support) the features are gathered
     once and all heads are one GEMM against W reshaped to [p, H_t·d_t]."""
     shared = bool((mapper.head_index == mapper.head_index[:1]).all())
     heads = mapper.head_index[:1] if shared else mapper.head_index
-    mapped = {"k": [], "v": []}
-    for layer in range(mapper.source_layers.shape[0]):
-        layers = mapper.source_layers[layer]
-        for component, rows in (("k", source_k), ("v", source_v)):
-            x = gather_features(rows, layers, heads).to(mapper.weight_k.dtype)  # [H_t or 1, n, p]
-            weight = getattr(mapper, f"weight_{component}")[layer]  # [H_t, p, d_t]
-            bias = getattr(mapper, f"bias_{component}")[layer]  # [H_t, d_t]
-            if shared:
-                y = torch.addmm(bias.flatten(), x[0], weight.permute(1, 0, 2).flatten(1))  # [n, H_t·d_t]
-                y = y.unflatten(1, bias.shape).transpose(0, 1)  # [H_t, n, d_t]
-            else:
-                y = torch.baddbmm(bias[:, None, :], x, weight)  # [H_t, n, d_t]
-            mapped[component].append(y)
-    return torch.stack(mapped["k"]), torch.stack(mapped["v"])
+    layers = mapper.source_layers[layer]
+    mapped = []
+    for component, rows in (("k", source_k), ("v", source_v)):
+        x = gather_features(rows, layers, heads).to(mapper.weight_k.dtype)  # [H_t or 1, n, p]
+        weight = getattr(mapper, f"weight_{component}")[layer]  # [H_t, p, d_t]
+        bias = getattr(mapper, f"bias_{component}")[layer]  # [H_t, d_t]
+        if shared:
+            y = torch.addmm(bias.flatten(), x[0], weight.permute(1, 0, 2).flatten(1))  # [n, H_t·d_t]
+            mapped.append(y.unflatten(1, bias.shape).transpose(0, 1))  # [H_t, n, d_t]
+        else:
+            mapped.append(torch.baddbmm(bias[:, None, :], x, weight))  # [H_t, n, d_t]
+    return mapped[0], mapped[1]
+
+
+def map_rows(mapper: Mapper, source_k: torch.Tensor, source_v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Content rows [L_s, H_s, n, d_s] (K and V) → mapped target content rows [L_t, H_t, n, d_t]."""
+    per_layer = [map_layer(mapper, layer, source_k, source_v) for layer in range(mapper.source_layers.shape[0])]
+    return torch.stack([k for k, _ in per_layer]), torch.stack([v for _, v in per_layer])
 
 
 def _layers_of(cache) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -113,9 +119,12 @@ class KVTransfer:
                     raise TransferError(
                         f"source cache layer {index} {name} is on {t.device}, the source on {source_device}"
                     )
-                if not torch.isfinite(t).all():
-                    raise TransferError(f"source cache layer {index} {name} contains NaN or Inf")
                 shape = t.shape
+        finite = torch.stack([torch.isfinite(k).all() & torch.isfinite(v).all() for k, v in layers])
+        if not bool(finite.all()):  # one device sync; the slow path names the layer
+            index = int((~finite).nonzero()[0])
+            name = "keys" if not bool(torch.isfinite(layers[index][0]).all()) else "values"
+            raise TransferError(f"source cache layer {index} {name} contains NaN or Inf")
         return shape[0], shape[2]
 
     @torch.no_grad()
@@ -127,20 +136,22 @@ class KVTransfer:
         if positions.shape[-1] != seq:
             raise TransferError(f"{positions.shape[-1]} positions given for a {seq}-token cache")
         cos, sin = rope_cos_sin(self.source.model.rotary_emb, positions.to(layers[0][0].device))
-        source_k = torch.stack([remove_rope(k, cos, sin, self.source_kv.rope_layout) for k, _ in layers])
-        source_v = torch.stack([v for _, v in layers])  # [L_s, B, H_s, T, d_s]
         to_rows = lambda t: t.to(self.device).transpose(1, 2).flatten(2, 3)  # [L_s, H_s, B·T, d_s]
-        target_k, target_v = map_rows(self.mapper, to_rows(source_k), to_rows(source_v))  # [L_t, H_t, B·T, d_t]
-        to_cache = lambda t: t.unflatten(2, (batch, seq)).transpose(1, 2)  # [L_t, B, H_t, T, d_t]
-        target_k, target_v = to_cache(target_k), to_cache(target_v)
+        source_k = to_rows(torch.stack([remove_rope(k, cos, sin, self.source_kv.rope_layout) for k, _ in layers]))
+        source_v = to_rows(torch.stack([v for _, v in layers]))  # [L_s, H_s, B·T, d_s]
         cos, sin = rope_cos_sin(self.target.model.rotary_emb, positions.to(self.device))
+        to_cache = lambda t: t.unflatten(1, (batch, seq)).transpose(0, 1)  # [B, H_t, T, d_t]
         cache = DynamicCache(config=self.target.config)
+        finite = []
         for layer in range(self.target_kv.num_layers):
-            keys = apply_rope(target_k[layer], cos, sin, self.target_kv.rope_layout).to(self.dtype)
-            values = target_v[layer].to(self.dtype)
-            if not (torch.isfinite(keys).all() and torch.isfinite(values).all()):
-                raise TransferError(f"mapped target layer {layer} is not finite (corrupt coefficients?)")
+            target_k, target_v = map_layer(self.mapper, layer, source_k, source_v)  # [H_t, B·T, d_t]
+            keys = apply_rope(to_cache(target_k), cos, sin, self.target_kv.rope_layout).to(self.dtype)
+            values = to_cache(target_v).to(self.dtype)
+            finite.append(torch.isfinite(keys).all() & torch.isfinite(values).all())
             cache.update(keys, values, layer)
+        if not bool(torch.stack(finite).all()):  # one device sync per handoff
+            layer = int((~torch.stack(finite)).nonzero()[0])
+            raise TransferError(f"mapped target layer {layer} is not finite (corrupt coefficients?)")
         return cache
 
 

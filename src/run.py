@@ -15,7 +15,6 @@ from pathlib import Path
 
 import hydra
 import matplotlib
-import mlflow
 import torch
 from omegaconf import DictConfig, OmegaConf
 
@@ -26,11 +25,9 @@ from src.corpus import token_sequences
 from src.eval.latency import handoff_latency
 from src.eval.nll import horizon_nll
 from src.eval.rollback import verify_rollback
-from src.fit import fit_mapper, fit_transfer, mapper_r2
-from src.gate import check
-from src.models import Pair, fingerprint, load_pair
-from src.select import layers_for_support
-from src.support import head_assignment
+from src.fit import fit_transfer, mapper_r2
+from src.models import Pair, describe_kv, fingerprint, load_pair
+from src.synthetic import synthetic_mapper, synthetic_traces
 from src.traces import Traces, collect_traces, corpus_hash, load_traces, save_traces
 
 matplotlib.use("Agg")
@@ -58,6 +55,17 @@ def load(cfg: DictConfig) -> Pair:
 def calibration(cfg: DictConfig, pair: Pair) -> tuple[Traces, str]:
     """Traces for the budget, from the cache keyed by pair fingerprints + corpus hash + budget."""
     budget = cfg.budget
+    if budget.synthetic:
+        kvs = describe_kv(pair.source), describe_kv(pair.target)
+        traces = synthetic_traces(
+            *kvs,
+            budget.sequences,
+            budget.seq_len // budget.stride,
+            cfg.pair.device,
+            getattr(torch, budget.storage_dtype),
+            cfg.seed,
+        )
+        return traces, f"synthetic-{cfg.seed}"
     vocab = pair.target.config.get_text_config().vocab_size
     ids = token_sequences(cfg.paths.data, budget.corpus, budget.sequences, budget.seq_len, pair.tokenizer, vocab)
     key = _key(fingerprint(pair.source), fingerprint(pair.target), corpus_hash(ids), OmegaConf.to_container(budget))
@@ -83,6 +91,16 @@ def calibration(cfg: DictConfig, pair: Pair) -> tuple[Traces, str]:
 def build_mapper(cfg: DictConfig, pair: Pair, traces: Traces, traces_key: str, support: DictConfig) -> Mapper:
     """Fit on the non-held-out rows (or reuse the verified cached artifact for the same inputs)."""
     fit = cfg.fit
+    if cfg.budget.synthetic:
+        identity = {
+            "source_fingerprint": fingerprint(pair.source),
+            "target_fingerprint": fingerprint(pair.target),
+            "tokenizer_hash": pair.tokenizer_hash,
+            "weights": pair.weights,
+        }
+        return synthetic_mapper(
+            describe_kv(pair.source), describe_kv(pair.target), support.kind, fit.k, identity, cfg.seed
+        )
     key = _key(
         traces_key,
         cfg.budget.heldout_fraction,
@@ -120,7 +138,7 @@ def build_mapper(cfg: DictConfig, pair: Pair, traces: Traces, traces_key: str, s
     return load_mapper(directory, fingerprint(pair.source), fingerprint(pair.target), pair.tokenizer_hash)
 
 
-def _tags(cfg: DictConfig, pair: Pair, traces: Traces, job: str) -> dict[str, str]:
+def _tags(cfg: DictConfig, pair: Pair, job: str) -> dict[str, str]:
     return {
         "job": job,
         "weights": pair.weights,
@@ -129,7 +147,6 @@ def _tags(cfg: DictConfig, pair: Pair, traces: Traces, job: str) -> dict[str, st
         "source_fingerprint": fingerprint(pair.source),
         "target_fingerprint": fingerprint(pair.target),
         "tokenizer_hash": pair.tokenizer_hash,
-        "corpus_hash": traces.meta["corpus_hash"],
         "seed": str(cfg.seed),
         "note": "random weights: timing/plumbing only, no quality claim" if pair.weights == "random" else "",
     }
@@ -151,7 +168,7 @@ def fit_eval(cfg: DictConfig) -> float:
     pair = load(cfg)
     traces, traces_key = calibration(cfg, pair)
     mapper = build_mapper(cfg, pair, traces, traces_key, cfg.support)
-    transfer = KVTransfer(mapper, pair.source, pair.target, pair.tokenizer_hash)
+    transfer = KVTransfer(mapper, pair.source, pair.target, pair.tokenizer_hash, getattr(torch, cfg.pair.compute_dtype))
     _, heldout = traces.split_heldout(cfg.budget.heldout_fraction)
     r2 = mapper_r2(transfer.mapper, heldout.to(transfer.device))
     manifest = mapper.manifest
@@ -177,10 +194,14 @@ def fit_eval(cfg: DictConfig) -> float:
     if torch.cuda.is_available():
         metrics["gpu_peak_memory_mb"] = torch.cuda.max_memory_allocated() / 2**20
     run_name = f"{cfg.pair.name}:{manifest['method']}:k{cfg.fit.k}"
-    with tracking.job_run(cfg, run_name, _tags(cfg, pair, traces, "fit_eval") | {"method": manifest["method"]}):
-        mlflow.log_metrics(metrics)
-        mlflow.log_dict(manifest, "mapper/manifest.json")
-        mlflow.log_figure(_plot_layers(r2), "plots/r2_by_layer.png")
+    with tracking.job_run(
+        cfg,
+        run_name,
+        _tags(cfg, pair, "fit_eval") | {"method": manifest["method"], "corpus_hash": traces.meta["corpus_hash"]},
+    ) as run:
+        run.metrics(metrics)
+        run.dict(manifest, "mapper/manifest.json")
+        run.figure(_plot_layers(r2), "plots/r2_by_layer.png")
     print(f"\n{run_name}  (weights={pair.weights})")
     for name in (
         "r2_k_heldout",
@@ -200,102 +221,17 @@ def fit_eval(cfg: DictConfig) -> float:
     return float(metrics[cfg.objective])
 
 
-def latency(cfg: DictConfig) -> None:
-    """Apply latency per support vs re-prefill, over prefix lengths, in one process."""
-    pair = load(cfg)
-    traces, traces_key = calibration(cfg, pair)
-    vocab = pair.target.config.get_text_config().vocab_size
-    lengths = list(cfg.eval.latency.prefix_lens)
-    ids = token_sequences(cfg.paths.data, cfg.eval.nll.corpus, 1, max(lengths), pair.tokenizer, vocab)
-    results: dict[str, dict[int, dict]] = {}
-    for kind in ("full", "local"):
-        support = OmegaConf.merge(cfg.support, {"kind": kind, "shift": 0})
-        transfer = KVTransfer(
-            build_mapper(cfg, pair, traces, traces_key, support), pair.source, pair.target, pair.tokenizer_hash
-        )
-        results[kind] = {
-            n: handoff_latency(transfer, ids[:, :n], cfg.eval.latency.repeats, cfg.eval.latency.warmup) for n in lengths
-        }
-    figure, axis = plt.subplots(figsize=(6, 4))
-    for kind, by_length in results.items():
-        axis.plot(lengths, [by_length[n]["apply_ms_p50"] for n in lengths], "o-", label=f"apply {kind}")
-    axis.plot(lengths, [results["local"][n]["prefill_ms_p50"] for n in lengths], "k--", label="target re-prefill")
-    axis.set(xlabel="prefix tokens", ylabel="ms (p50)", xscale="log", yscale="log", title=f"{cfg.pair.name}")
-    axis.legend()
-    with tracking.job_run(cfg, f"{cfg.pair.name}:latency", _tags(cfg, pair, traces, "latency")):
-        for kind, by_length in results.items():
-            for n, metrics in by_length.items():
-                mlflow.log_metrics({f"{name}.{kind}": value for name, value in metrics.items()}, step=n)
-        mlflow.log_dict({k: {str(n): m for n, m in v.items()} for k, v in results.items()}, "latency.json")
-        mlflow.log_figure(figure, "plots/latency_vs_prefix.png")
-    for n in lengths:
-        print(
-            f"prefix {n:>6}: apply full {results['full'][n]['apply_ms_p50']:.2f} ms, local "
-            f"{results['local'][n]['apply_ms_p50']:.2f} ms, re-prefill {results['local'][n]['prefill_ms_p50']:.2f} ms"
-        )
-
-
-def construction(cfg: DictConfig) -> None:
-    """Fit time vs calibration budget (nested prefixes), generic (materialized) vs streaming statistics."""
-    pair = load(cfg)
-    traces, _ = calibration(cfg, pair)
-    budgets = [b for b in cfg.eval.construction.budgets if b <= cfg.budget.sequences] or [cfg.budget.sequences]
-    heads = head_assignment(cfg.support.kind, traces.source_k.shape[1], traces.target_k.shape[1], cfg.support.shift)
-    layers, _ = layers_for_support(traces, cfg.support.kind, cfg.fit.k, cfg.support.selection, cfg.fit.chunk_rows)
-    rows: dict[int, dict[str, float]] = {}
-    for budget in budgets:
-        subset = traces.select_rows(torch.nonzero(traces.sequence_index < budget)[:, 0])
-        timing: dict[str, list[float]] = {"generic": [], "streaming": []}
-        mappers = {}
-        for path in timing:
-            for _ in range(cfg.eval.construction.repeats):
-                began = time.perf_counter()
-                mappers[path] = fit_mapper(
-                    subset,
-                    layers,
-                    heads,
-                    cfg.support.kind,
-                    cfg.weighting.kind,
-                    cfg.fit.lam,
-                    cfg.fit.lam_relative,
-                    cfg.fit.chunk_rows,
-                    reference=path == "generic",
-                    alpha_cap=cfg.weighting.alpha_cap,
-                )
-                timing[path].append(time.perf_counter() - began)
-        difference = max(
-            float((generic - streaming).abs().max() / generic.abs().max())
-            for generic, streaming in zip(
-                mappers["generic"].tensors().values(), mappers["streaming"].tensors().values(), strict=True
-            )
-            if generic.is_floating_point()
-        )
-        rows[budget] = {f"{p}_seconds": float(torch.tensor(t).median()) for p, t in timing.items()}
-        rows[budget]["max_relative_difference"] = difference
-        print(
-            f"{budget:>5} sequences ({subset.rows} rows): generic {rows[budget]['generic_seconds']:.3f} s, "
-            f"streaming {rows[budget]['streaming_seconds']:.3f} s, max rel diff {difference:.2e}"
-        )
-    figure, axis = plt.subplots(figsize=(6, 4))
-    for path in ("generic", "streaming"):
-        axis.plot(budgets, [rows[b][f"{path}_seconds"] for b in budgets], "o-", label=path)
-    axis.set(xlabel="calibration sequences", ylabel="construction s (median)", yscale="log", title=cfg.pair.name)
-    axis.legend()
-    with tracking.job_run(cfg, f"{cfg.pair.name}:construction", _tags(cfg, pair, traces, "construction")):
-        for budget, metrics in rows.items():
-            mlflow.log_metrics(metrics, step=budget)
-        mlflow.log_figure(figure, "plots/construction_vs_budget.png")
-
-
 @hydra.main(version_base="1.3", config_path="../conf", config_name="run")
 def main(cfg: DictConfig) -> float | None:
     if cfg.job == "fit_eval":
         return fit_eval(cfg)
-    if cfg.job == "latency":
-        return latency(cfg)
-    if cfg.job == "construction":
-        return construction(cfg)
+    if cfg.job in ("latency", "construction", "handoff"):
+        from src import bench
+
+        return getattr(bench, cfg.job)(cfg)
     if cfg.job == "gate":
+        from src.gate import check
+
         sys.exit(
             check(
                 cfg.tracking.uri, cfg.gate.experiment, cfg.gate.parent, cfg.gate.min_speedup, cfg.gate.max_loss_points

@@ -170,7 +170,7 @@ def test_paths_follow_the_environment(monkeypatch, tmp_path):
     assert paths["data"] == "/somewhere/data"
     monkeypatch.delenv("KVRELAY_DATA")
     data = resolved()["paths"]["data"]
-    assert (REPO / data).resolve() == REPO.parent / "shared/data"  # relative to the repo root (the cwd of a run)
+    assert (REPO / data).resolve() == (REPO.parent / "shared/data").resolve()  # relative to the repo root (the cwd)
     assert resolved("paths.home=/x")["pair"] == resolved()["pair"]  # tiny pair: no path under home
 
 

@@ -1,0 +1,220 @@
+"""Systems jobs (`+experiment=latency|construction|handoff`): storage, mapper application, construction and
+end-to-end handoff TTFT, methods side by side in one process. With `budget=synthetic_paper` they run
+at the paper's shapes on random traces / random-coefficient mappers (timing only, labelled so).
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import matplotlib
+import torch
+from omegaconf import DictConfig, OmegaConf
+
+from src import tracking
+from src.apply import KVTransfer
+from src.artifact import save_mapper
+from src.corpus import token_sequences
+from src.eval.handoff import handoff_ttft
+from src.eval.latency import handoff_latency
+from src.fit import fit_mapper
+from src.models import Pair, build_random_model, describe_kv
+from src.run import _tags, build_mapper, calibration, load
+from src.select import layers_for_support
+from src.support import head_assignment
+from src.synthetic import synthetic_traces
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+SUPPORTS_COMPARED = ("full", "local")
+
+
+def _prefix_ids(cfg: DictConfig, pair: Pair, length: int) -> torch.Tensor:
+    vocab = pair.target.config.get_text_config().vocab_size
+    return token_sequences(cfg.paths.data, cfg.eval.nll.corpus, 1, length, pair.tokenizer, vocab)  # [1, length]
+
+
+def _transfers(cfg: DictConfig, pair: Pair, kinds: tuple[str, ...]) -> tuple[dict[str, KVTransfer], dict[str, dict]]:
+    """A KVTransfer per support kind, and each artifact's storage (bytes, coefficients)."""
+    traces, traces_key = calibration(cfg, pair)
+    transfers, storage = {}, {}
+    for kind in kinds:
+        support = OmegaConf.merge(cfg.support, {"kind": kind, "shift": 0})
+        mapper = build_mapper(cfg, pair, traces, traces_key, support)
+        if "tensor_bytes" not in mapper.manifest:  # synthetic: serialize once to measure the artifact
+            began = time.perf_counter()
+            save_mapper(mapper, Path(cfg.paths.home) / "mappers" / f"synthetic-{cfg.pair.name}-{kind}")
+            mapper.manifest["save_seconds"] = time.perf_counter() - began
+        storage[kind] = {
+            "artifact_bytes": mapper.manifest["tensor_bytes"],
+            "coefficient_count": mapper.manifest["coefficient_count"],
+        }
+        compute = getattr(torch, cfg.pair.compute_dtype)
+        transfers[kind] = KVTransfer(mapper, pair.source, pair.target, pair.tokenizer_hash, compute)
+    return transfers, storage
+
+
+def latency(cfg: DictConfig) -> None:
+    """Artifact storage and apply latency per support vs target re-prefill, over prefix lengths."""
+    pair = load(cfg)
+    transfers, storage = _transfers(cfg, pair, SUPPORTS_COMPARED)
+    lengths = list(cfg.eval.latency.prefix_lens)
+    ids = _prefix_ids(cfg, pair, max(lengths))
+    results = {
+        kind: {n: handoff_latency(t, ids[:, :n], cfg.eval.latency.repeats, cfg.eval.latency.warmup) for n in lengths}
+        for kind, t in transfers.items()
+    }
+    figure, axis = plt.subplots(figsize=(6, 4))
+    for kind, by_length in results.items():
+        axis.plot(lengths, [by_length[n]["apply_ms_p50"] for n in lengths], "o-", label=f"apply {kind}")
+    axis.plot(lengths, [results["local"][n]["prefill_ms_p50"] for n in lengths], "k--", label="target re-prefill")
+    axis.set(xlabel="prefix tokens", ylabel="ms (p50)", xscale="log", yscale="log", title=cfg.pair.name)
+    axis.legend()
+    with tracking.job_run(cfg, f"{cfg.pair.name}:latency", _tags(cfg, pair, "latency")) as run:
+        for kind, by_length in results.items():
+            run.metrics({f"{name}.{kind}": value for name, value in storage[kind].items()})
+            for n, metrics in by_length.items():
+                run.metrics({f"{name}.{kind}": value for name, value in metrics.items()}, step=n)
+        run.dict(
+            {"storage": storage, "latency": {k: {str(n): m for n, m in v.items()} for k, v in results.items()}},
+            "latency.json",
+        )
+        run.figure(figure, "plots/latency_vs_prefix.png")
+    for kind in SUPPORTS_COMPARED:
+        print(
+            f"{kind:>6}: artifact {storage[kind]['artifact_bytes'] / 1e9:.3f} GB, "
+            f"{storage[kind]['coefficient_count']:,} coefficients"
+        )
+    for n in lengths:
+        print(
+            f"prefix {n:>6}: apply full {results['full'][n]['apply_ms_p50']:.2f} ms, local "
+            f"{results['local'][n]['apply_ms_p50']:.2f} ms, re-prefill {results['local'][n]['prefill_ms_p50']:.2f} ms"
+        )
+
+
+def handoff(cfg: DictConfig) -> None:
+    """End-to-end TTFT of a handoff (map + new turn + first token) vs re-prefill vs same-model cache hit."""
+    pair = load(cfg)
+    transfer = _transfers(cfg, pair, (cfg.support.kind,))[0][cfg.support.kind]
+    h = cfg.eval.handoff
+    ids = _prefix_ids(cfg, pair, max(h.prefix_lens) + h.new_turn)
+    results, out_of_memory = {}, []
+    for n in h.prefix_lens:
+        prefix, turn = ids[:, :n], ids[:, n : n + h.new_turn]
+        try:
+            results[n] = handoff_ttft(transfer, prefix, turn, h.repeats, h.prefill_repeats, h.warmup)
+        except torch.OutOfMemoryError:
+            out_of_memory.append(n)
+            print(f"prefix {n:>6}: out of GPU memory")
+            continue
+        finally:
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+        print(f"prefix {n:>6}: " + ", ".join(f"{k} {v:.2f}" for k, v in results[n].items()))
+    figure, axis = plt.subplots(figsize=(6, 4))
+    for path in ("transfer", "prefill", "cache_hit"):
+        axis.plot(list(results), [m[f"ttft_{path}_ms_p50"] for m in results.values()], "o-", label=path)
+    axis.set(xlabel="prefix tokens", ylabel="TTFT ms (p50)", xscale="log", yscale="log", title=cfg.pair.name)
+    axis.legend()
+    with tracking.job_run(cfg, f"{cfg.pair.name}:handoff", _tags(cfg, pair, "handoff")) as run:
+        for n, metrics in results.items():
+            run.metrics(metrics, step=n)
+        run.dict({"ttft": {str(n): m for n, m in results.items()}, "out_of_memory": out_of_memory}, "handoff.json")
+        run.figure(figure, "plots/ttft_vs_prefix.png")
+
+
+def construction(cfg: DictConfig) -> None:
+    """Fit time vs calibration budget (nested prefixes), generic (materialized) vs streaming statistics.
+
+    Times statistics + solve + serialization from traces (excl. trace collection, selection, attention
+    weights, as the paper). Synthetic budgets need no models: shapes come from meta-device builds."""
+    if cfg.budget.synthetic:
+        spec = lambda node: OmegaConf.to_container(node, resolve=True)
+        meta = [
+            build_random_model(spec(s)["config"], 0, torch.bfloat16, "meta") for s in (cfg.pair.source, cfg.pair.target)
+        ]
+        kvs = [describe_kv(m) for m in meta]
+        b = cfg.budget
+        traces = synthetic_traces(
+            *kvs, b.sequences, b.seq_len // b.stride, cfg.pair.device, getattr(torch, b.storage_dtype), cfg.seed
+        )
+        tags = {
+            "job": "construction",
+            "weights": "random",
+            "pair": cfg.pair.name,
+            "direction": cfg.pair.direction,
+            "note": "synthetic traces: timing only",
+        }
+        layers = layers_for_support(traces, cfg.support.kind, cfg.fit.k, "depth", cfg.fit.chunk_rows)[0]
+    else:
+        pair = load(cfg)
+        traces, _ = calibration(cfg, pair)
+        tags = _tags(cfg, pair, "construction")
+        layers = layers_for_support(traces, cfg.support.kind, cfg.fit.k, cfg.support.selection, cfg.fit.chunk_rows)[0]
+    heads = head_assignment(cfg.support.kind, traces.source_k.shape[1], traces.target_k.shape[1], cfg.support.shift)
+    budgets = [b for b in cfg.eval.construction.budgets if b <= cfg.budget.sequences] or [cfg.budget.sequences]
+    out = Path(cfg.paths.home) / "mappers" / f"construction-{cfg.pair.name}"
+    rows: dict[int, dict[str, float]] = {}
+    for budget in budgets:
+        subset = traces.select_rows(torch.nonzero(traces.sequence_index < budget)[:, 0])
+        timing: dict[str, list[float]] = {"generic": [], "streaming": []}
+        mappers = {}
+        for path in timing:
+            for _ in range(cfg.eval.construction.repeats):
+                _synchronize()
+                began = time.perf_counter()
+                mappers[path] = fit_mapper(
+                    subset,
+                    layers,
+                    heads,
+                    cfg.support.kind,
+                    cfg.weighting.kind,
+                    cfg.fit.lam,
+                    cfg.fit.lam_relative,
+                    cfg.fit.chunk_rows,
+                    reference=path == "generic",
+                    alpha_cap=cfg.weighting.alpha_cap,
+                )
+                save_mapper(mappers[path], out / path, cfg.fit.coefficient_dtype)
+                _synchronize()
+                timing[path].append(time.perf_counter() - began)
+        difference = max(
+            float((generic - streaming).abs().max() / generic.abs().max())
+            for generic, streaming in zip(
+                mappers["generic"].tensors().values(), mappers["streaming"].tensors().values(), strict=True
+            )
+            if generic.is_floating_point()
+        )
+        rows[budget] = {f"{p}_seconds": float(torch.tensor(t).median()) for p, t in timing.items()}
+        rows[budget] |= {
+            "max_relative_difference": difference,
+            "rows": subset.rows,
+            "streaming_scratch_bytes": _scratch_bytes(heads, layers, subset, cfg.fit.chunk_rows),
+        }
+        print(
+            f"{budget:>5} sequences ({subset.rows} rows): generic {rows[budget]['generic_seconds']:.3f} s, "
+            f"streaming {rows[budget]['streaming_seconds']:.3f} s, max rel diff {difference:.2e}"
+        )
+        del subset, mappers
+    figure, axis = plt.subplots(figsize=(6, 4))
+    for path in ("generic", "streaming"):
+        axis.plot(budgets, [rows[b][f"{path}_seconds"] for b in budgets], "o-", label=path)
+    axis.set(xlabel="calibration sequences", ylabel="construction s (median)", yscale="log", title=cfg.pair.name)
+    axis.legend()
+    with tracking.job_run(cfg, f"{cfg.pair.name}:construction", tags) as run:
+        for budget, metrics in rows.items():
+            run.metrics(metrics, step=budget)
+        run.figure(figure, "plots/construction_vs_budget.png")
+
+
+def _scratch_bytes(heads: torch.Tensor, layers: torch.Tensor, traces, chunk_rows: int) -> int:
+    """Eq. 22: float64 panels of one chunk, O(H_t·b·(2p + d_t)) (x, centered x, y)."""
+    width = layers.shape[1] * heads.shape[1] * traces.source_k.shape[-1]
+    return 8 * heads.shape[0] * min(chunk_rows, traces.rows) * (2 * width + traces.target_k.shape[-1])
+
+
+def _synchronize() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
