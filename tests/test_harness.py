@@ -19,7 +19,7 @@ from src.apply import KVTransfer
 from src.fit import fit_transfer
 from src.models import Pair, tokenizer_hash
 from src.traces import collect_traces
-from tests.conftest import TINY, calibration_ids, tiny
+from tests.conftest import TINY, CountingTransfer, calibration_ids, tiny
 
 WORDS = [f"w{index}" for index in range(2, TINY["vocab_size"])]
 CONTEXT = "w5 w17 w3 w40"
@@ -121,20 +121,9 @@ def test_loglikelihood_self_transfer_equals_native(lm_eval):
         assert greedy == expected_greedy
 
 
-class _CountingTransfer:
-    """Delegates to a KVTransfer and counts the handoffs."""
-
-    def __init__(self, transfer: KVTransfer):
-        self.transfer, self.source, self.target, self.calls = transfer, transfer.source, transfer.target, 0
-
-    def __call__(self, cache):
-        self.calls += 1
-        return self.transfer(cache)
-
-
 def test_loglikelihood_maps_each_context_once(lm_eval):
     pair, transfer = _self_transfer()
-    counting = _CountingTransfer(transfer)
+    counting = CountingTransfer(transfer)
     _kvrelay(pair, "transfer", counting).loglikelihood(_instances("loglikelihood", _loglikelihood_requests()))
     # contexts of ≥ 2 tokens: CONTEXT (4 requests, the trailing-space one included), "w20 w21", LONG
     assert counting.calls == 3

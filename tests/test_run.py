@@ -19,6 +19,7 @@ from hydra import compose, initialize_config_dir
 from mlflow.tracking import MlflowClient
 from omegaconf import OmegaConf
 
+import src.bench
 import src.run
 from src.gate import check
 from src.models import fingerprint
@@ -305,7 +306,7 @@ def test_latency_prefix_has_the_configured_length(first, ws, monkeypatch):
 
 def test_latency_job(first, ws, tmp_path):
     cfg = config(ws, "+experiment=latency", "eval.latency.prefix_lens=[16,32]")
-    assert src.run.latency(cfg) is None
+    assert src.bench.latency(cfg) is None
     (run,) = runs(ws.uri, "latency")
     metrics, client = run.data.metrics, MlflowClient(ws.uri)
     for kind in ("full", "local"):
@@ -315,14 +316,15 @@ def test_latency_job(first, ws, tmp_path):
     assert (run.data.tags["job"], run.data.tags["weights"]) == ("latency", "random")
     assert {"config.yaml", "latency.json", "plots/latency_vs_prefix.png"} <= artifact_paths(ws.uri, run.info.run_id)
     logged = json.loads(Path(client.download_artifacts(run.info.run_id, "latency.json", str(tmp_path))).read_text())
-    assert set(logged) == {"full", "local"} and set(logged["full"]) == {"16", "32"}
-    assert logged["full"]["32"]["apply_ms_p50"] > 0
+    assert set(logged) == {"storage", "latency"} and set(logged["storage"]) == {"full", "local"}
+    assert set(logged["latency"]["full"]) == {"16", "32"} and logged["latency"]["full"]["32"]["apply_ms_p50"] > 0
+    assert logged["storage"]["full"]["artifact_bytes"] > logged["storage"]["local"]["artifact_bytes"]
 
 
 @pytest.mark.parametrize(("budgets", "steps"), [("[4,8,50]", [4, 8]), ("[50,100]", [8])])
 def test_construction_job(first, ws, monkeypatch, budgets, steps):
     fitted = []
-    monkeypatch.setattr(src.run, "fit_mapper", counting(src.run.fit_mapper, fitted))
+    monkeypatch.setattr(src.bench, "fit_mapper", counting(src.bench.fit_mapper, fitted))
     experiment = f"construction_{len(steps)}"
     cfg = config(
         ws,
@@ -331,7 +333,7 @@ def test_construction_job(first, ws, monkeypatch, budgets, steps):
         f"eval.construction.budgets={budgets}",
         f"tracking.experiment={experiment}",
     )
-    assert src.run.construction(cfg) is None
+    assert src.bench.construction(cfg) is None
     (run,) = runs(ws.uri, experiment)
     client = MlflowClient(ws.uri)
     for name in ("generic_seconds", "streaming_seconds", "max_relative_difference"):

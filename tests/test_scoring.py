@@ -19,7 +19,7 @@ from src.eval.scoring import (
 from src.fit import fit_transfer
 from src.models import Pair, vocabulary_hash
 from src.traces import collect_traces
-from tests.conftest import calibration_ids, tiny
+from tests.conftest import CountingTransfer, calibration_ids, tiny
 
 NATIVE_TOL = 1e-4
 TRANSFER_TOL = 1e-3
@@ -103,20 +103,9 @@ def test_self_transfer_equals_native():
         _assert_scores_close(mapped, native, TRANSFER_TOL)
 
 
-class _CountingTransfer:
-    """Delegates to a KVTransfer and counts the handoffs."""
-
-    def __init__(self, transfer: KVTransfer):
-        self.transfer, self.source, self.target, self.calls = transfer, transfer.source, transfer.target, 0
-
-    def __call__(self, cache):
-        self.calls += 1
-        return self.transfer(cache)
-
-
 def test_transfer_prefills_and_maps_once_per_context():
     pair, transfer = _self_transfer()
-    counting = _CountingTransfer(transfer)
+    counting = CountingTransfer(transfer)
     context = calibration_ids(1, 10, seed=6)[0]
     continuations = _continuations(pair.target, context)
     forwards = []
