@@ -174,3 +174,34 @@ def handoff(transfer: KVTransfer, source_cache, input_ids: torch.Tensor) -> Hand
         return Handoff(cache=transfer(source_cache), mode="transfer", reason=None)
     except TransferError as refusal:
         return Handoff(cache=prefill(transfer.target, input_ids), mode="prefill", reason=str(refusal))
+
+
+@torch.no_grad()
+def spliced_cache(
+    transfer: KVTransfer, source_cache, input_ids: torch.Tensor, native_sink: int, hold_back: int
+) -> DynamicCache:
+    """Target cache for input_ids [B, T] that spends only (native_sink + hold_back) tokens of target prefill.
+
+    Tokens 0..s−1 are prefilled natively on the target — exact, since their K/V depend on those tokens
+    alone (the attention sink); tokens s..T−w−1 are mapped from the source cache at their own positions;
+    the last w tokens are re-prefilled natively on top of the spliced prefix (hold-back)."""
+    total = input_ids.shape[1]
+    if native_sink < 0 or hold_back < 0 or native_sink + hold_back > total:
+        raise ValueError(f"native_sink={native_sink} + hold_back={hold_back} must fit in {total} tokens")
+    end = total - hold_back
+    cache = prefill(transfer.target, input_ids[:, :native_sink]) if native_sink else None
+    if end > native_sink:
+        middle = [(k[:, :, native_sink:end], v[:, :, native_sink:end]) for k, v in _layers_of(source_cache)]
+        mapped = transfer(middle, positions=torch.arange(native_sink, end))
+        if cache is None:
+            cache = mapped
+        else:
+            for layer, (own, new) in enumerate(zip(cache.layers, mapped.layers, strict=True)):
+                cache.layers[layer].keys = torch.cat([own.keys, new.keys], dim=2)
+                cache.layers[layer].values = torch.cat([own.values, new.values], dim=2)
+    if hold_back:
+        device = transfer.device
+        if cache is None:
+            return prefill(transfer.target, input_ids)
+        transfer.target(input_ids[:, end:].to(device), past_key_values=cache, use_cache=True, logits_to_keep=1)
+    return cache

@@ -188,7 +188,9 @@ def fit_eval(cfg: DictConfig) -> float:
     streams = token_sequences(
         cfg.paths.data, nll_cfg.corpus, nll_cfg.streams, nll_cfg.prefix_len + nll_cfg.horizon, pair.tokenizer, vocab
     )
-    metrics |= horizon_nll(transfer, streams, nll_cfg.prefix_len)
+    metrics |= horizon_nll(
+        transfer, streams, nll_cfg.prefix_len, cfg.eval.levers.native_sink, cfg.eval.levers.hold_back
+    )
     prefix = token_sequences(cfg.paths.data, nll_cfg.corpus, 1, latency_cfg.prefix_len, pair.tokenizer, vocab)
     metrics |= handoff_latency(transfer, prefix, latency_cfg.repeats, latency_cfg.warmup)
     if cfg.eval.rollback:

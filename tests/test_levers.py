@@ -1,0 +1,60 @@
+"""Native sink and hold-back around a mapped prefix (src.apply.spliced_cache)."""
+
+import pytest
+import torch
+
+from src.apply import KVTransfer, prefill, spliced_cache
+from src.fit import fit_transfer
+from src.models import vocabulary_hash
+from src.traces import collect_traces
+from tests.conftest import calibration_ids, tiny
+
+
+@pytest.fixture(scope="module")
+def identity():
+    model = tiny("qwen3")
+    hashed = vocabulary_hash(model)
+    traces = collect_traces(model, model, calibration_ids(8, 64), 1, 8)
+    mapper = fit_transfer(model, model, traces, hashed, support="local", k=1, selection="identity", lam=1e-6)
+    return model, KVTransfer(mapper, model, model, hashed), mapper
+
+
+def _max_difference(a, b) -> float:
+    return max(
+        float((x.keys - y.keys).abs().max().max((x.values - y.values).abs().max()))
+        for x, y in zip(a.layers, b.layers, strict=True)
+    )
+
+
+@pytest.mark.parametrize(("sink", "hold"), [(0, 0), (4, 0), (0, 5), (4, 5), (30, 0), (0, 30), (29, 1)])
+def test_identity_map_with_levers_equals_native(identity, sink, hold):
+    model, transfer, _ = identity
+    ids = calibration_ids(2, 30, seed=3)
+    cache = spliced_cache(transfer, prefill(model, ids), ids, sink, hold)
+    assert cache.get_seq_length() == 30
+    assert _max_difference(cache, prefill(model, ids)) < 1e-4  # identity map reproduces the native cache
+
+
+def test_native_sink_is_exact_and_hold_back_sees_the_mapped_prefix(identity):
+    model, _, mapper = identity
+    broken = type(mapper)(**{**mapper.tensors(), "manifest": mapper.manifest})
+    broken.weight_k, broken.weight_v = mapper.weight_k * 0.5, mapper.weight_v * 0.5  # a wrong (but finite) map
+    transfer = KVTransfer(broken, model, model, vocabulary_hash(model))
+    ids = calibration_ids(1, 30, seed=4)
+    native, sink_only = prefill(model, ids), prefill(model, ids[:, :6])
+    cache = spliced_cache(transfer, prefill(model, ids), ids, 6, 4)
+    for own, sink, spliced in zip(native.layers, sink_only.layers, cache.layers, strict=True):
+        assert torch.equal(sink.keys, spliced.keys[:, :, :6])  # sink: the target's own 6-token prefill
+        assert torch.allclose(own.keys[:, :, :6], spliced.keys[:, :, :6], atol=1e-5)  # = native (causality)
+        assert not torch.allclose(own.keys[:, :, 6:26], spliced.keys[:, :, 6:26])  # the mapped middle
+    # hold-back tokens are the target's own computation on top of the spliced prefix
+    expected = spliced_cache(transfer, prefill(model, ids), ids[:, :26], 6, 0)
+    model(ids[:, 26:], past_key_values=expected, use_cache=True)
+    assert _max_difference(cache, expected) == 0.0
+
+
+def test_levers_must_fit(identity):
+    model, transfer, _ = identity
+    ids = calibration_ids(1, 10)
+    with pytest.raises(ValueError, match="must fit"):
+        spliced_cache(transfer, prefill(model, ids), ids, 6, 5)
