@@ -17,7 +17,6 @@ from transformers import DynamicCache, PreTrainedModel
 from src.artifact import Mapper
 from src.models import KVInterface, describe_kv, fingerprint
 from src.rope import apply_rope, remove_rope, rope_cos_sin
-from src.support import gather_features
 
 
 class TransferError(ValueError):
@@ -29,33 +28,51 @@ def shares_heads(mapper: Mapper) -> bool:
     return bool((mapper.head_index == mapper.head_index[:1]).all())
 
 
-def map_layer(
-    mapper: Mapper, layer: int, source_k: torch.Tensor, source_v: torch.Tensor, shared: bool
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Content rows [L_s, H_s, n, d_s] (K and V) → target layer `layer`'s mapped content rows [H_t, n, d_t].
+GROUP_BYTES = 1 << 30  # target layers are mapped in groups whose gathered features fit in about 1 GiB
 
-    When every target head reads the same source heads (full / pca support) the features are gathered
-    once and all heads are one GEMM against W reshaped to [p, H_t·d_t] (`shared`, see `shares_heads`)."""
-    heads = mapper.head_index[:1] if shared else mapper.head_index
-    layers = mapper.source_layers[layer]
+
+def map_layers(
+    mapper: Mapper, group: slice, source_k: torch.Tensor, source_v: torch.Tensor, shared: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Content rows [L_s, H_s, n, d_s] (K and V) → mapped rows of target layers `group`: [g, H_t, n, d_t].
+
+    One gather and one batched GEMM per component for the whole group. When every target head reads
+    the same source heads (full / pca support, `shared`) the features are gathered once per layer and
+    all heads are one GEMM against W reshaped to [p, H_t·d_t]."""
+    heads = mapper.head_index[:1] if shared else mapper.head_index  # [H_t or 1, f]
+    layers = mapper.source_layers[group]  # [g, k]
     mapped = []
     for component, rows in (("k", source_k), ("v", source_v)):
-        x = gather_features(rows, layers, heads).to(mapper.weight_k.dtype)  # [H_t or 1, n, p]
-        weight = getattr(mapper, f"weight_{component}")[layer]  # [H_t, p, d_t]
-        bias = getattr(mapper, f"bias_{component}")[layer]  # [H_t, d_t]
+        picked = rows[layers][:, :, heads]  # [g, k, H_t or 1, f, n, d_s]
+        x = picked.permute(0, 2, 4, 1, 3, 5).flatten(3).to(mapper.weight_k.dtype)  # [g, H_t or 1, n, p]
+        weight = getattr(mapper, f"weight_{component}")[group]  # [g, H_t, p, d_t]
+        bias = getattr(mapper, f"bias_{component}")[group]  # [g, H_t, d_t]
         if shared:
-            y = torch.addmm(bias.flatten(), x[0], weight.permute(1, 0, 2).flatten(1))  # [n, H_t·d_t]
-            mapped.append(y.unflatten(1, bias.shape).transpose(0, 1))  # [H_t, n, d_t]
+            w = weight.permute(0, 2, 1, 3).flatten(2)  # [g, p, H_t·d_t]
+            y = torch.baddbmm(bias.flatten(1)[:, None, :], x[:, 0], w)  # [g, n, H_t·d_t]
+            mapped.append(y.unflatten(2, bias.shape[1:]).transpose(1, 2))  # [g, H_t, n, d_t]
         else:
-            mapped.append(torch.baddbmm(bias[:, None, :], x, weight))  # [H_t, n, d_t]
+            g, h = weight.shape[:2]
+            y = torch.baddbmm(bias.flatten(0, 1)[:, None, :], x.flatten(0, 1), weight.flatten(0, 1))  # [g·H_t, n, d_t]
+            mapped.append(y.unflatten(0, (g, h)))  # [g, H_t, n, d_t]
     return mapped[0], mapped[1]
+
+
+def layer_groups(mapper: Mapper, rows: int, shared: bool) -> list[slice]:
+    """Slices of target layers whose gathered features stay under GROUP_BYTES."""
+    target_layers, target_heads, width = mapper.weight_k.shape[:3]
+    per_layer = (1 if shared else target_heads) * rows * width * mapper.weight_k.element_size()
+    size = max(1, min(target_layers, GROUP_BYTES // max(per_layer, 1)))
+    return [slice(start, min(start + size, target_layers)) for start in range(0, target_layers, size)]
 
 
 def map_rows(mapper: Mapper, source_k: torch.Tensor, source_v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Content rows [L_s, H_s, n, d_s] (K and V) → mapped target content rows [L_t, H_t, n, d_t]."""
     shared = shares_heads(mapper)
-    per_layer = [map_layer(mapper, layer, source_k, source_v, shared) for layer in range(mapper.source_layers.shape[0])]
-    return torch.stack([k for k, _ in per_layer]), torch.stack([v for _, v in per_layer])
+    groups = [
+        map_layers(mapper, g, source_k, source_v, shared) for g in layer_groups(mapper, source_k.shape[2], shared)
+    ]
+    return torch.cat([k for k, _ in groups]), torch.cat([v for _, v in groups])
 
 
 def _layers_of(cache) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -146,17 +163,19 @@ class KVTransfer:
         source_k = to_rows(torch.stack([remove_rope(k, cos, sin, self.source_kv.rope_layout) for k, _ in layers]))
         source_v = to_rows(torch.stack([v for _, v in layers]))  # [L_s, H_s, B·T, d_s]
         cos, sin = rope_cos_sin(self.target.model.rotary_emb, positions.to(self.device))
-        to_cache = lambda t: t.unflatten(1, (batch, seq)).transpose(0, 1)  # [B, H_t, T, d_t]
+        to_cache = lambda t: t.unflatten(2, (batch, seq)).transpose(1, 2)  # [g, B, H_t, T, d_t]
         cache = DynamicCache(config=self.target.config)
         finite = []
-        for layer in range(self.target_kv.num_layers):
-            target_k, target_v = map_layer(self.mapper, layer, source_k, source_v, self.shared_heads)  # [H_t, B·T, d_t]
+        for group in layer_groups(self.mapper, batch * seq, self.shared_heads):
+            target_k, target_v = map_layers(self.mapper, group, source_k, source_v, self.shared_heads)
             keys = apply_rope(to_cache(target_k), cos, sin, self.target_kv.rope_layout).to(self.dtype)
             values = to_cache(target_v).to(self.dtype)
-            finite.append(torch.isfinite(keys).all() & torch.isfinite(values).all())
-            cache.update(keys, values, layer)
-        if not bool(torch.stack(finite).all()):  # one device sync per handoff
-            layer = int((~torch.stack(finite)).nonzero()[0])
+            finite.append(torch.isfinite(keys).flatten(1).all(1) & torch.isfinite(values).flatten(1).all(1))
+            for offset, layer in enumerate(range(group.start, group.stop)):
+                cache.update(keys[offset], values[offset], layer)
+        finite = torch.cat(finite)  # [L_t]
+        if not bool(finite.all()):  # one device sync per handoff
+            layer = int((~finite).nonzero()[0])
             raise TransferError(f"mapped target layer {layer} is not finite (corrupt coefficients?)")
         return cache
 

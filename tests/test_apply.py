@@ -315,3 +315,21 @@ def test_transfer_refuses_another_pair():
     wrong_shape = replace(good.mapper, weight_k=good.mapper.weight_k[:2])
     with pytest.raises(TransferError, match="does not fit the target"):
         KVTransfer(wrong_shape, model, model, token_hash)
+
+
+@pytest.mark.parametrize("support", ["local", "full"])
+def test_layer_groups_do_not_change_the_mapped_cache(monkeypatch, support):
+    """Mapping target layers in groups (one gather + one batched GEMM per group) equals one layer at a time."""
+    import src.apply
+
+    source, target = tiny("qwen3", seed=0), tiny("qwen3", seed=1, num_hidden_layers=5)
+    hashed = vocabulary_hash(target)
+    traces = collect_traces(source, target, calibration_ids(4, 32), 2, 4)
+    mapper = fit_transfer(source, target, traces, hashed, support=support, k=2, lam=1e-3)
+    ids = calibration_ids(2, 12, seed=9)
+    grouped = KVTransfer(mapper, source, target, hashed)(prefill(source, ids))
+    monkeypatch.setattr(src.apply, "GROUP_BYTES", 1)  # every group a single layer
+    assert len(src.apply.layer_groups(mapper.to("cpu", torch.float32), 24, support == "full")) == 5
+    single = KVTransfer(mapper, source, target, hashed)(prefill(source, ids))
+    for a, b in zip(grouped.layers, single.layers, strict=True):
+        assert torch.allclose(a.keys, b.keys, atol=1e-6) and torch.allclose(a.values, b.values, atol=1e-6)
