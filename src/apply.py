@@ -17,6 +17,7 @@ from transformers import DynamicCache, PreTrainedModel
 from src.artifact import Mapper
 from src.models import KVInterface, describe_kv, fingerprint
 from src.rope import apply_rope, remove_rope, rope_cos_sin
+from src.support import gather_features
 
 
 class TransferError(ValueError):
@@ -43,8 +44,7 @@ def map_layers(
     layers = mapper.source_layers[group]  # [g, k]
     mapped = []
     for component, rows in (("k", source_k), ("v", source_v)):
-        picked = rows[layers][:, :, heads]  # [g, k, H_t or 1, f, n, d_s]
-        x = picked.permute(0, 2, 4, 1, 3, 5).flatten(3).to(mapper.weight_k.dtype)  # [g, H_t or 1, n, p]
+        x = gather_features(rows, layers, heads).to(mapper.weight_k.dtype)  # [g, H_t or 1, n, p]
         weight = getattr(mapper, f"weight_{component}")[group]  # [g, H_t, p, d_t]
         bias = getattr(mapper, f"bias_{component}")[group]  # [g, H_t, d_t]
         if shared:

@@ -39,9 +39,14 @@ def head_assignment(support: str, source_heads: int, target_heads: int, shift: i
 
 
 def gather_features(rows: torch.Tensor, layers: torch.Tensor, head_index: torch.Tensor) -> torch.Tensor:
-    """rows [L_s, H_s, n, d_s] → features [H_t, n, k·f·d_s], ordered (layer j, head g, channel)."""
-    picked = rows[layers][:, head_index]  # [k, H_t, f, n, d_s]
-    return picked.permute(1, 3, 0, 2, 4).flatten(2)  # [H_t, n, k·f·d_s]
+    """rows [L_s, H_s, n, d_s] → features [H_t, n, k·f·d_s], ordered (layer j, head g, channel).
+
+    layers [k] selects one target layer's sources; layers [g, k] gathers a group of target layers at
+    once → [g, H_t, n, k·f·d_s]."""
+    if layers.dim() == 1:
+        return gather_features(rows, layers[None], head_index)[0]
+    picked = rows[layers][:, :, head_index]  # [g, k, H_t, f, n, d_s]
+    return picked.permute(0, 2, 4, 1, 3, 5).flatten(3)  # [g, H_t, n, k·f·d_s]
 
 
 def coefficient_count(target_layers: int, target_heads: int, k: int, fan_in: int, d_s: int, d_t: int) -> int:
