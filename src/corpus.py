@@ -1,7 +1,9 @@
 """Token streams from the offline corpora in `shared/data/corpora` (never copied into the repo).
 
-Calibration text and evaluation streams come from different corpora, so they are disjoint. A model
-pair without a tokenizer (random weights, timing only) reads UTF-8 bytes folded into its vocabulary.
+Calibration text and evaluation streams come from different corpora, so they are disjoint. `task_dev`
+is task-format text from dev splits that are never evaluated (`tasks.dev_text`); `a+b+c` mixes corpora
+sequence by sequence. A model pair without a tokenizer (random weights, timing only) reads UTF-8 bytes
+folded into its vocabulary.
 """
 
 from __future__ import annotations
@@ -12,6 +14,8 @@ from pathlib import Path
 
 import torch
 
+from src.eval.tasks import dev_text
+
 CORPORA = {
     "gutenberg": "corpora/gutenberg/gutenberg_en_books_part1.jsonl.xz",
     "gutenberg_part2": "corpora/gutenberg/gutenberg_en_books_part2.jsonl.xz",
@@ -19,6 +23,8 @@ CORPORA = {
     "wikitext2_test": "corpora/wikitext-2-raw/wiki.test.raw",
     "simplebooks_valid": "corpora/simplebooks-92/valid.txt",
     "simplebooks_test": "corpora/simplebooks-92/test.txt",
+    "lambada_dev": "eval/lambada/lambada_development_plain_text.txt",
+    "task_dev": "eval",  # dev splits of ARC and MMLU, rendered (tasks.dev_text)
 }
 
 
@@ -26,6 +32,8 @@ def read_text(data_root: str | Path, name: str, max_chars: int) -> str:
     """The first `max_chars` characters of a named corpus (Gutenberg books are concatenated in order)."""
     if name not in CORPORA:
         raise ValueError(f"unknown corpus {name!r}; choose one of {sorted(CORPORA)}")
+    if name == "task_dev":
+        return dev_text(data_root)[:max_chars]
     path = Path(data_root) / CORPORA[name]
     if not path.is_file():
         raise FileNotFoundError(f"corpus {name!r} not found at {path}; set paths.data to the shared/data folder")
@@ -51,7 +59,13 @@ def encode(text: str, tokenizer, vocab_size: int) -> torch.Tensor:
 def token_sequences(
     data_root: str | Path, name: str, count: int, length: int, tokenizer, vocab_size: int, chars_per_token: float = 6.0
 ) -> torch.Tensor:
-    """`count` consecutive non-overlapping windows of `length` tokens: [count, length]."""
+    """`count` consecutive non-overlapping windows of `length` tokens: [count, length]. For a mixture
+    `a+b+…` the windows alternate between the corpora (a, b, …, a, b, …), so every prefix keeps the mix."""
+    names = name.split("+")
+    if len(names) > 1:
+        share = -(-count // len(names))  # windows drawn from each corpus
+        parts = [token_sequences(data_root, n, share, length, tokenizer, vocab_size, chars_per_token) for n in names]
+        return torch.stack(parts, dim=1).flatten(0, 1)[:count]  # [count, length]
     ids = encode(read_text(data_root, name, int(count * length * chars_per_token)), tokenizer, vocab_size)
     if ids.numel() < count * length:
         raise ValueError(f"corpus {name!r} gave {ids.numel()} tokens, need {count}×{length}")

@@ -1,8 +1,9 @@
 """The job: `python -m src.run +experiment=NAME` (Hydra). The only module that reads the whole cfg.
 
 fit_eval: load pair → calibration traces (cached) → select + fit (cached artifact) → verify by
-reloading → held-out R², horizon NLL, handoff latency, rollback → MLflow. Other jobs: latency,
-construction, gate, optuna.
+reloading → held-out R², horizon NLL, task accuracy vs both native models, fidelity on task prompts,
+native-swap attribution, handoff latency, rollback → MLflow. Other jobs: latency, construction, gate,
+optuna. A multirun in one process loads each pair and each calibration set once (`_MEMO`).
 """
 
 from __future__ import annotations
@@ -22,9 +23,12 @@ from src import tracking
 from src.apply import KVTransfer
 from src.artifact import ArtifactError, Mapper, load_mapper, save_mapper
 from src.corpus import token_sequences
+from src.eval.accuracy import TaskScores, by_length, compare, score_task, summarize
+from src.eval.diagnose import cache_fidelity, swap_nll
 from src.eval.latency import handoff_latency
 from src.eval.nll import horizon_nll
 from src.eval.rollback import verify_rollback
+from src.eval.tasks import load_task
 from src.fit import fit_transfer, mapper_r2
 from src.models import Pair, describe_kv, fingerprint, load_pair
 from src.synthetic import synthetic_mapper, synthetic_traces
@@ -34,6 +38,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 SYSTEMS_JOBS = ("latency", "construction", "handoff")  # in src/bench.py
+_MEMO: dict[str, object] = {}  # pair / traces / native task scores already built in this process
 
 
 def _key(*parts) -> str:
@@ -41,6 +46,15 @@ def _key(*parts) -> str:
 
 
 def load(cfg: DictConfig) -> Pair:
+    spec = lambda node: OmegaConf.to_container(node, resolve=True)
+    key = _key("pair", spec(cfg.pair))
+    if key not in _MEMO:
+        _MEMO.clear()  # one pair (and its traces) resident at a time
+        _MEMO[key] = _load_pair(cfg)
+    return _MEMO[key]
+
+
+def _load_pair(cfg: DictConfig) -> Pair:
     spec = lambda node: OmegaConf.to_container(node, resolve=True)
     dtype = getattr(torch, cfg.pair.dtype)
     return load_pair(
@@ -71,6 +85,8 @@ def calibration(cfg: DictConfig, pair: Pair) -> tuple[Traces, str]:
     vocab = pair.target.config.get_text_config().vocab_size
     ids = token_sequences(cfg.paths.data, budget.corpus, budget.sequences, budget.seq_len, pair.tokenizer, vocab)
     key = _key(fingerprint(pair.source), fingerprint(pair.target), corpus_hash(ids), OmegaConf.to_container(budget))
+    if f"traces:{key}" in _MEMO:
+        return _MEMO[f"traces:{key}"], key
     path = Path(cfg.paths.home) / "traces" / key
     traces = load_traces(path)
     if traces is None:
@@ -87,6 +103,8 @@ def calibration(cfg: DictConfig, pair: Pair) -> tuple[Traces, str]:
         )
         traces.meta["collect_seconds"] = time.perf_counter() - began
         save_traces(traces, path)
+    traces = traces.to(cfg.pair.device)  # statistics are built where the models run
+    _MEMO[f"traces:{key}"] = traces
     return traces, key
 
 
@@ -117,6 +135,8 @@ def build_mapper(cfg: DictConfig, pair: Pair, traces: Traces, traces_key: str, s
         except ArtifactError as stale:
             print(f"refitting: cached mapper at {directory} rejected ({stale})")
     fit_rows, _ = traces.split_heldout(cfg.budget.heldout_fraction)
+    if fit.sequences is not None:  # the budget lever: the first N fit sequences, same held-out set
+        fit_rows = fit_rows.select_rows(torch.nonzero(fit_rows.sequence_index < fit.sequences)[:, 0])
     began = time.perf_counter()
     mapper = fit_transfer(
         pair.source,
@@ -165,6 +185,49 @@ def _plot_layers(scores: dict) -> plt.Figure:
     return figure
 
 
+def native_scores(cfg: DictConfig, pair: Pair, mode: str, task: str) -> TaskScores:
+    """Per-item scores of a native model on a task (memoized per process, cached on disk by fingerprints)."""
+    limit = cfg.eval.tasks.limit
+    key = _key("native", mode, task, limit, fingerprint(pair.source), fingerprint(pair.target), pair.tokenizer_hash)
+    path = Path(cfg.paths.home) / "task_scores" / f"{key}.json"
+    if key not in _MEMO:
+        if path.is_file():
+            _MEMO[key] = TaskScores(**json.loads(path.read_text()))
+        else:
+            _MEMO[key] = score_task(mode, pair, load_task(task, cfg.paths.data, limit))
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(json.dumps(vars(_MEMO[key])))
+    return _MEMO[key]
+
+
+def task_metrics(cfg: DictConfig, pair: Pair, transfer: KVTransfer) -> tuple[dict[str, float], dict]:
+    """`task.<name>.<metric>` and `task.mean.<metric>` of the transfer against both native models, and the
+    per-item scores of every mode (for paired comparisons between runs)."""
+    levers, metrics, items, per_task = cfg.eval.levers, {}, {}, {}
+    for task in cfg.eval.tasks.names:
+        source, target = (native_scores(cfg, pair, mode, task) for mode in ("native_source", "native_target"))
+        items_of_task = load_task(task, cfg.paths.data, cfg.eval.tasks.limit)
+        method = score_task("transfer", pair, items_of_task, transfer, levers.native_sink, levers.hold_back)
+        per_task[task] = compare(task, source, target, method, cfg.eval.tasks.n_boot)
+        metrics |= {f"task.{task}.{name}": value for name, value in per_task[task].items()}
+        metrics |= {f"task.{task}.{name}": value for name, value in by_length(method).items()}
+        items[task] = {"native_source": vars(source), "native_target": vars(target), "transfer": vars(method)}
+    if per_task:
+        metrics |= {f"task.mean.{name}": value for name, value in summarize(per_task).items()}
+    return metrics, items
+
+
+def task_prompts(cfg: DictConfig, pair: Pair) -> list[torch.Tensor]:
+    """The first context of each evaluated item, as token ids (for fidelity on task prefixes)."""
+    prompts = []
+    for task in cfg.eval.tasks.names:
+        for item in load_task(task, cfg.paths.data, cfg.eval.diagnose.prompts_per_task):
+            ids = pair.tokenizer.encode(item.contexts[0], add_special_tokens=False)
+            if len(ids) >= 2:
+                prompts.append(torch.tensor(ids))
+    return prompts
+
+
 def fit_eval(cfg: DictConfig) -> float:
     torch.manual_seed(cfg.seed)
     pair = load(cfg)
@@ -191,13 +254,33 @@ def fit_eval(cfg: DictConfig) -> float:
     metrics |= horizon_nll(
         transfer, streams, nll_cfg.prefix_len, cfg.eval.levers.native_sink, cfg.eval.levers.hold_back
     )
+    items = {}
+    if cfg.eval.tasks.names:
+        task_scores, items = task_metrics(cfg, pair, transfer)
+        metrics |= task_scores
+    if cfg.eval.diagnose.fidelity and cfg.eval.tasks.names:
+        metrics |= cache_fidelity(transfer, task_prompts(cfg, pair))
+    if cfg.eval.diagnose.swaps:
+        metrics |= swap_nll(transfer, streams, nll_cfg.prefix_len)
     prefix = token_sequences(cfg.paths.data, nll_cfg.corpus, 1, latency_cfg.prefix_len, pair.tokenizer, vocab)
-    metrics |= handoff_latency(transfer, prefix, latency_cfg.repeats, latency_cfg.warmup)
+    metrics |= handoff_latency(
+        transfer,
+        prefix,
+        latency_cfg.repeats,
+        latency_cfg.warmup,
+        cfg.eval.levers.native_sink,
+        cfg.eval.levers.hold_back,
+    )
     if cfg.eval.rollback:
         metrics |= verify_rollback(transfer, prefix)
     if torch.cuda.is_available():
         metrics["gpu_peak_memory_mb"] = torch.cuda.max_memory_allocated() / 2**20
+    levers = cfg.eval.levers
     run_name = f"{cfg.pair.name}:{manifest['method']}:k{cfg.fit.k}"
+    if cfg.fit.sequences is not None:
+        run_name += f":n{cfg.fit.sequences}"
+    if levers.native_sink or levers.hold_back:
+        run_name += f":sink{levers.native_sink}:hold{levers.hold_back}"
     with tracking.job_run(
         cfg,
         run_name,
@@ -205,6 +288,8 @@ def fit_eval(cfg: DictConfig) -> float:
     ) as run:
         run.metrics(metrics)
         run.dict(manifest, "mapper/manifest.json")
+        if items:
+            run.dict(items, "tasks/item_scores.json")
         run.figure(_plot_layers(r2), "plots/r2_by_layer.png")
     print(f"\n{run_name}  (weights={pair.weights})")
     for name in (
@@ -214,13 +299,19 @@ def fit_eval(cfg: DictConfig) -> float:
         "nll_native_target",
         "nll_transfer",
         "nll_gap_recovered",
+        "task.mean.acc_source",
+        "task.mean.acc_target",
+        "task.mean.acc",
+        "task.mean.loss_points",
+        "task.mean.gap_recovered",
+        "task.mean.prefill_fraction",
         "apply_ms_p50",
         "prefill_ms_p50",
         "handoff_speedup",
         "rollback_verified",
     ):
         if name in metrics:
-            print(f"  {name:<20} {metrics[name]:10.4f}")
+            print(f"  {name:<26} {metrics[name]:10.4f}")
     print(f"  open the tracking UI: mlflow ui --backend-store-uri {cfg.tracking.uri}")
     return float(metrics[cfg.objective])
 

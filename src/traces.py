@@ -116,7 +116,7 @@ def content_kv(model: PreTrainedModel, kv: KVInterface, cache, positions: torch.
     return [(remove_rope(layer.keys, cos, sin, kv.rope_layout), layer.values) for layer in cache.layers]
 
 
-class _QueryCapture:
+class QueryCapture:
     """Forward hooks that keep each layer's pre-RoPE query states [B, H_q, T, d] for one forward pass."""
 
     def __init__(self, model: PreTrainedModel, kv: KVInterface):
@@ -197,7 +197,7 @@ def collect_traces(
     eligible[sampled] = True
     boundaries = log_boundaries(seq_len, attention_boundaries, first_boundary) if attention_boundaries else []
     parts: dict[str, list[torch.Tensor]] = {key: [] for key in ("sk", "sv", "tk", "tv", "ak", "av")}
-    capture = _QueryCapture(target, target_kv) if boundaries else None
+    capture = QueryCapture(target, target_kv) if boundaries else None
     try:
         for start in tqdm(range(0, num_sequences, batch_size), desc="calibration traces", unit="batch"):
             ids = sequences[start : start + batch_size]

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import hashlib
 import json
 import platform
 import re
@@ -125,12 +126,14 @@ def job_run(cfg: DictConfig, name: str, tags: dict[str, str]) -> Iterator[MLflow
     """A tracked run for one job; with MLflow it nests under the active (parent) run when there is one."""
     tags = environment_tags() | tags
     if cfg.tracking.backend == "json":
-        directory = Path(cfg.tracking.json_dir) / re.sub(r"[^A-Za-z0-9._-]+", "_", name)
+        params = flatten(cfg)
+        digest = hashlib.sha256(json.dumps(params, sort_keys=True, default=str).encode()).hexdigest()[:8]
+        directory = Path(cfg.tracking.json_dir) / f"{re.sub(r'[^A-Za-z0-9._-]+', '_', name)}-{digest}"
         directory.mkdir(parents=True, exist_ok=True)
         record = {
             "name": name,
             "experiment": cfg.tracking.experiment,
-            "params": flatten(cfg),
+            "params": params,
             "tags": tags,
             "metrics": [],
         }

@@ -20,7 +20,8 @@ from src.run import SYSTEMS_JOBS
 REPO = Path(__file__).resolve().parents[1]
 CONF = REPO / "conf"
 EXPERIMENTS = sorted(p.stem for p in (CONF / "experiment").glob("*.yaml"))
-GROUPS = sorted(p.name for p in CONF.iterdir() if p.is_dir() and p.name != "experiment")
+ADDED = ("experiment", "method")  # groups outside the defaults list, chosen with +group=option
+GROUPS = sorted(p.name for p in CONF.iterdir() if p.is_dir() and p.name not in ADDED)
 OPTIONS = [(group, p.stem) for group in GROUPS for p in sorted((CONF / group).glob("*.yaml"))]
 JOBS = set(re.findall(r'cfg\.job == "(\w+)"', (REPO / "src/run.py").read_text())) | set(SYSTEMS_JOBS)
 PAPER_ROWS = 128_000  # 500 sequences × 1,024 tokens, every 4th token
@@ -100,6 +101,17 @@ def test_every_group_option_composes_and_resolves(group, option):
     assert group in cfg
     for experiment in ("quickstart", "table1"):  # also under an experiment that overrides groups
         assert group in resolved(f"+experiment={experiment}", f"{group}={option}")
+
+
+@pytest.mark.parametrize("method", sorted(p.stem for p in (CONF / "method").glob("*.yaml")))
+def test_every_method_composes_and_sets_support_weighting_and_k(method):
+    cfg = resolved(f"+method={method}")
+    choices = yaml.safe_load((CONF / "method" / f"{method}.yaml").read_text())
+    chosen = {key.removeprefix("override /"): value for entry in choices["defaults"] for key, value in entry.items()}
+    assert cfg["support"] == resolved(f"support={chosen['support']}")["support"]
+    assert cfg["weighting"] == resolved(f"weighting={chosen['weighting']}")["weighting"]
+    assert cfg["fit"] == {**resolved()["fit"], "k": choices["fit"]["k"]}
+    assert resolved(f"+method={method}", "budget=paper_mix")["budget"]["corpus"].count("+") == 2
 
 
 def test_options_of_a_group_set_the_same_keys():
@@ -204,7 +216,7 @@ def test_table1_sweeps_support_and_weighting_on_paper_budget():
     cfg = composed("+experiment=table1", hydra=True)
     assert cfg.hydra.mode == RunMode.MULTIRUN
     assert sweep_params("table1") == {"support": ["full", "local"], "weighting": ["uniform", "attn_repair"]}
-    assert cfg.budget.sequences * cfg.budget.seq_len // cfg.budget.stride == PAPER_ROWS
+    assert fit_sequences(cfg) * cfg.budget.seq_len // cfg.budget.stride == PAPER_ROWS
     assert cfg.tracking.experiment == "table1"
 
 
@@ -215,16 +227,21 @@ def test_attribution_sweeps_the_controls():
         "support": ["pca", "cyclic", "local"],
         "weighting": ["uniform", "attn_repair"],
     }
-    assert cfg.budget.sequences * cfg.budget.seq_len // cfg.budget.stride == PAPER_ROWS
+    assert fit_sequences(cfg) * cfg.budget.seq_len // cfg.budget.stride == PAPER_ROWS
     assert resolved("support=cyclic")["support"]["shift"] != 0, "a cyclic control with shift 0 is Head-Local"
+
+
+def fit_sequences(cfg) -> int:
+    """Calibration sequences left for fitting after the held-out split (as Traces.split_heldout)."""
+    return cfg.budget.sequences - max(1, round(cfg.budget.sequences * cfg.budget.heldout_fraction))
 
 
 def test_budget_sweep_is_nested_prefixes_of_the_paper_budget():
     cfg = composed("+experiment=budget_sweep", hydra=True)
     assert cfg.hydra.mode == RunMode.MULTIRUN
-    sizes = [int(v) for v in sweep_params("budget_sweep")["budget.sequences"]]
+    sizes = [int(v) for v in sweep_params("budget_sweep")["fit.sequences"]]
     assert sizes == [50, 100, 200, 500] == sorted(sizes)
-    assert max(sizes) == cfg.budget.sequences == 500
+    assert max(sizes) == fit_sequences(cfg) == 500
     assert cfg.weighting.kind == "attn_repair"
     assert list(cfg.eval.construction.budgets) == sizes  # the construction job times the same prefixes
 
@@ -242,11 +259,11 @@ def test_every_sweep_point_composes_on_the_same_pair_and_corpus(experiment):
                 assert str(cfg[group][field]) == value
             else:
                 assert cfg[key] == resolved(f"{key}={value}")[key]
-    for shared in ("pair", "eval", "fit"):
+    for shared in ("pair", "eval", "budget"):
         assert all(cfg[shared] == configs[0][shared] for cfg in configs), shared
-    budgets = [{k: v for k, v in cfg["budget"].items() if k != "sequences"} for cfg in configs]
-    assert all(b == budgets[0] for b in budgets)
-    assert len({str(cfg["support"]) + str(cfg["weighting"]) + str(cfg["budget"]) for cfg in configs}) == len(points)
+    fits = [{k: v for k, v in cfg["fit"].items() if k != "sequences"} for cfg in configs]
+    assert all(f == fits[0] for f in fits)
+    assert len({str(cfg["support"]) + str(cfg["weighting"]) + str(cfg["fit"]) for cfg in configs}) == len(points)
 
 
 def test_support_linear_is_depth_selection_with_k1():

@@ -11,7 +11,7 @@ from collections.abc import Callable
 
 import torch
 
-from src.apply import KVTransfer, prefill
+from src.apply import KVTransfer, prefill, spliced_cache
 
 
 def time_ms(fn: Callable[[], object], repeats: int, warmup: int, device: torch.device) -> list[float]:
@@ -40,11 +40,18 @@ def percentiles(times: list[float], name: str) -> dict[str, float]:
 
 
 @torch.no_grad()
-def handoff_latency(transfer: KVTransfer, prefix: torch.Tensor, repeats: int, warmup: int) -> dict[str, float]:
-    """apply (map only) and re-prefill latencies for prefix ids [B, T], and their p50 speedup."""
+def handoff_latency(
+    transfer: KVTransfer, prefix: torch.Tensor, repeats: int, warmup: int, native_sink: int = 0, hold_back: int = 0
+) -> dict[str, float]:
+    """apply and re-prefill latencies for prefix ids [B, T], and their p50 speedup. With levers, apply
+    includes the target's own prefill of the sink and hold-back tokens (`spliced_cache`)."""
     source_cache = prefill(transfer.source, prefix)
     device = transfer.device
-    metrics = percentiles(time_ms(lambda: transfer(source_cache), repeats, warmup, device), "apply")
+    if native_sink or hold_back:
+        apply = lambda: spliced_cache(transfer, source_cache, prefix, native_sink, hold_back)
+    else:
+        apply = lambda: transfer(source_cache)
+    metrics = percentiles(time_ms(apply, repeats, warmup, device), "apply")
     metrics |= percentiles(time_ms(lambda: prefill(transfer.target, prefix), repeats, warmup, device), "prefill")
     metrics["handoff_speedup"] = metrics["prefill_ms_p50"] / metrics["apply_ms_p50"]
     return metrics

@@ -17,7 +17,7 @@ import torch
 from torch.nn.utils.rnn import pad_sequence
 from transformers import DynamicCache, PreTrainedModel
 
-from src.apply import KVTransfer, prefill
+from src.apply import KVTransfer, prefill, spliced_cache
 from src.models import Pair
 
 MODES = ("native_source", "native_target", "transfer")
@@ -37,12 +37,29 @@ def reading_model(mode: str, pair: Pair) -> PreTrainedModel:
     return pair.source if mode == "native_source" else pair.target
 
 
+def native_tokens(prefix_len: int, native_sink: int, hold_back: int) -> tuple[int, int]:
+    """The (sink, hold-back) actually spent on a prefix of `prefix_len` tokens: sink first, both clipped."""
+    if native_sink < 0 or hold_back < 0:
+        raise ValueError(f"native_sink and hold_back must be ≥ 0, got {native_sink}, {hold_back}")
+    sink = min(native_sink, prefix_len)
+    return sink, min(hold_back, prefix_len - sink)
+
+
 @torch.no_grad()
-def context_cache(mode: str, pair: Pair, context_ids: torch.Tensor, transfer: KVTransfer | None = None) -> DynamicCache:
+def context_cache(
+    mode: str,
+    pair: Pair,
+    context_ids: torch.Tensor,
+    transfer: KVTransfer | None = None,
+    native_sink: int = 0,
+    hold_back: int = 0,
+) -> DynamicCache:
     """The reading model's cache of context_ids[:-1] (context_ids [T_c]): the one prefill (+ map) per context.
 
-    A one-token context leaves nothing to prefill or transfer: the cache is empty and the reading model
-    reads that token itself. A source cache the transfer refuses raises `TransferError` (no silent rollback).
+    In `transfer` mode the first `native_sink` and last `hold_back` prefix tokens are computed natively on
+    the target (`spliced_cache`), clipped to the prefix (`native_tokens`). A one-token context leaves
+    nothing to prefill or transfer: the cache is empty and the reading model reads that token itself. A
+    source cache the transfer refuses raises `TransferError` (no silent rollback).
     """
     check_mode(mode, pair, transfer)
     if context_ids.numel() == 0:
@@ -51,7 +68,9 @@ def context_cache(mode: str, pair: Pair, context_ids: torch.Tensor, transfer: KV
     if prefix.shape[1] == 0:
         return DynamicCache(config=reading_model(mode, pair).config)
     if mode == "transfer":
-        return transfer(prefill(pair.source, prefix))
+        sink, held = native_tokens(prefix.shape[1], native_sink, hold_back)
+        source_cache = prefill(pair.source, prefix)
+        return spliced_cache(transfer, source_cache, prefix, sink, held) if sink or held else transfer(source_cache)
     return prefill(reading_model(mode, pair), prefix)
 
 
@@ -83,9 +102,11 @@ def choice_loglikelihoods(
     context_ids: torch.Tensor,
     continuations: list[torch.Tensor],
     transfer: KVTransfer | None = None,
+    native_sink: int = 0,
+    hold_back: int = 0,
 ) -> list[tuple[float, bool]]:
     """(sum log p, is greedy) of each continuation [L_i] given context_ids [T_c]; one prefill (+ map) in all."""
-    cache = context_cache(mode, pair, context_ids, transfer)
+    cache = context_cache(mode, pair, context_ids, transfer, native_sink, hold_back)
     return score_continuations(reading_model(mode, pair), cache, int(context_ids[-1]), continuations)
 
 

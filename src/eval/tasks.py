@@ -42,6 +42,14 @@ _FILES = {
 }
 
 
+# dev/validation splits that are never evaluated: task-format calibration text (`dev_text`)
+_DEV_FILES = {
+    "arc_easy": "eval/arc/ARC-Easy-Dev.jsonl",
+    "arc_challenge": "eval/arc/ARC-Challenge-Dev.jsonl",
+    "mmlu": "eval/mmlu/mmlu_val.jsonl",
+}
+
+
 @dataclass(frozen=True)
 class Item:
     """One evaluation item: choice j is contexts[j] + continuations[j]; label is the gold choice."""
@@ -224,3 +232,15 @@ _LOADERS: dict[str, Callable[[Path], list[Item]]] = {
     "lambada": _lambada,
     "boolq": _boolq,
 }
+
+
+def dev_text(data_root: str | Path) -> str:
+    """Task-format text from splits that are never evaluated: each dev item rendered as its gold answer
+    (context + gold continuation), items separated by blank lines."""
+    items = []
+    for name, relative in _DEV_FILES.items():
+        path = Path(data_root) / relative
+        if not path.is_file():
+            raise FileNotFoundError(f"dev split of {name!r} not found at {path}; set paths.data to shared/data")
+        items += _LOADERS[name](path)
+    return "\n\n".join(item.contexts[item.label] + item.continuations[item.label] for item in items)

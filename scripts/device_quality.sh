@@ -1,0 +1,50 @@
+#!/usr/bin/env bash
+# Real-pair quality runs on the lent H200 (Qwen2.5-Coder 0.5B → 1.5B), one stage per device call:
+#   bash scripts/device_quality.sh setup      wheels (.whl) + data (.stage/data) carried; install, check GPU
+#   (the GGUF chunks from ../shared/tools/split-for-device are moved to $HOME/stage by their own calls)
+#   bash scripts/device_quality.sh models     join + verify the GGUFs, de-quantize to safetensors (fetch_models.py)
+#   bash scripts/device_quality.sh attribution | domain    the experiments below (each ≤ BUDGET_S = 540 s)
+# The GPU image has no hydra/mlflow: hydra comes from the carried wheels, tracking writes JSON records
+# that come back as one tarball in $OUT and are imported here with `python -m src.tracking import DIR`.
+set -euo pipefail
+stage=$1
+export KVRELAY_HOME=/tmp/kvh PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1 TQDM_DISABLE=1 HF_HUB_OFFLINE=1
+OUT=${OUT:-/tmp/out}
+TASKS="[hellaswag,arc_easy,arc_challenge,winogrande,piqa,mmlu,lambada]"
+COMMON=(pair=qwen25coder_0p5b_to_1p5b pair.device=cuda "paths.data=$HOME/data" tracking.backend=json
+  "tracking.json_dir=$OUT/trk" "eval.tasks.names=$TASKS" eval.tasks.limit=100 eval.nll.streams=32
+  eval.nll.prefix_len=512 eval.nll.horizon=128 eval.latency.prefix_len=512)
+DEADLINE=$((SECONDS + ${BUDGET_S:-540}))  # every stage ends inside one device call, records packed
+run() {
+  local left=$((DEADLINE - SECONDS))
+  if [ "$left" -lt 30 ]; then echo "SKIPPED (out of time): $*" | tee -a "$OUT/log.txt"; return; fi
+  timeout "$left" python3 -m src.run -m "${COMMON[@]}" "$@" 2>&1 | tee -a "$OUT/log.txt" || echo "FAILED: $*"
+}
+pack() { [ -d "$OUT/trk" ] && tar czf "$OUT/trk-$stage.tgz" -C "$OUT" trk && rm -rf "$OUT/trk"; }
+trap pack EXIT
+METHODS=+method=head_local,head_local_attn_repair,full_head_k4,block_pca,cyclic_shift
+DIAGNOSE=(eval.diagnose.fidelity=true eval.diagnose.swaps=true)
+
+case $stage in
+  setup)
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+    mkdir -p "$HOME/data" && cp -r .stage/data/. "$HOME/data/"
+    nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv
+    python3 -c "import torch, transformers, hydra, gguf; print(torch.__version__, transformers.__version__)"
+    mkdir -p "$OUT/trk" ;;
+  models)
+    for name in qwen25coder_0p5b:qwen2.5-coder-0.5b-q4.gguf qwen25coder_1p5b:qwen2.5-coder-1.5b-q4.gguf; do
+      mkdir -p "$KVRELAY_HOME/gguf/${name%%:*}"
+      cat "$HOME/stage/${name#*:}".part-* > "$KVRELAY_HOME/gguf/${name%%:*}/${name#*:}"
+    done
+    python3 scripts/fetch_models.py qwen25coder_0p5b qwen25coder_1p5b 2>&1 | grep -v "it/s\]" | tail -4
+    mkdir -p "$OUT/trk" ;;
+  attribution)  # paper budget on Gutenberg: the Table-2 rows, then the budget sweep (NLL + R² only)
+    run budget=paper "$METHODS" "${DIAGNOSE[@]}" tracking.experiment=real_attribution
+    run budget=paper +method=head_local fit.sequences=50,100,200 "eval.tasks.names=[]" tracking.experiment=real_budget ;;
+  domain)  # calibration domain (books + task-format dev text + web-like text), then the levers on it
+    run budget=paper_mix +method=head_local,head_local_attn_repair "${DIAGNOSE[@]}" tracking.experiment=real_domain
+    run budget=paper_mix +method=head_local eval.levers.native_sink=4 eval.levers.hold_back=0,8,16,32 \
+      tracking.experiment=real_levers ;;
+  *) echo "unknown stage $stage" >&2; exit 2 ;;
+esac
