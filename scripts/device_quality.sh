@@ -44,7 +44,9 @@ case $stage in
     run budget=paper +method=head_local fit.sequences=50,100,200 "eval.tasks.names=[]" tracking.experiment=real_budget ;;
   domain)  # calibration domain (books + task-format dev text + web-like text), then the levers on it
     run budget=paper_mix +method=head_local,head_local_attn_repair "${DIAGNOSE[@]}" tracking.experiment=real_domain
-    run budget=paper_mix +method=head_local eval.levers.native_sink=4 eval.levers.hold_back=0,8,16,32 \
+    run budget=paper_mix +method=head_local eval.levers.native_sink=4 eval.levers.hold_back=0,16,32 \
+      tracking.experiment=real_levers
+    run budget=paper_mix +method=head_local eval.levers.native_sink=4 eval.levers.native_layers=2,7 \
       tracking.experiment=real_levers ;;
   *) echo "unknown stage $stage" >&2; exit 2 ;;
 esac

@@ -195,32 +195,97 @@ def handoff(transfer: KVTransfer, source_cache, input_ids: torch.Tensor) -> Hand
         return Handoff(cache=prefill(transfer.target, input_ids), mode="prefill", reason=str(refusal))
 
 
-@torch.no_grad()
-def spliced_cache(
-    transfer: KVTransfer, source_cache, input_ids: torch.Tensor, native_sink: int, hold_back: int
-) -> DynamicCache:
-    """Target cache for input_ids [B, T] that spends only (native_sink + hold_back) tokens of target prefill.
+@dataclass(frozen=True)
+class Levers:
+    """Target work kept native around a mapped prefix: the first `native_sink` tokens (exact — their K/V
+    depend on those tokens alone, the attention sink), the last `hold_back` tokens (re-prefilled on top of
+    the spliced prefix), and the first `native_layers` target layers over the whole prefix (a target
+    prefill stopped after that layer)."""
 
-    Tokens 0..s−1 are prefilled natively on the target — exact, since their K/V depend on those tokens
-    alone (the attention sink); tokens s..T−w−1 are mapped from the source cache at their own positions;
-    the last w tokens are re-prefilled natively on top of the spliced prefix (hold-back)."""
-    total = input_ids.shape[1]
-    if native_sink < 0 or hold_back < 0 or native_sink + hold_back > total:
-        raise ValueError(f"native_sink={native_sink} + hold_back={hold_back} must fit in {total} tokens")
-    end = total - hold_back
-    cache = prefill(transfer.target, input_ids[:, :native_sink]) if native_sink else None
-    if end > native_sink:
-        middle = [(k[:, :, native_sink:end], v[:, :, native_sink:end]) for k, v in _layers_of(source_cache)]
-        mapped = transfer(middle, positions=torch.arange(native_sink, end))
+    native_sink: int = 0
+    hold_back: int = 0
+    native_layers: int = 0
+
+    def __post_init__(self) -> None:
+        if min(self.native_sink, self.hold_back, self.native_layers) < 0:
+            raise ValueError(f"levers must be ≥ 0, got {self}")
+
+    def clipped(self, prefix_len: int) -> Levers:
+        """The levers a prefix of `prefix_len` tokens can take: the sink first, then the hold-back."""
+        sink = min(self.native_sink, prefix_len)
+        return Levers(sink, min(self.hold_back, prefix_len - sink), self.native_layers)
+
+    def prefill_fraction(self, prefix_len: int, num_layers: int) -> float:
+        """Share of the target's prefill compute (layer × token work) still spent on a prefix of
+        `prefix_len` tokens: sink and hold-back tokens in full, the mapped span in its native layers."""
+        c = self.clipped(prefix_len)
+        mapped = prefix_len - c.native_sink - c.hold_back
+        layers = min(c.native_layers, num_layers) / num_layers
+        return (c.native_sink + c.hold_back + mapped * layers) / prefix_len if prefix_len else 1.0
+
+    def __bool__(self) -> bool:
+        return bool(self.native_sink or self.hold_back or self.native_layers)
+
+
+NO_LEVERS = Levers()  # pure transfer: every prefix token mapped
+
+
+class _StopForward(Exception):
+    pass
+
+
+def _raise_stop(*_) -> None:
+    raise _StopForward
+
+
+@torch.no_grad()
+def prefill_layers(model: PreTrainedModel, input_ids: torch.Tensor, layers: int) -> DynamicCache:
+    """The model's own cache of input_ids [B, T] in its first `layers` decoder layers only: the forward
+    stops after layer `layers` − 1 (later cache layers stay empty)."""
+    device = next(model.parameters()).device
+    cache = DynamicCache(config=model.config)
+    handle = model.model.layers[layers - 1].register_forward_hook(_raise_stop)
+    try:
+        model(input_ids.to(device), past_key_values=cache, use_cache=True, logits_to_keep=1)
+    except _StopForward:
+        pass
+    finally:
+        handle.remove()
+    return cache
+
+
+@torch.no_grad()
+def spliced_cache(transfer: KVTransfer, source_cache, input_ids: torch.Tensor, levers: Levers) -> DynamicCache:
+    """Target cache for input_ids [B, T] that spends only the levers' target prefill (`Levers`).
+
+    Tokens 0..s−1 are prefilled natively on the target; tokens s..T−w−1 are mapped from the source cache at
+    their own positions, except in the first `native_layers` layers, which a stopped target prefill of
+    0..T−w−1 fills; the last w tokens are re-prefilled natively on top of the spliced prefix."""
+    total, sink, hold = input_ids.shape[1], levers.native_sink, levers.hold_back
+    if sink + hold > total:
+        raise ValueError(f"native_sink={sink} + hold_back={hold} must fit in {total} tokens")
+    end = total - hold
+    target = transfer.target
+    native_layers = min(levers.native_layers, len(target.model.layers))
+    if end == 0:
+        return prefill(target, input_ids)
+    cache = prefill(target, input_ids[:, :sink]) if sink else None
+    if end > sink:
+        middle = [(k[:, :, sink:end], v[:, :, sink:end]) for k, v in _layers_of(source_cache)]
+        mapped = transfer(middle, positions=torch.arange(sink, end))
         if cache is None:
             cache = mapped
         else:
             for layer, (own, new) in enumerate(zip(cache.layers, mapped.layers, strict=True)):
                 cache.layers[layer].keys = torch.cat([own.keys, new.keys], dim=2)
                 cache.layers[layer].values = torch.cat([own.values, new.values], dim=2)
-    if hold_back:
-        device = transfer.device
-        if cache is None:
-            return prefill(transfer.target, input_ids)
-        transfer.target(input_ids[:, end:].to(device), past_key_values=cache, use_cache=True, logits_to_keep=1)
+        if native_layers:
+            early = prefill_layers(target, input_ids[:, :end], native_layers)
+            for layer in range(native_layers):
+                cache.layers[layer].keys, cache.layers[layer].values = (
+                    early.layers[layer].keys,
+                    early.layers[layer].values,
+                )
+    if hold:
+        target(input_ids[:, end:].to(transfer.device), past_key_values=cache, use_cache=True, logits_to_keep=1)
     return cache

@@ -20,7 +20,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from src import tracking
-from src.apply import KVTransfer
+from src.apply import KVTransfer, Levers
 from src.artifact import ArtifactError, Mapper, load_mapper, save_mapper
 from src.corpus import token_sequences
 from src.eval.accuracy import TaskScores, by_length, compare, score_task, summarize
@@ -203,11 +203,11 @@ def native_scores(cfg: DictConfig, pair: Pair, mode: str, task: str) -> TaskScor
 def task_metrics(cfg: DictConfig, pair: Pair, transfer: KVTransfer) -> tuple[dict[str, float], dict]:
     """`task.<name>.<metric>` and `task.mean.<metric>` of the transfer against both native models, and the
     per-item scores of every mode (for paired comparisons between runs)."""
-    levers, metrics, items, per_task = cfg.eval.levers, {}, {}, {}
+    levers, metrics, items, per_task = Levers(**cfg.eval.levers), {}, {}, {}
     for task in cfg.eval.tasks.names:
         source, target = (native_scores(cfg, pair, mode, task) for mode in ("native_source", "native_target"))
         items_of_task = load_task(task, cfg.paths.data, cfg.eval.tasks.limit)
-        method = score_task("transfer", pair, items_of_task, transfer, levers.native_sink, levers.hold_back)
+        method = score_task("transfer", pair, items_of_task, transfer, levers)
         per_task[task] = compare(task, source, target, method, cfg.eval.tasks.n_boot)
         metrics |= {f"task.{task}.{name}": value for name, value in per_task[task].items()}
         metrics |= {f"task.{task}.{name}": value for name, value in by_length(method).items()}
@@ -251,9 +251,8 @@ def fit_eval(cfg: DictConfig) -> float:
     streams = token_sequences(
         cfg.paths.data, nll_cfg.corpus, nll_cfg.streams, nll_cfg.prefix_len + nll_cfg.horizon, pair.tokenizer, vocab
     )
-    metrics |= horizon_nll(
-        transfer, streams, nll_cfg.prefix_len, cfg.eval.levers.native_sink, cfg.eval.levers.hold_back
-    )
+    levers = Levers(**cfg.eval.levers)
+    metrics |= horizon_nll(transfer, streams, nll_cfg.prefix_len, levers)
     items = {}
     if cfg.eval.tasks.names:
         task_scores, items = task_metrics(cfg, pair, transfer)
@@ -263,24 +262,16 @@ def fit_eval(cfg: DictConfig) -> float:
     if cfg.eval.diagnose.swaps:
         metrics |= swap_nll(transfer, streams, nll_cfg.prefix_len)
     prefix = token_sequences(cfg.paths.data, nll_cfg.corpus, 1, latency_cfg.prefix_len, pair.tokenizer, vocab)
-    metrics |= handoff_latency(
-        transfer,
-        prefix,
-        latency_cfg.repeats,
-        latency_cfg.warmup,
-        cfg.eval.levers.native_sink,
-        cfg.eval.levers.hold_back,
-    )
+    metrics |= handoff_latency(transfer, prefix, latency_cfg.repeats, latency_cfg.warmup, levers)
     if cfg.eval.rollback:
         metrics |= verify_rollback(transfer, prefix)
     if torch.cuda.is_available():
         metrics["gpu_peak_memory_mb"] = torch.cuda.max_memory_allocated() / 2**20
-    levers = cfg.eval.levers
     run_name = f"{cfg.pair.name}:{manifest['method']}:k{cfg.fit.k}"
     if cfg.fit.sequences is not None:
         run_name += f":n{cfg.fit.sequences}"
-    if levers.native_sink or levers.hold_back:
-        run_name += f":sink{levers.native_sink}:hold{levers.hold_back}"
+    if levers:
+        run_name += f":sink{levers.native_sink}:hold{levers.hold_back}:layers{levers.native_layers}"
     with tracking.job_run(
         cfg,
         run_name,

@@ -12,7 +12,7 @@ import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
-from src.apply import KVTransfer, prefill
+from src.apply import KVTransfer, Levers, prefill
 from src.corpus import token_sequences
 from src.eval.accuracy import TaskScores, by_length, compare, encode_pair, score_task, summarize
 from src.eval.diagnose import cache_fidelity, swap_nll
@@ -96,12 +96,12 @@ def test_native_scores_equal_a_full_forward():
 
 
 @pytest.mark.parametrize("task", ["arc_easy", "winogrande", "lambada"])
-@pytest.mark.parametrize(("sink", "hold"), [(0, 0), (4, 0), (2, 8), (500, 0)])
-def test_identity_transfer_with_levers_equals_native(task, sink, hold):
+@pytest.mark.parametrize(("sink", "hold", "layers"), [(0, 0, 0), (4, 0, 0), (2, 8, 0), (500, 0, 0), (2, 8, 1)])
+def test_identity_transfer_with_levers_equals_native(task, sink, hold, layers):
     pair, transfer = _identity()
     items = _items(task, 2)
     native = score_task("native_target", pair, items)
-    mapped = score_task("transfer", pair, items, transfer, sink, hold)
+    mapped = score_task("transfer", pair, items, transfer, Levers(sink, hold, layers))
     np.testing.assert_allclose(mapped.loglikelihoods, native.loglikelihoods, atol=1e-3)
     assert mapped.greedy == native.greedy
     for item, fraction in zip(items, mapped.prefill_fraction, strict=True):
@@ -110,7 +110,8 @@ def test_identity_transfer_with_levers_equals_native(task, sink, hold):
             for c, x in zip(item.contexts, item.continuations, strict=True)
         ]
         prefixes = prefixes[:1] if item.shared_context else prefixes
-        spent = sum(min(sink, p) + min(hold, p - min(sink, p)) for p in prefixes)
+        native = [min(sink, p) + min(hold, p - min(sink, p)) for p in prefixes]
+        spent = sum(n + (p - n) * layers / 3 for n, p in zip(native, prefixes, strict=True))  # 3 target layers
         assert fraction == pytest.approx(spent / sum(prefixes))
 
 

@@ -1,9 +1,9 @@
-"""Native sink and hold-back around a mapped prefix (src.apply.spliced_cache)."""
+"""Native sink, hold-back and native layers around a mapped prefix (src.apply.spliced_cache, Levers)."""
 
 import pytest
 import torch
 
-from src.apply import KVTransfer, prefill, spliced_cache
+from src.apply import KVTransfer, Levers, prefill, prefill_layers, spliced_cache
 from src.fit import fit_transfer
 from src.models import vocabulary_hash
 from src.traces import collect_traces
@@ -26,11 +26,14 @@ def _max_difference(a, b) -> float:
     )
 
 
-@pytest.mark.parametrize(("sink", "hold"), [(0, 0), (4, 0), (0, 5), (4, 5), (30, 0), (0, 30), (29, 1)])
-def test_identity_map_with_levers_equals_native(identity, sink, hold):
+@pytest.mark.parametrize(
+    ("sink", "hold", "layers"), [(0, 0, 0), (4, 0, 0), (0, 5, 0), (4, 5, 0), (30, 0, 0), (0, 30, 0), (29, 1, 0),
+                                 (0, 0, 1), (4, 5, 2), (0, 0, 3), (0, 0, 9)]
+)  # fmt: skip
+def test_identity_map_with_levers_equals_native(identity, sink, hold, layers):
     model, transfer, _ = identity
     ids = calibration_ids(2, 30, seed=3)
-    cache = spliced_cache(transfer, prefill(model, ids), ids, sink, hold)
+    cache = spliced_cache(transfer, prefill(model, ids), ids, Levers(sink, hold, layers))
     assert cache.get_seq_length() == 30
     assert _max_difference(cache, prefill(model, ids)) < 1e-4  # identity map reproduces the native cache
 
@@ -42,13 +45,13 @@ def test_native_sink_is_exact_and_hold_back_sees_the_mapped_prefix(identity):
     transfer = KVTransfer(broken, model, model, vocabulary_hash(model))
     ids = calibration_ids(1, 30, seed=4)
     native, sink_only = prefill(model, ids), prefill(model, ids[:, :6])
-    cache = spliced_cache(transfer, prefill(model, ids), ids, 6, 4)
+    cache = spliced_cache(transfer, prefill(model, ids), ids, Levers(6, 4))
     for own, sink, spliced in zip(native.layers, sink_only.layers, cache.layers, strict=True):
         assert torch.equal(sink.keys, spliced.keys[:, :, :6])  # sink: the target's own 6-token prefill
         assert torch.allclose(own.keys[:, :, :6], spliced.keys[:, :, :6], atol=1e-5)  # = native (causality)
         assert not torch.allclose(own.keys[:, :, 6:26], spliced.keys[:, :, 6:26])  # the mapped middle
     # hold-back tokens are the target's own computation on top of the spliced prefix
-    expected = spliced_cache(transfer, prefill(model, ids), ids[:, :26], 6, 0)
+    expected = spliced_cache(transfer, prefill(model, ids), ids[:, :26], Levers(6, 0))
     model(ids[:, 26:], past_key_values=expected, use_cache=True)
     assert _max_difference(cache, expected) == 0.0
 
@@ -57,4 +60,42 @@ def test_levers_must_fit(identity):
     model, transfer, _ = identity
     ids = calibration_ids(1, 10)
     with pytest.raises(ValueError, match="must fit"):
-        spliced_cache(transfer, prefill(model, ids), ids, 6, 5)
+        spliced_cache(transfer, prefill(model, ids), ids, Levers(6, 5))
+
+
+def test_levers_refuse_negative_values_and_clip_to_the_prefix():
+    with pytest.raises(ValueError, match="≥ 0"):
+        Levers(native_sink=-1)
+    assert Levers(4, 8, 2).clipped(10) == Levers(4, 6, 2) and Levers(12, 8).clipped(10) == Levers(10, 0)
+    assert not Levers() and Levers(native_layers=1)
+
+
+def test_prefill_fraction_counts_tokens_and_layers():
+    assert Levers().prefill_fraction(100, 28) == 0.0
+    assert Levers(4, 16).prefill_fraction(100, 28) == pytest.approx(0.2)
+    assert Levers(native_layers=7).prefill_fraction(100, 28) == pytest.approx(0.25)
+    assert Levers(4, 16, 7).prefill_fraction(100, 28) == pytest.approx(0.2 + 0.8 * 0.25)
+    assert Levers(200).prefill_fraction(100, 28) == 1.0
+
+
+@pytest.mark.parametrize("layers", [1, 2])
+def test_prefill_layers_is_the_native_cache_of_the_first_layers(identity, layers):
+    model, _, _ = identity
+    ids = calibration_ids(2, 20, seed=6)
+    native, early = prefill(model, ids), prefill_layers(model, ids, layers)
+    for index in range(layers):
+        assert torch.equal(early.layers[index].keys, native.layers[index].keys)
+        assert torch.equal(early.layers[index].values, native.layers[index].values)
+    assert early.layers[layers].keys is None or early.layers[layers].keys.numel() == 0
+
+
+def test_native_layers_replace_the_mapped_layers_only(identity):
+    model, _, mapper = identity
+    broken = type(mapper)(**{**mapper.tensors(), "manifest": mapper.manifest})
+    broken.weight_k, broken.weight_v = mapper.weight_k * 0.5, mapper.weight_v * 0.5
+    transfer = KVTransfer(broken, model, model, vocabulary_hash(model))
+    ids = calibration_ids(1, 24, seed=7)
+    native = prefill(model, ids)
+    cache = spliced_cache(transfer, prefill(model, ids), ids, Levers(native_layers=1))
+    assert torch.allclose(cache.layers[0].keys, native.layers[0].keys, atol=1e-6)
+    assert not torch.allclose(cache.layers[1].keys, native.layers[1].keys)

@@ -291,7 +291,7 @@ class _Measured(Exception):
 def test_latency_prefix_has_the_configured_length(first, ws, monkeypatch):
     lengths = []
 
-    def measure(transfer, prefix, repeats, warmup, native_sink, hold_back):
+    def measure(transfer, prefix, repeats, warmup, levers):
         lengths.append(prefix.shape[1])
         raise _Measured
 

@@ -15,7 +15,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from src.apply import KVTransfer
+from src.apply import NO_LEVERS, KVTransfer, Levers
 from src.eval.metrics import (
     accuracy_by_length,
     accuracy_difference_ci,
@@ -26,7 +26,7 @@ from src.eval.metrics import (
     retention,
     retention_ci,
 )
-from src.eval.scoring import choice_loglikelihoods, native_tokens
+from src.eval.scoring import choice_loglikelihoods
 from src.eval.tasks import METRICS, Item, choice_lengths
 from src.models import Pair
 
@@ -65,41 +65,32 @@ class TaskScores:
 
 @torch.no_grad()
 def score_task(
-    mode: str,
-    pair: Pair,
-    items: list[Item],
-    transfer: KVTransfer | None = None,
-    native_sink: int = 0,
-    hold_back: int = 0,
+    mode: str, pair: Pair, items: list[Item], transfer: KVTransfer | None = None, levers: Levers = NO_LEVERS
 ) -> TaskScores:
     """Every choice of every item scored in `mode` (with the levers in `transfer` mode)."""
     if not items:
         raise ValueError("no items to score")
+    layers = pair.target.config.get_text_config().num_hidden_layers
     scores = TaskScores(items[0].task, [], [], [], [], [], [])
     for item in tqdm(items, desc=f"{items[0].task}:{mode}", unit="item", leave=False):
         encoded = [encode_pair(pair.tokenizer, c, x) for c, x in zip(item.contexts, item.continuations, strict=True)]
         if item.shared_context:
-            context = torch.tensor(encoded[0][0])
-            results = choice_loglikelihoods(
-                mode, pair, context, [torch.tensor(x) for _, x in encoded], transfer, native_sink, hold_back
-            )
-            spent = [native_tokens(len(encoded[0][0]) - 1, native_sink, hold_back)]
+            groups = [(encoded[0][0], [x for _, x in encoded])]  # one context, every continuation
         else:
-            results = [
-                choice_loglikelihoods(mode, pair, torch.tensor(c), [torch.tensor(x)], transfer, native_sink, hold_back)[
-                    0
-                ]
-                for c, x in encoded
-            ]
-            spent = [native_tokens(len(c) - 1, native_sink, hold_back) for c, _ in encoded]
-        prefix = sum(max(len(c) - 1, 0) for c, _ in (encoded[:1] if item.shared_context else encoded))
-        native = sum(a + b for a, b in spent) if mode == "transfer" else prefix
+            groups = [(c, [x]) for c, x in encoded]  # one continuation after each context
+        results = []
+        for context, continuations in groups:
+            results += choice_loglikelihoods(
+                mode, pair, torch.tensor(context), [torch.tensor(x) for x in continuations], transfer, levers
+            )
+        prefixes = [len(context) - 1 for context, _ in groups]
+        spent = [levers.prefill_fraction(p, layers) * p if mode == "transfer" else p for p in prefixes]
         scores.loglikelihoods.append([r[0] for r in results])
         scores.greedy.append([r[1] for r in results])
         scores.labels.append(item.label)
         scores.lengths.append(choice_lengths(item))
         scores.context_tokens.append(len(encoded[0][0]))
-        scores.prefill_fraction.append(native / prefix if prefix else 1.0)
+        scores.prefill_fraction.append(sum(spent) / sum(prefixes) if sum(prefixes) else 1.0)
     return scores
 
 

@@ -11,7 +11,7 @@ from collections.abc import Callable
 
 import torch
 
-from src.apply import KVTransfer, prefill, spliced_cache
+from src.apply import NO_LEVERS, KVTransfer, Levers, prefill, spliced_cache
 
 
 def time_ms(fn: Callable[[], object], repeats: int, warmup: int, device: torch.device) -> list[float]:
@@ -41,14 +41,14 @@ def percentiles(times: list[float], name: str) -> dict[str, float]:
 
 @torch.no_grad()
 def handoff_latency(
-    transfer: KVTransfer, prefix: torch.Tensor, repeats: int, warmup: int, native_sink: int = 0, hold_back: int = 0
+    transfer: KVTransfer, prefix: torch.Tensor, repeats: int, warmup: int, levers: Levers = NO_LEVERS
 ) -> dict[str, float]:
     """apply and re-prefill latencies for prefix ids [B, T], and their p50 speedup. With levers, apply
-    includes the target's own prefill of the sink and hold-back tokens (`spliced_cache`)."""
+    includes the target's own prefill of the native tokens and layers (`spliced_cache`)."""
     source_cache = prefill(transfer.source, prefix)
     device = transfer.device
-    if native_sink or hold_back:
-        apply = lambda: spliced_cache(transfer, source_cache, prefix, native_sink, hold_back)
+    if levers:
+        apply = lambda: spliced_cache(transfer, source_cache, prefix, levers)
     else:
         apply = lambda: transfer(source_cache)
     metrics = percentiles(time_ms(apply, repeats, warmup, device), "apply")

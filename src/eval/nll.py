@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from transformers import DynamicCache, PreTrainedModel
 
-from src.apply import KVTransfer, prefill, spliced_cache
+from src.apply import NO_LEVERS, KVTransfer, Levers, prefill, spliced_cache
 
 
 @torch.no_grad()
@@ -27,22 +27,23 @@ def continuation_nll(model: PreTrainedModel, cache: DynamicCache, ids: torch.Ten
 
 
 def horizon_nll(
-    transfer: KVTransfer, streams: torch.Tensor, prefix_len: int, native_sink: int = 0, hold_back: int = 0
+    transfer: KVTransfer, streams: torch.Tensor, prefix_len: int, levers: Levers = NO_LEVERS
 ) -> dict[str, float]:
     """Mean horizon NLL of native source, native target and the transferred cache on streams [N, P+H];
-    the transferred prefix may keep `native_sink` leading and `hold_back` trailing tokens native."""
+    the transferred prefix may keep the levers' tokens and layers native."""
     source, target = transfer.source, transfer.target
     prefix = streams[:, : prefix_len - 1]
     modes: dict[str, Callable[[], tuple[PreTrainedModel, DynamicCache]]] = {
         "native_source": lambda: (source, prefill(source, prefix)),
         "native_target": lambda: (target, prefill(target, prefix)),
-        "transfer": lambda: (target, spliced_cache(transfer, prefill(source, prefix), prefix, native_sink, hold_back)),
+        "transfer": lambda: (target, spliced_cache(transfer, prefill(source, prefix), prefix, levers)),
     }
     scores = {}
     for mode, build in modes.items():
         model, cache = build()
         scores[f"nll_{mode}"] = float(continuation_nll(model, cache, streams, prefix_len).mean())
     gap = scores["nll_native_source"] - scores["nll_native_target"]
-    scores["prefill_fraction"] = (native_sink + hold_back) / prefix.shape[1]  # target prefill still spent
+    layers = target.config.get_text_config().num_hidden_layers
+    scores["prefill_fraction"] = levers.prefill_fraction(prefix.shape[1], layers)  # target prefill still spent
     scores["nll_gap_recovered"] = (scores["nll_native_source"] - scores["nll_transfer"]) / gap if gap else float("nan")
     return scores

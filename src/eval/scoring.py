@@ -17,7 +17,7 @@ import torch
 from torch.nn.utils.rnn import pad_sequence
 from transformers import DynamicCache, PreTrainedModel
 
-from src.apply import KVTransfer, prefill, spliced_cache
+from src.apply import NO_LEVERS, KVTransfer, Levers, prefill, spliced_cache
 from src.models import Pair
 
 MODES = ("native_source", "native_target", "transfer")
@@ -37,27 +37,18 @@ def reading_model(mode: str, pair: Pair) -> PreTrainedModel:
     return pair.source if mode == "native_source" else pair.target
 
 
-def native_tokens(prefix_len: int, native_sink: int, hold_back: int) -> tuple[int, int]:
-    """The (sink, hold-back) actually spent on a prefix of `prefix_len` tokens: sink first, both clipped."""
-    if native_sink < 0 or hold_back < 0:
-        raise ValueError(f"native_sink and hold_back must be ≥ 0, got {native_sink}, {hold_back}")
-    sink = min(native_sink, prefix_len)
-    return sink, min(hold_back, prefix_len - sink)
-
-
 @torch.no_grad()
 def context_cache(
     mode: str,
     pair: Pair,
     context_ids: torch.Tensor,
     transfer: KVTransfer | None = None,
-    native_sink: int = 0,
-    hold_back: int = 0,
+    levers: Levers = NO_LEVERS,
 ) -> DynamicCache:
     """The reading model's cache of context_ids[:-1] (context_ids [T_c]): the one prefill (+ map) per context.
 
-    In `transfer` mode the first `native_sink` and last `hold_back` prefix tokens are computed natively on
-    the target (`spliced_cache`), clipped to the prefix (`native_tokens`). A one-token context leaves
+    In `transfer` mode the levers' tokens and layers are computed natively on the target (`spliced_cache`),
+    clipped to the prefix (`Levers.clipped`). A one-token context leaves
     nothing to prefill or transfer: the cache is empty and the reading model reads that token itself. A
     source cache the transfer refuses raises `TransferError` (no silent rollback).
     """
@@ -68,9 +59,9 @@ def context_cache(
     if prefix.shape[1] == 0:
         return DynamicCache(config=reading_model(mode, pair).config)
     if mode == "transfer":
-        sink, held = native_tokens(prefix.shape[1], native_sink, hold_back)
+        clipped = levers.clipped(prefix.shape[1])
         source_cache = prefill(pair.source, prefix)
-        return spliced_cache(transfer, source_cache, prefix, sink, held) if sink or held else transfer(source_cache)
+        return spliced_cache(transfer, source_cache, prefix, clipped) if clipped else transfer(source_cache)
     return prefill(reading_model(mode, pair), prefix)
 
 
@@ -102,11 +93,10 @@ def choice_loglikelihoods(
     context_ids: torch.Tensor,
     continuations: list[torch.Tensor],
     transfer: KVTransfer | None = None,
-    native_sink: int = 0,
-    hold_back: int = 0,
+    levers: Levers = NO_LEVERS,
 ) -> list[tuple[float, bool]]:
     """(sum log p, is greedy) of each continuation [L_i] given context_ids [T_c]; one prefill (+ map) in all."""
-    cache = context_cache(mode, pair, context_ids, transfer, native_sink, hold_back)
+    cache = context_cache(mode, pair, context_ids, transfer, levers)
     return score_continuations(reading_model(mode, pair), cache, int(context_ids[-1]), continuations)
 
 
