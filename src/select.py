@@ -33,7 +33,11 @@ def _probe_r2(source: torch.Tensor, target: torch.Tensor, head_index: torch.Tens
         cross = cross + torch.einsum("jhbp,lhbd->jlhpd", xc, yc)  # [L_s, L_t, H_t, p, d_t]
         total = total + (yc * yc).sum((2, 3))  # [L_t, H_t]
     p = gram.shape[-1]
-    jitter = 1e-9 * gram.diagonal(dim1=-2, dim2=-1).mean(-1)[..., None, None] * torch.eye(p, dtype=gram.dtype)
+    jitter = (
+        1e-9
+        * gram.diagonal(dim1=-2, dim2=-1).mean(-1)[..., None, None]
+        * torch.eye(p, dtype=gram.dtype, device=gram.device)
+    )
     solution = torch.linalg.solve(gram + jitter, cross.permute(0, 2, 3, 1, 4).flatten(3))  # [L_s, H_t, p, L_t·d_t]
     explained = (cross.permute(0, 2, 3, 1, 4).flatten(3) * solution).sum(2)  # [L_s, H_t, L_t·d_t]
     explained = explained.unflatten(-1, (target.shape[0], -1)).sum(-1)  # [L_s, H_t, L_t]

@@ -1,0 +1,469 @@
+"""Fused mapper application: a source KV cache → the target's K/V in cache layout, in three kernel launches.
+
+Per target layer ℓ, target head h and token t — what `src.apply.KVTransfer` computes (Eqs. 7, 11):
+
+    x_ℓh = [content(source layer S_ℓ[j], source head a_h[g])  for j < k, g < f]     # [T, p], p = k·f·d_s
+    k̂ = RoPE_target(x_K · W_K[ℓ, h] + b_K[ℓ, h]),   v̂ = x_V · W_V[ℓ, h] + b_V[ℓ, h]   # [T, d_t]
+
+Fast path (Triton, CUDA): `_derope_kernel` takes the source RoPE off every source key once (a source layer
+feeds ≈ k·L_t/L_s target layers, so this beats de-rotating inside every GEMM prologue) and rounds it as the
+reference does; `_map_kernel`, once per component, gathers by pointer arithmetic inside its K-loop (no feature
+copy), multiplies with `tl.dot` (compute-dtype inputs, fp32 accumulator), adds the bias, rotates the fp32
+accumulator with the target's RoPE, casts and stores straight into [L_t, B, H_t, T, d_t]. Each program
+computes one target head's columns as two halves — the two members of every RoPE pair — so the rotation needs
+no register shuffles; the interleaved layout is the same code with stride-2 column offsets. Full-Head (every
+target head reads the same source heads) is the same kernel: the H_t programs of one token block read the
+same feature tiles back to back, i.e. one GEMM against W viewed as [p, H_t·d_t] tiled by head, out of L2.
+
+`map_cache_ref` is the pure-torch reference (`src.apply.map_layers`) and the fallback: no triton, CPU
+tensors, partial rotary on the target, source head dims that are not a multiple of 16.
+Triton is optional (guarded import; kernels are decorated on first use): without it this module imports and falls back.
+"""
+
+import functools
+import os
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from types import SimpleNamespace
+
+import torch
+
+from src.apply import layer_groups, map_layers, shares_heads
+from src.artifact import Mapper
+from src.rope import apply_rope, remove_rope
+
+try:
+    import triton
+    import triton.language as tl
+
+    HAVE_TRITON = True
+except ImportError:  # CPU CI: the reference only; annotations below still need `tl.constexpr`
+    HAVE_TRITON = False
+    tl = SimpleNamespace(constexpr=int)
+
+LAYOUTS = ("half", "interleaved")
+DEROPE_BLOCK_T = 16  # tokens per `_derope_kernel` program (memory bound: small tiles, few registers)
+Layers = torch.Tensor | Sequence[torch.Tensor]  # stacked [L_s, B, H_s, T, d_s] or L_s tensors [B, H_s, T, d_s]
+
+
+@dataclass(frozen=True)
+class KernelConfig:
+    """Tile of `_map_kernel`: block_m tokens × one target head; block_k feature channels per K step."""
+
+    block_m: int = 128
+    block_k: int = 64
+    num_warps: int = 8
+    num_stages: int = 3
+
+
+def default_config(seq: int, compute_dtype: torch.dtype) -> KernelConfig:
+    """fp32 tiles take half the channels per stage (shared memory); short prefixes use 64-token blocks."""
+    block_m = 64 if seq <= 64 else 128
+    return KernelConfig(block_m=block_m, block_k=32 if compute_dtype == torch.float32 else 64)
+
+
+# --------------------------------------------------------------------------- kernels
+
+
+def _derope_kernel(
+    x_ptr,  # [L_s, B, H_s, T, d_s] RoPE'd source keys, channels contiguous
+    out_ptr,  # [L_s, B, H_s, T, d_s] content keys, contiguous, compute dtype
+    cos_ptr,  # [B or 1, T, rope_dim] float32
+    sin_ptr,
+    seq,
+    batch,
+    heads,
+    sxl,
+    sxb,
+    sxh,
+    sxt,
+    scb,  # batch stride of cos/sin (0: one table for the batch)
+    HALF: tl.constexpr,  # rope_dim // 2 rotated pairs
+    HEAD_DIM: tl.constexpr,
+    S_LO: tl.constexpr,  # channel of pair i: lo = i·S_LO, hi = i·S_LO + D_HI ("half": 1, HALF; "interleaved": 2, 1)
+    D_HI: tl.constexpr,
+    COS_HI: tl.constexpr,  # column of cos/sin for a pair's hi member: HALF ("half") or 0 ("interleaved")
+    BLOCK_T: tl.constexpr,
+    BLOCK_HALF: tl.constexpr,
+    BLOCK_PASS: tl.constexpr,  # next_pow2(HEAD_DIM − 2·HALF), 0 for full rotary
+):
+    """content = R(θ)ᵀ·key / (cos² + sin²) in fp32, rounded to the cache dtype, stored in the compute dtype."""
+    row = tl.program_id(0)  # over (L_s, B, H_s): grid axis 0, the only one not capped at 65,535
+    h, b, layer = row % heads, (row // heads) % batch, row // (heads * batch)
+    t = tl.program_id(1) * BLOCK_T + tl.arange(0, BLOCK_T)  # [BLOCK_T]
+    i = tl.arange(0, BLOCK_HALF)  # [BLOCK_HALF]
+    mask = (t < seq)[:, None] & (i < HALF)[None, :]  # [BLOCK_T, BLOCK_HALF]
+    x_row = x_ptr + layer.to(tl.int64) * sxl + b.to(tl.int64) * sxb + h * sxh + t[:, None] * sxt  # [BLOCK_T, 1]
+    lo = tl.load(x_row + i[None, :] * S_LO, mask=mask, other=0.0).to(tl.float32)  # [BLOCK_T, BLOCK_HALF]
+    hi = tl.load(x_row + i[None, :] * S_LO + D_HI, mask=mask, other=0.0).to(tl.float32)
+    c_row = b * scb + t[:, None] * (2 * HALF)  # [BLOCK_T, 1]
+    cos_lo = tl.load(cos_ptr + c_row + i[None, :], mask=mask, other=1.0)  # [BLOCK_T, BLOCK_HALF]
+    sin_lo = tl.load(sin_ptr + c_row + i[None, :], mask=mask, other=0.0)
+    cos_hi = tl.load(cos_ptr + c_row + COS_HI + i[None, :], mask=mask, other=1.0)
+    sin_hi = tl.load(sin_ptr + c_row + COS_HI + i[None, :], mask=mask, other=0.0)
+    content_lo = (lo * cos_lo + hi * sin_lo) / (cos_lo * cos_lo + sin_lo * sin_lo)  # remove_rope, lo member
+    content_hi = (hi * cos_hi - lo * sin_hi) / (cos_hi * cos_hi + sin_hi * sin_hi)
+    cache_dtype = x_ptr.dtype.element_ty  # (one name per statement: codegen cannot unpack a tuple of dtypes)
+    out_dtype = out_ptr.dtype.element_ty
+    out_row = out_ptr + (row.to(tl.int64) * seq + t[:, None]) * HEAD_DIM  # [BLOCK_T, 1]
+    tl.store(out_row + i[None, :] * S_LO, content_lo.to(cache_dtype).to(out_dtype), mask=mask)
+    tl.store(out_row + i[None, :] * S_LO + D_HI, content_hi.to(cache_dtype).to(out_dtype), mask=mask)
+    if BLOCK_PASS > 0:  # partial rotary: the channels past rope_dim pass through
+        c = 2 * HALF + tl.arange(0, BLOCK_PASS)  # [BLOCK_PASS]
+        pass_mask = (t < seq)[:, None] & (c < HEAD_DIM)[None, :]  # [BLOCK_T, BLOCK_PASS]
+        kept = tl.load(x_row + c[None, :], mask=pass_mask, other=0.0)  # [BLOCK_T, BLOCK_PASS]
+        tl.store(out_row + c[None, :], kept.to(out_dtype), mask=pass_mask)
+
+
+def _map_kernel(
+    x_ptr,  # [L_s, B, H_s, T, d_s] source content rows (keys de-rotated, or values), channels contiguous
+    w_ptr,  # [L_t, H_t, p, d_t] contiguous, compute dtype
+    bias_ptr,  # [L_t, H_t, d_t]
+    layers_ptr,  # [L_t, K_SEL] int64 source layer of each selected block
+    heads_ptr,  # [H_t, FAN_IN] int64 source heads of each target head
+    out_ptr,  # [L_t, B, H_t, T, d_t] contiguous, out dtype
+    cos_ptr,  # [B or 1, T, d_t] float32 (target RoPE; unused when not ROPE)
+    sin_ptr,
+    flag_ptr,  # [L_t] int32: set to 1 where a stored value is not finite (when CHECK)
+    seq,
+    batch,
+    target_heads,
+    sxl,
+    sxb,
+    sxh,
+    sxt,
+    scb,
+    K_SEL: tl.constexpr,
+    FAN_IN: tl.constexpr,
+    D_S: tl.constexpr,
+    D_T: tl.constexpr,
+    HALF: tl.constexpr,  # D_T // 2
+    S_LO: tl.constexpr,
+    D_HI: tl.constexpr,
+    COS_HI: tl.constexpr,
+    ROPE: tl.constexpr,
+    CHECK: tl.constexpr,
+    PRECISION: tl.constexpr,
+    UPCAST: tl.constexpr,  # interpreter only: its bf16 dot is wrong, so multiply in fp32
+    BLOCK_M: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    BLOCK_HALF: tl.constexpr,
+):
+    """out[ℓ, b, h, t] = RoPE(Σ_q x[S_ℓ[j], b, a_h[g], t] · W[ℓ, h, q] + bias[ℓ, h]) over feature blocks q = (j, g)."""
+    h = tl.program_id(0)  # fastest: Full-Head's H_t programs of one token block share their feature tiles
+    t = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)  # [BLOCK_M]
+    b, layer = tl.program_id(2) % batch, tl.program_id(2) // batch
+    c = tl.arange(0, BLOCK_K)  # [BLOCK_K]
+    i = tl.arange(0, BLOCK_HALF)  # [BLOCK_HALF]
+    t_mask, i_mask = t < seq, i < HALF
+    col_lo, col_hi = i * S_LO, i * S_LO + D_HI  # [BLOCK_HALF] output columns of each pair's two members
+    x_tok = x_ptr + b.to(tl.int64) * sxb + t[:, None] * sxt + c[None, :]  # [BLOCK_M, BLOCK_K]
+    w_head = w_ptr + (layer * target_heads + h).to(tl.int64) * (K_SEL * FAN_IN * D_S * D_T)
+    acc_lo = tl.full((BLOCK_M, BLOCK_HALF), 0.0, tl.float32)  # builtins only: the interpreter runs them unpatched
+    acc_hi = tl.full((BLOCK_M, BLOCK_HALF), 0.0, tl.float32)
+    for kk in range(0, K_SEL * FAN_IN * D_S, BLOCK_K):
+        q = kk // D_S  # feature block: selected layer j, admitted head g
+        j, g = q // FAN_IN, q % FAN_IN
+        source_layer = tl.load(layers_ptr + layer * K_SEL + j)
+        source_head = tl.load(heads_ptr + h * FAN_IN + g)
+        x_block = x_tok + source_layer * sxl + source_head * sxh + (kk - q * D_S)  # the gather
+        x = tl.load(x_block, mask=t_mask[:, None], other=0.0)  # [BLOCK_M, BLOCK_K]
+        w_rows = w_head + (kk + c)[:, None] * D_T  # [BLOCK_K, 1]
+        w_lo = tl.load(w_rows + col_lo[None, :], mask=i_mask[None, :], other=0.0)  # [BLOCK_K, BLOCK_HALF]
+        w_hi = tl.load(w_rows + col_hi[None, :], mask=i_mask[None, :], other=0.0)
+        x = x.to(w_lo.dtype)  # what gather_features(...).to(weight dtype) does
+        if UPCAST:
+            x, w_lo, w_hi = x.to(tl.float32), w_lo.to(tl.float32), w_hi.to(tl.float32)
+        acc_lo = tl.dot(x, w_lo, acc_lo, input_precision=PRECISION)  # [BLOCK_M, BLOCK_HALF]
+        acc_hi = tl.dot(x, w_hi, acc_hi, input_precision=PRECISION)
+    bias_row = bias_ptr + (layer * target_heads + h) * D_T
+    acc_lo += tl.load(bias_row + col_lo, mask=i_mask, other=0.0).to(tl.float32)[None, :]
+    acc_hi += tl.load(bias_row + col_hi, mask=i_mask, other=0.0).to(tl.float32)[None, :]
+    mask = t_mask[:, None] & i_mask[None, :]  # [BLOCK_M, BLOCK_HALF]
+    if ROPE:  # apply_rope on the fp32 accumulator: (lo, hi) → (lo·cos − hi·sin, hi·cos + lo·sin)
+        c_row = b * scb + t[:, None] * D_T  # [BLOCK_M, 1]
+        cos_lo = tl.load(cos_ptr + c_row + i[None, :], mask=mask, other=0.0)  # [BLOCK_M, BLOCK_HALF]
+        sin_lo = tl.load(sin_ptr + c_row + i[None, :], mask=mask, other=0.0)
+        rotated_lo = acc_lo * cos_lo - acc_hi * sin_lo
+        cos_hi = tl.load(cos_ptr + c_row + COS_HI + i[None, :], mask=mask, other=0.0)
+        sin_hi = tl.load(sin_ptr + c_row + COS_HI + i[None, :], mask=mask, other=0.0)
+        acc_hi = acc_hi * cos_hi + acc_lo * sin_hi
+        acc_lo = rotated_lo
+    out_dtype = out_ptr.dtype.element_ty
+    y_lo, y_hi = acc_lo.to(out_dtype), acc_hi.to(out_dtype)  # [BLOCK_M, BLOCK_HALF]
+    out_row = out_ptr + ((layer * batch + b) * target_heads + h).to(tl.int64) * seq * D_T + t[:, None] * D_T
+    tl.store(out_row + col_lo[None, :], y_lo, mask=mask)
+    tl.store(out_row + col_hi[None, :], y_hi, mask=mask)
+    if CHECK:  # instead of an isfinite pass over the output: an atomic per non-finite entry, none when all is well
+        z_lo, z_hi = y_lo.to(tl.float32), y_hi.to(tl.float32)
+        finite = (tl.abs(z_lo) < float("inf")) & (tl.abs(z_hi) < float("inf"))  # NaN compares false
+        flag = flag_ptr + layer + 0 * (t[:, None] + i[None, :])  # [BLOCK_M, BLOCK_HALF], all at flag[ℓ]
+        tl.atomic_max(flag, tl.full((BLOCK_M, BLOCK_HALF), 1, tl.int32), mask=mask & (finite == 0))
+
+
+@functools.cache
+def _jit(name: str, interpret: bool) -> Callable:
+    """The kernel, decorated on first use: `triton.jit` reads TRITON_INTERPRET when it decorates."""
+    del interpret  # part of the cache key only
+    return triton.jit({"derope": _derope_kernel, "map": _map_kernel}[name])
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
+
+
+# --------------------------------------------------------------------------- host side
+
+
+def _stacked(layers: Layers) -> torch.Tensor:
+    """[L_s, B, H_s, T, d_s] with contiguous channels; a list of layers costs one copy (torch.stack)."""
+    x = layers if isinstance(layers, torch.Tensor) else torch.stack(list(layers))  # [L_s, B, H_s, T, d_s]
+    return x if x.stride(-1) == 1 else x.contiguous()
+
+
+def _rope_table(cos: torch.Tensor, seq: int) -> tuple[torch.Tensor, int]:
+    """cos [B or 1, 1, T, rope_dim] (src.rope.rope_cos_sin) or [T, rope_dim] → fp32 [B or 1, T, rope_dim], batch stride."""
+    table = cos.float().reshape(-1, seq, cos.shape[-1]).contiguous()  # [B or 1, T, rope_dim]
+    return table, (0 if table.shape[0] == 1 else table.stride(0))
+
+
+def _pairs(layout: str, half: int) -> dict[str, int]:
+    """Channel offsets of RoPE pair i (lo = i·S_LO, hi = lo + D_HI) and the cos column of its hi member."""
+    if layout == "half":
+        return dict(S_LO=1, D_HI=half, COS_HI=half)
+    return dict(S_LO=2, D_HI=1, COS_HI=0)  # src.rope._interleave: pair i uses cos[..., i] for both members
+
+
+def _pow2(n: int, floor: int = 16) -> int:
+    return max(floor, triton.next_power_of_2(n)) if n > 0 else 0
+
+
+def triton_unsupported(
+    source_keys: torch.Tensor, mapper: Mapper, source_cos: torch.Tensor, target_cos: torch.Tensor, layouts: tuple
+) -> str | None:
+    """Why the Triton path cannot run on these inputs (None: it can). source_keys: one layer or the stack."""
+    d_s, d_t = source_keys.shape[-1], mapper.weight_k.shape[-1]
+    reasons = {
+        "triton is not installed": not HAVE_TRITON,
+        "tensors are not on CUDA (set TRITON_INTERPRET=1 for the CPU interpreter)": source_keys.device.type != "cuda"
+        and not (_interpreting() and source_keys.device.type == "cpu"),
+        f"RoPE layouts {layouts} not in {LAYOUTS}": any(layout not in LAYOUTS for layout in layouts),
+        f"source head_dim {d_s} is not a multiple of 16": d_s % 16 != 0,
+        f"target head_dim {d_t} is odd": d_t % 2 != 0,
+        f"partial rotary on the target ({target_cos.shape[-1]} of {d_t} channels)": target_cos.shape[-1] != d_t,
+        f"source rope_dim {source_cos.shape[-1]} is odd": source_cos.shape[-1] % 2 != 0,
+        f"compute dtype {mapper.weight_k.dtype}": mapper.weight_k.dtype
+        not in (torch.bfloat16, torch.float16, torch.float32),
+    }
+    return next((reason for reason, failed in reasons.items() if failed), None)
+
+
+def derope_keys(
+    keys: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layout: str, dtype: torch.dtype
+) -> torch.Tensor:
+    """Triton `remove_rope` of stacked keys [L_s, B, H_s, T, d_s] → content keys [L_s, B, H_s, T, d_s] in dtype."""
+    num_layers, batch, heads, seq, head_dim = keys.shape
+    cos, stride = _rope_table(cos, seq)  # [B or 1, T, rope_dim]
+    sin, _ = _rope_table(sin, seq)
+    half = cos.shape[-1] // 2
+    out = torch.empty(keys.shape, dtype=dtype, device=keys.device)  # [L_s, B, H_s, T, d_s]
+    block_t = DEROPE_BLOCK_T
+    grid = (num_layers * batch * heads, triton.cdiv(seq, block_t))
+    _jit("derope", _interpreting())[grid](
+        keys, out, cos, sin, seq, batch, heads, *keys.stride()[:4], stride,
+        HALF=half, HEAD_DIM=head_dim, **_pairs(layout, half),
+        BLOCK_T=block_t, BLOCK_HALF=_pow2(half), BLOCK_PASS=_pow2(head_dim - 2 * half),
+        num_warps=4,
+    )  # fmt: skip
+    return out
+
+
+def _map_component(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor,
+    mapper: Mapper,
+    rope: tuple[torch.Tensor, torch.Tensor, str] | None,
+    out: torch.Tensor,
+    nonfinite: torch.Tensor | None,
+    config: KernelConfig,
+    precision: str,
+) -> None:
+    """One launch of `_map_kernel`: x [L_s, B, H_s, T, d_s] → out [L_t, B, H_t, T, d_t] (RoPE'd when rope)."""
+    _, batch, _, seq, d_s = x.shape
+    target_layers, target_heads, _, d_t = weight.shape
+    weight, bias = weight.contiguous(), bias.contiguous()  # no copies for a loaded mapper
+    layers, heads = (
+        mapper.source_layers.long().contiguous(),
+        mapper.head_index.long().contiguous(),
+    )  # [L_t, k], [H_t, f]
+    half = d_t // 2
+    cos, sin, layout = rope if rope is not None else (out, out, "half")  # dummies: never read without ROPE
+    if rope is not None:
+        cos, stride = _rope_table(cos, seq)  # [B or 1, T, d_t]
+        sin, _ = _rope_table(sin, seq)
+    else:
+        stride = 0
+    block_k = min(config.block_k, d_s & -d_s)  # the largest power of two dividing d_s (≥ 16)
+    grid = (target_heads, triton.cdiv(seq, config.block_m), target_layers * batch)
+    flags = nonfinite if nonfinite is not None else out
+    interpret = _interpreting()
+    _jit("map", interpret)[grid](
+        x, weight, bias, layers, heads, out, cos, sin, flags,
+        seq, batch, target_heads, *x.stride()[:4], stride,
+        K_SEL=layers.shape[1], FAN_IN=heads.shape[1], D_S=d_s, D_T=d_t, HALF=half,
+        **_pairs(layout, half), ROPE=rope is not None, CHECK=nonfinite is not None, PRECISION=precision,
+        UPCAST=interpret and weight.dtype != torch.float32,
+        BLOCK_M=config.block_m, BLOCK_K=block_k, BLOCK_HALF=_pow2(half),
+        num_warps=config.num_warps, num_stages=config.num_stages,
+    )  # fmt: skip
+
+
+def _fp32_precision() -> str:
+    """Follow torch's own fp32 matmul setting (the reference's baddbmm): TF32 only where torch allows it."""
+    return "tf32" if torch.backends.cuda.matmul.allow_tf32 else "ieee"
+
+
+def map_cache(
+    source_keys: Layers,
+    source_values: Layers,
+    mapper: Mapper,
+    source_cos: torch.Tensor,
+    source_sin: torch.Tensor,
+    target_cos: torch.Tensor,
+    target_sin: torch.Tensor,
+    source_layout: str = "half",
+    target_layout: str = "half",
+    out_dtype: torch.dtype | None = None,
+    nonfinite: torch.Tensor | None = None,
+    backend: str = "auto",
+    config: KernelConfig | None = None,
+    precision: str | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Source cache → target (keys, values), each [L_t, B, H_t, T, d_t] contiguous (`keys[ℓ]` is layer ℓ's cache).
+
+    source_keys / source_values: stacked [L_s, B, H_s, T, d_s] or a sequence of L_s layers [B, H_s, T, d_s]
+    (RoPE'd keys, as cached). mapper: already on the device in the compute dtype (`KVTransfer.mapper`).
+    cos / sin: `src.rope.rope_cos_sin` of each model's rotary module at the cache positions ([B or 1, 1, T, r]).
+    out_dtype: the target model's dtype (default: the source cache's). nonfinite: optional int32 [L_t] zeros,
+    set to 1 for every target layer with a non-finite mapped entry. backend: "auto" (Triton where supported,
+    else the reference), "triton" (raise if unsupported) or "torch". precision: tl.dot input precision for fp32
+    coefficients ("ieee", "tf32", "tf32x3"; default: follow torch.backends.cuda.matmul.allow_tf32)."""
+    if backend not in ("auto", "triton", "torch"):
+        raise ValueError(f"backend must be auto, triton or torch, not {backend!r}")
+    if nonfinite is not None and nonfinite.dtype != torch.int32:
+        raise ValueError(f"nonfinite must be an int32 [L_t] tensor, not {nonfinite.dtype}")
+    keys = _stacked(source_keys)  # [L_s, B, H_s, T, d_s]
+    out_dtype = out_dtype or keys.dtype
+    reason = triton_unsupported(keys, mapper, source_cos, target_cos, (source_layout, target_layout))
+    if backend == "triton" and reason is not None:
+        raise ValueError(f"Triton path unavailable: {reason}")
+    if backend == "torch" or reason is not None or keys.shape[3] == 0:
+        args = (source_cos, source_sin, target_cos, target_sin, source_layout, target_layout, out_dtype, nonfinite)
+        return map_cache_ref(keys, source_values, mapper, *args)
+    values = _stacked(source_values)  # [L_s, B, H_s, T, d_s]
+    _, batch, _, seq, _ = keys.shape
+    target_layers, target_heads, _, d_t = mapper.weight_k.shape
+    compute = mapper.weight_k.dtype
+    precision = precision or (_fp32_precision() if compute == torch.float32 else "tf32")  # tf32: ignored for bf16
+    config = config or default_config(seq, compute)
+    content = derope_keys(keys, source_cos, source_sin, source_layout, compute)  # [L_s, B, H_s, T, d_s]
+    shape = (target_layers, batch, target_heads, seq, d_t)
+    target_k = torch.empty(shape, dtype=out_dtype, device=keys.device)  # [L_t, B, H_t, T, d_t]
+    target_v = torch.empty(shape, dtype=out_dtype, device=keys.device)  # [L_t, B, H_t, T, d_t]
+    rope = (target_cos, target_sin, target_layout)
+    if nonfinite is not None:
+        nonfinite.zero_()
+    _map_component(content, mapper.weight_k, mapper.bias_k, mapper, rope, target_k, nonfinite, config, precision)
+    _map_component(values, mapper.weight_v, mapper.bias_v, mapper, None, target_v, nonfinite, config, precision)
+    return target_k, target_v
+
+
+@torch.no_grad()
+def map_cache_ref(
+    source_keys: Layers,
+    source_values: Layers,
+    mapper: Mapper,
+    source_cos: torch.Tensor,
+    source_sin: torch.Tensor,
+    target_cos: torch.Tensor,
+    target_sin: torch.Tensor,
+    source_layout: str = "half",
+    target_layout: str = "half",
+    out_dtype: torch.dtype | None = None,
+    nonfinite: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Pure torch, the computation of `src.apply.KVTransfer.__call__` (without its checks): same arguments and
+    result as `map_cache`."""
+    keys = _stacked(source_keys)  # [L_s, B, H_s, T, d_s]
+    values = _stacked(source_values)  # [L_s, B, H_s, T, d_s]
+    out_dtype = out_dtype or keys.dtype
+    _, batch, _, seq, _ = keys.shape
+    to_rows = lambda t: t.to(mapper.weight_k.device).transpose(1, 2).flatten(2, 3)  # [L_s, H_s, B·T, d_s]
+    content_k = to_rows(remove_rope(keys, source_cos, source_sin, source_layout))  # [L_s, H_s, B·T, d_s]
+    content_v = to_rows(values)  # [L_s, H_s, B·T, d_s]
+    to_cache = lambda t: t.unflatten(2, (batch, seq)).transpose(1, 2)  # [g, B, H_t, T, d_t]
+    shared = shares_heads(mapper)
+    mapped_k, mapped_v = [], []
+    for group in layer_groups(mapper, batch * seq, shared):
+        target_k, target_v = map_layers(mapper, group, content_k, content_v, shared)  # [g, H_t, B·T, d_t]
+        mapped_k.append(apply_rope(to_cache(target_k), target_cos, target_sin, target_layout).to(out_dtype))
+        mapped_v.append(to_cache(target_v).to(out_dtype))
+    target_k, target_v = torch.cat(mapped_k), torch.cat(mapped_v)  # [L_t, B, H_t, T, d_t]
+    if nonfinite is not None:
+        finite = torch.isfinite(target_k).flatten(1).all(1) & torch.isfinite(target_v).flatten(1).all(1)  # [L_t]
+        nonfinite.copy_((~finite).to(nonfinite.dtype))
+    return target_k, target_v
+
+
+# --------------------------------------------------------------------------- CUDA graph for a fixed shape
+
+
+class CapturedMapCache:
+    """`map_cache` captured once in a CUDA graph for one (batch, seq, dtypes): its launches replay as one.
+
+    A call copies its inputs into the graph's static buffers and replays; the returned (keys, values) ARE the
+    static output buffers, overwritten by the next call — consume or clone them first."""
+
+    def __init__(
+        self,
+        example_keys: Layers,
+        example_values: Layers,
+        mapper: Mapper,
+        source_cos: torch.Tensor,
+        source_sin: torch.Tensor,
+        target_cos: torch.Tensor,
+        target_sin: torch.Tensor,
+        source_layout: str = "half",
+        target_layout: str = "half",
+        out_dtype: torch.dtype | None = None,
+        **options,
+    ):
+        """Arguments as `map_cache` (options: nonfinite, backend, config, precision); the examples fix the shapes."""
+        self.keys = _stacked(example_keys).clone()  # [L_s, B, H_s, T, d_s] static inputs
+        self.values = _stacked(example_values).clone()  # [L_s, B, H_s, T, d_s]
+        self.tables = [t.clone() for t in (source_cos, source_sin, target_cos, target_sin)]  # static cos/sin
+        layouts = (source_layout, target_layout, out_dtype)
+        run = lambda: map_cache(self.keys, self.values, mapper, *self.tables, *layouts, **options)
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):  # compile and warm up outside the capture
+            run()
+        torch.cuda.current_stream().wait_stream(stream)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph):
+            self.out = run()  # (keys, values) [L_t, B, H_t, T, d_t], static
+
+    def __call__(
+        self, source_keys: Layers, source_values: Layers, *tables: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Inputs shaped like the examples (layers or stacked), optionally new cos/sin tables of the same shapes."""
+        for static, given in ((self.keys, source_keys), (self.values, source_values)):
+            if isinstance(given, torch.Tensor):
+                static.copy_(given)
+            else:
+                torch.stack(list(given), out=static)
+        for static, given in zip(self.tables, tables, strict=False):
+            static.copy_(given)
+        self.graph.replay()
+        return self.out

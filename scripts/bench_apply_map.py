@@ -1,0 +1,315 @@
+"""Mapper application at Qwen3-14B → 32B shapes: the reference (the `src.apply.map_layers` path of KVTransfer)
+vs the fused Triton path (`kernels.apply_map.map_cache`) and the same under a CUDA graph, per support and prefix.
+
+Random source caches and random coefficients of the exact shapes — timing, memory and numerics only. Rotary
+tables come from `transformers.Qwen3Config` (the real 14B / 32B sizes) through its rotary embedding class; no
+model is built. Times are CUDA-event p50 / p95 over --reps calls after --warmup; every path also computes
+the per-layer finiteness KVTransfer checks. Standalone: torch, triton, transformers and `src` only.
+
+    python scripts/bench_apply_map.py --out apply_map.json          # one H200: ≈ 1 min
+    python scripts/bench_apply_map.py --quick --out /tmp/apply.json  # CPU smoke (tiny shapes, reference only)
+"""
+
+import argparse
+import json
+import platform
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+import transformers
+from transformers import Qwen3Config
+from transformers.models.qwen3.modeling_qwen3 import Qwen3RotaryEmbedding
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from kernels.apply_map import (  # noqa: E402
+    HAVE_TRITON,
+    CapturedMapCache,
+    KernelConfig,
+    default_config,
+    map_cache,
+    map_cache_ref,
+    triton_unsupported,
+)
+from src.artifact import Mapper  # noqa: E402
+from src.rope import remove_rope, rope_cos_sin  # noqa: E402
+from src.select import depth_layers  # noqa: E402
+from src.support import head_assignment  # noqa: E402
+
+ROPE = {"rope_type": "default", "rope_theta": 1_000_000.0}
+QWEN3 = {  # the KV-relevant sizes of Qwen3-14B and Qwen3-32B (conf/pair/qwen3_14b_to_32b.yaml)
+    "source": dict(hidden_size=5120, intermediate_size=17408, num_hidden_layers=40, num_attention_heads=40),
+    "target": dict(hidden_size=5120, intermediate_size=25600, num_hidden_layers=64, num_attention_heads=64),
+}
+TINY = {
+    "source": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4),
+    "target": dict(hidden_size=96, intermediate_size=192, num_hidden_layers=6, num_attention_heads=6),
+}
+PEAK = {"bf16_dense_tflops": 790.0, "tf32_dense_tflops": 395.0, "hbm_gbps": 4800.0}  # H200 SXM
+SWEEP = {  # candidate `_map_kernel` tiles (block_m, block_k, num_warps, num_stages)
+    torch.bfloat16: [(128, 64, 8, 3), (128, 64, 8, 4), (128, 32, 8, 4), (64, 64, 4, 3), (64, 64, 4, 4)],
+    torch.float32: [(128, 32, 8, 3), (128, 32, 8, 2), (64, 32, 4, 3)],
+}
+
+
+def qwen3_config(sizes: dict, quick: bool) -> Qwen3Config:
+    heads = dict(num_key_value_heads=2, head_dim=16) if quick else dict(num_key_value_heads=8, head_dim=128)
+    return Qwen3Config(**sizes, **heads, vocab_size=151936, max_position_embeddings=40960, rope_parameters=ROPE)
+
+
+def random_mapper(source: Qwen3Config, target: Qwen3Config, support: str, k: int, dtype, device) -> Mapper:
+    """A mapper of the fitted shape (depth-proportional layers, the support's head map), drawn on the device."""
+    heads = head_assignment(support, source.num_key_value_heads, target.num_key_value_heads)  # [H_t, f]
+    width = k * heads.shape[1] * source.head_dim
+    shape = (target.num_hidden_layers, target.num_key_value_heads)
+    draw = lambda *s, scale: (torch.randn(*s, device=device) * scale).to(dtype)
+    return Mapper(
+        source_layers=depth_layers(source.num_hidden_layers, target.num_hidden_layers, k).to(device),  # [L_t, k]
+        head_index=heads.to(device),
+        weight_k=draw(*shape, width, target.head_dim, scale=width**-0.5),  # [L_t, H_t, p, d_t]
+        bias_k=draw(*shape, target.head_dim, scale=0.1),  # [L_t, H_t, d_t]
+        weight_v=draw(*shape, width, target.head_dim, scale=width**-0.5),
+        bias_v=draw(*shape, target.head_dim, scale=0.1),
+        manifest={"synthetic": True},
+    )
+
+
+def timed(fn: Callable[[], object], reps: int, warmup: int, cuda: bool) -> dict[str, float]:
+    """Per-call ms (CUDA events on GPU, perf_counter on CPU) after warm-up: p50, p95, mean."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    if cuda:
+        torch.cuda.synchronize()
+        events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(reps)]
+        for start, end in events:
+            start.record()
+            fn()
+            end.record()
+        torch.cuda.synchronize()
+        times = [start.elapsed_time(end) for start, end in events]
+    else:
+        for _ in range(reps):
+            began = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - began) * 1e3)
+    ordered = sorted(times)
+    return {
+        "ms_p50": statistics.median(ordered),
+        "ms_p95": ordered[min(len(ordered) - 1, round(0.95 * (len(ordered) - 1)))],
+        "ms_mean": statistics.fmean(ordered),
+    }
+
+
+def peak_extra_bytes(fn: Callable[[], object], cuda: bool) -> int | None:
+    """GPU memory a call allocates beyond what is live before it (outputs included)."""
+    if not cuda:
+        return None
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    result = fn()
+    torch.cuda.synchronize()
+    del result
+    return torch.cuda.max_memory_allocated() - before
+
+
+def work(mapper: Mapper, source: Qwen3Config, batch: int, seq: int, cache_bytes: int) -> dict[str, float]:
+    """Arithmetic (2 FLOP per MAC, K and V) and the minimum HBM traffic: source K/V + coefficients + target K/V."""
+    target_layers, target_heads, width, d_t = mapper.weight_k.shape
+    flops = 2 * 2 * target_layers * target_heads * batch * seq * width * d_t
+    source_bytes = 2 * source.num_hidden_layers * batch * source.num_key_value_heads * seq * source.head_dim
+    coefficients = 2 * (mapper.weight_k.numel() + mapper.bias_k.numel()) * mapper.weight_k.element_size()
+    target_bytes = 2 * target_layers * batch * target_heads * seq * d_t
+    return {"flop": flops, "bytes": (source_bytes + target_bytes) * cache_bytes + coefficients}
+
+
+def errors(ours, reference) -> dict[str, float]:
+    out = {}
+    for name, a, b in zip(("k", "v"), ours, reference, strict=True):
+        difference = (a.double() - b.double()).abs().max()
+        out[f"max_abs_err_{name}"] = float(difference)
+        out[f"max_rel_err_{name}"] = float(difference / b.double().abs().max())  # relative to the largest entry
+    return out
+
+
+def exact_errors(keys, values, mapper: Mapper, tables, outputs: dict, layers: int = 2) -> dict[str, float]:
+    """Error of each path vs fp64 on the first `layers` target layers, same rounded inputs (content keys)."""
+    compute = mapper.weight_k.dtype
+    content = remove_rope(torch.stack(keys), tables[0], tables[1]).to(compute).double()  # [L_s, B, H_s, T, d_s]
+    head = slice(0, layers)
+    weights = (mapper.weight_k, mapper.bias_k, mapper.weight_v, mapper.bias_v)
+    wide = Mapper(mapper.source_layers[head], mapper.head_index, *(t[head].double() for t in weights), manifest={})
+    identity = (torch.ones_like(tables[0]), torch.zeros_like(tables[1]))
+    values64 = torch.stack(values).to(compute).double()
+    exact = map_cache_ref(content, values64, wide, *identity, *tables[2:], out_dtype=torch.float64)
+    return {
+        f"{path}_rel_err_vs_fp64_{name}": float((a[head].double() - e).abs().max() / e.abs().max())
+        for path, pair in outputs.items()
+        for name, a, e in zip(("k", "v"), pair, exact, strict=True)
+    }
+
+
+def sweep_tiles(call: tuple, options: dict, compute: torch.dtype, cuda: bool) -> tuple[KernelConfig | None, dict]:
+    """p50 of every candidate tile (20 calls each); the fastest, and the per-tile results."""
+    timings, sweep = {}, {}
+    for tile in SWEEP[compute]:
+        config = KernelConfig(*tile)
+        try:
+            stats = timed(lambda c=config: map_cache(*call, **options, config=c), 20, 3, cuda)
+            timings[config] = stats["ms_p50"]
+        except Exception as error:  # a tile this GPU cannot hold (shared memory, registers)
+            stats = {"error": f"{type(error).__name__}: {str(error)[:200]}"}
+        sweep[str(tile)] = stats
+    return (min(timings, key=timings.get) if timings else None), sweep
+
+
+def measure(paths: dict[str, Callable], amount: dict, peak_tflops: float, args, cuda: bool) -> tuple[dict, dict]:
+    """Timing, throughput vs peaks and peak memory of every path, and one output of each (cloned)."""
+    rows, outputs = {}, {}
+    for name, fn in paths.items():
+        stats = timed(fn, args.reps, args.warmup, cuda)
+        tflops = amount["flop"] / (stats["ms_p50"] / 1e3) / 1e12
+        gbps = amount["bytes"] / (stats["ms_p50"] / 1e3) / 1e9
+        rows[name] = dict(
+            stats,
+            tflops=tflops,
+            gbps=gbps,
+            tflops_fraction_of_peak=tflops / peak_tflops,
+            gbps_fraction_of_peak=gbps / PEAK["hbm_gbps"],
+            peak_extra_bytes=peak_extra_bytes(fn, cuda),
+        )
+        outputs[name] = tuple(t.clone() for t in fn())
+    return rows, outputs
+
+
+def bench_prefix(args, source, target, mapper: Mapper, rotary: dict, seq: int, tuned: KernelConfig | None) -> dict:
+    """All paths at one prefix; sweeps the tiles first when `tuned` is None and the sweep is on."""
+    device = mapper.weight_k.device
+    cuda, compute, cache = device.type == "cuda", mapper.weight_k.dtype, getattr(torch, args.cache_dtype)
+    positions = torch.arange(seq, device=device)
+    tables = [*rope_cos_sin(rotary["s"], positions), *rope_cos_sin(rotary["t"], positions)]  # [1, 1, T, d]
+    shape = (args.batch, source.num_key_value_heads, seq, source.head_dim)
+    keys = [torch.randn(shape, device=device).to(cache) for _ in range(source.num_hidden_layers)]  # [B, H_s, T, d_s]
+    values = [torch.randn(shape, device=device).to(cache) for _ in range(source.num_hidden_layers)]
+    flags = torch.zeros(target.num_hidden_layers, dtype=torch.int32, device=device)  # [L_t]
+    call = (keys, values, mapper, *tables, "half", "half", cache)
+    options = {"nonfinite": flags, "precision": args.precision}  # Triton paths
+    paths = {"reference": lambda: map_cache_ref(*call, nonfinite=flags)}
+    reason = triton_unsupported(keys[0], mapper, tables[0], tables[2], ("half", "half"))
+    sweep = {}
+    if reason is None:
+        default = default_config(seq, compute)
+        if tuned is None and not args.no_sweep:
+            tuned, sweep = sweep_tiles(call, options, compute, cuda)
+        paths["triton"] = lambda: map_cache(*call, **options, config=default)
+        if tuned is not None and tuned != default:
+            paths["triton_tuned"] = lambda: map_cache(*call, **options, config=tuned)
+        if cuda and not args.no_graph:
+            graph = CapturedMapCache(*call, **options, config=tuned or default)
+            paths["triton_graph"] = lambda: graph(keys, values)
+    amount = work(mapper, source, args.batch, seq, cache.itemsize)
+    peak = PEAK["tf32_dense_tflops" if compute == torch.float32 else "bf16_dense_tflops"]
+    rows, outputs = measure(paths, amount, peak, args, cuda)
+    for name in rows:
+        rows[name] |= errors(outputs[name], outputs["reference"])
+    if not args.no_exact:
+        exact = exact_errors(keys, values, mapper, tables, {n: o for n, o in outputs.items() if "graph" not in n})
+        for key, value in exact.items():
+            path, metric = key.split("_rel_err_vs_fp64_")
+            rows[path][f"rel_err_vs_fp64_{metric}"] = value
+    nonfinite = int(flags.sum())  # set by the last path measured; random finite data → 0
+    return {"work": amount, "paths": rows, "nonfinite_layers": nonfinite, "triton_unsupported": reason} | {
+        "sweep": sweep,
+        "tuned": tuned,
+    }
+
+
+def bench_support(args, source, target, support: str, device: str) -> dict:
+    compute = getattr(torch, args.compute_dtype)
+    mapper = random_mapper(source, target, support, args.k, compute, device)
+    rotary = {role: Qwen3RotaryEmbedding(config).to(device) for role, config in (("s", source), ("t", target))}
+    results, tuned, sweep = {}, None, {}
+    for seq in sorted(args.prefix, reverse=True):  # the longest first: it runs the tile sweep
+        result = bench_prefix(args, source, target, mapper, rotary, seq, tuned)
+        tuned, swept = result.pop("tuned"), result.pop("sweep")
+        sweep = sweep or swept
+        results[str(seq)] = result
+        rows = result["paths"]
+        line = ", ".join(
+            f"{n} {r['ms_p50']:.3f}/{r['ms_p95']:.3f} ms ({r['tflops']:.0f} TFLOP/s)" for n, r in rows.items()
+        )
+        print(f"{support:>5} T={seq:>5}: {line}", flush=True)
+        if device == "cuda":
+            torch.cuda.empty_cache()
+    return {
+        "prefixes": results,
+        "sweep_at": max(args.prefix),
+        "sweep": sweep,
+        "tuned_config": asdict(tuned) if tuned else None,
+        "default_config": asdict(default_config(max(args.prefix), compute)),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--prefix", type=int, nargs="+", default=[128, 512, 1024])
+    parser.add_argument("--supports", nargs="+", default=["local", "full"], choices=["local", "full"])
+    parser.add_argument("--k", type=int, default=8)
+    parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--reps", type=int, default=50)
+    parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--compute-dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    parser.add_argument("--precision", choices=["ieee", "tf32", "tf32x3"], help="tl.dot precision, fp32 coefficients")
+    parser.add_argument("--cache-dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    parser.add_argument("--no-sweep", action="store_true", help="skip the tile sweep at the longest prefix")
+    parser.add_argument("--no-graph", action="store_true", help="skip the CUDA-graph path")
+    parser.add_argument("--no-exact", action="store_true", help="skip the fp64 error check")
+    parser.add_argument("--quick", action="store_true", help="tiny shapes, CPU allowed, 3 reps")
+    parser.add_argument("--out", type=Path, required=True)
+    args = parser.parse_args()
+    if args.quick:
+        args.prefix, args.reps, args.warmup, args.k, args.no_sweep = [16, 40], 3, 1, 2, True
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cpu" and not args.quick:
+        parser.error("the full benchmark needs CUDA; use --quick for a CPU smoke run")
+    sizes = TINY if args.quick else QWEN3
+    source, target = (qwen3_config(sizes[role], args.quick) for role in ("source", "target"))
+    torch.manual_seed(0)
+    report = {
+        "what": "mapper application: reference (src.apply.map_layers path) vs fused Triton; random data, timing only",
+        "shapes": {
+            role: {"layers": c.num_hidden_layers, "kv_heads": c.num_key_value_heads, "head_dim": c.head_dim}
+            for role, c in (("source", source), ("target", target))
+        }
+        | {
+            "k": args.k,
+            "batch": args.batch,
+        },
+        "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+        "peaks": PEAK,
+        "environment": {
+            "device": torch.cuda.get_device_name() if device == "cuda" else platform.processor() or "cpu",
+            "torch": torch.__version__,
+            "cuda": torch.version.cuda,
+            "triton": __import__("triton").__version__ if HAVE_TRITON else None,
+            "transformers": transformers.__version__,
+            "python": platform.python_version(),
+        },
+        "supports": {},
+    }
+    began = time.perf_counter()
+    for support in args.supports:
+        report["supports"][support] = bench_support(args, source, target, support, device)
+    report["seconds"] = time.perf_counter() - began
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(report, indent=2))
+    print(f"wrote {args.out} ({report['seconds']:.1f} s)")
+
+
+if __name__ == "__main__":
+    main()
