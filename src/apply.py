@@ -29,6 +29,7 @@ def shares_heads(mapper: Mapper) -> bool:
     return bool((mapper.head_index == mapper.head_index[:1]).all())
 
 
+BACKENDS = ("torch", "auto", "triton")  # apply paths: torch grouped GEMMs, or kernels/apply_map.py
 GROUP_BYTES = 1 << 30  # target layers are mapped in groups whose gathered features fit in about 1 GiB
 
 
@@ -98,6 +99,7 @@ class KVTransfer:
         target: PreTrainedModel,
         tokenizer_hash: str,
         compute_dtype: torch.dtype = torch.float32,
+        backend: str = "torch",
     ):
         manifest = mapper.manifest
         for what, recorded, actual in (
@@ -115,6 +117,9 @@ class KVTransfer:
             raise TransferError(f"mapper shape {tuple(mapper.weight_k.shape)} does not fit the target's KV interface")
         self.device = next(target.parameters()).device
         self.dtype = next(target.parameters()).dtype
+        if backend not in BACKENDS:
+            raise ValueError(f"apply backend must be one of {BACKENDS}, not {backend!r}")
+        self.backend = backend
         self.mapper = mapper.to(self.device, compute_dtype)
         self.shared_heads = shares_heads(mapper)
 
@@ -158,6 +163,8 @@ class KVTransfer:
         positions = torch.arange(seq) if positions is None else positions
         if positions.shape[-1] != seq:
             raise TransferError(f"{positions.shape[-1]} positions given for a {seq}-token cache")
+        if self.backend != "torch":
+            return self._fused(layers, positions)
         cos, sin = rope_cos_sin(self.source.model.rotary_emb, positions.to(layers[0][0].device))
         to_rows = lambda t: t.to(self.device).transpose(1, 2).flatten(2, 3)  # [L_s, H_s, B·T, d_s]
         source_k = to_rows(torch.stack([remove_rope(k, cos, sin, self.source_kv.rope_layout) for k, _ in layers]))
@@ -177,6 +184,36 @@ class KVTransfer:
         if not bool(finite.all()):  # one device sync per handoff
             layer = int((~finite).nonzero()[0])
             raise TransferError(f"mapped target layer {layer} is not finite (corrupt coefficients?)")
+        return cache
+
+    def _fused(self, layers: list[tuple[torch.Tensor, torch.Tensor]], positions: torch.Tensor) -> DynamicCache:
+        """The same map through `kernels.apply_map.map_cache` (Triton on CUDA where supported, else its torch
+        reference; `backend="triton"` refuses to fall back): one launch per component, finiteness flags."""
+        from kernels.apply_map import map_cache  # the kernel module builds on this one
+
+        positions = positions.to(self.device)
+        source_cos, source_sin = rope_cos_sin(self.source.model.rotary_emb, positions)
+        target_cos, target_sin = rope_cos_sin(self.target.model.rotary_emb, positions)
+        flags = torch.zeros(self.target_kv.num_layers, dtype=torch.int32, device=self.device)  # [L_t]
+        keys, values = map_cache(
+            [k.to(self.device) for k, _ in layers],
+            [v.to(self.device) for _, v in layers],
+            self.mapper,
+            source_cos,
+            source_sin,
+            target_cos,
+            target_sin,
+            self.source_kv.rope_layout,
+            self.target_kv.rope_layout,
+            self.dtype,
+            nonfinite=flags,
+            backend=self.backend,
+        )  # [L_t, B, H_t, T, d_t] each
+        if bool(flags.any()):  # one device sync per handoff
+            raise TransferError(f"mapped target layer {int(flags.nonzero()[0])} is not finite (corrupt coefficients?)")
+        cache = DynamicCache(config=self.target.config)
+        for layer in range(keys.shape[0]):
+            cache.update(keys[layer], values[layer], layer)
         return cache
 
 

@@ -52,7 +52,9 @@ def _transfers(cfg: DictConfig, pair: Pair, kinds: tuple[str, ...]) -> tuple[dic
             "coefficient_count": mapper.manifest["coefficient_count"],
         }
         compute = getattr(torch, cfg.pair.compute_dtype)
-        transfers[kind] = KVTransfer(mapper, pair.source, pair.target, pair.tokenizer_hash, compute)
+        transfers[kind] = KVTransfer(
+            mapper, pair.source, pair.target, pair.tokenizer_hash, compute, cfg.pair.apply_backend
+        )
     return transfers, storage
 
 

@@ -233,7 +233,8 @@ def fit_eval(cfg: DictConfig) -> float:
     pair = load(cfg)
     traces, traces_key = calibration(cfg, pair)
     mapper = build_mapper(cfg, pair, traces, traces_key, cfg.support)
-    transfer = KVTransfer(mapper, pair.source, pair.target, pair.tokenizer_hash, getattr(torch, cfg.pair.compute_dtype))
+    compute = getattr(torch, cfg.pair.compute_dtype)
+    transfer = KVTransfer(mapper, pair.source, pair.target, pair.tokenizer_hash, compute, cfg.pair.apply_backend)
     _, heldout = traces.split_heldout(cfg.budget.heldout_fraction)
     r2 = mapper_r2(transfer.mapper, heldout.to(transfer.device))
     manifest = mapper.manifest

@@ -333,3 +333,33 @@ def test_layer_groups_do_not_change_the_mapped_cache(monkeypatch, support):
     single = KVTransfer(mapper, source, target, hashed)(prefill(source, ids))
     for a, b in zip(grouped.layers, single.layers, strict=True):
         assert torch.allclose(a.keys, b.keys, atol=1e-6) and torch.allclose(a.values, b.values, atol=1e-6)
+
+
+@pytest.mark.parametrize("backend", ["auto", "triton"])
+def test_fused_backend_matches_the_torch_path_or_refuses(backend):
+    """`backend="auto"` runs kernels/apply_map.py (its torch reference on CPU) and equals the torch path;
+    `backend="triton"` on CPU refuses rather than silently falling back."""
+    torch_path = _self_transfer("qwen3")
+    model = torch_path.target
+    fused = KVTransfer(torch_path.mapper, model, model, vocabulary_hash(model), backend=backend)
+    source = prefill(model, _prompt(batch=2))
+    if backend == "triton" and fused.device.type == "cpu":
+        with pytest.raises(ValueError, match="Triton path unavailable"):
+            fused(source)
+        return
+    _assert_cache_close(fused(source), torch_path(source), tol=1e-6)
+    _assert_cache_close(
+        fused(source, positions=torch.arange(7, 27)), torch_path(source, positions=torch.arange(7, 27)), 1e-6
+    )
+
+
+def test_fused_backend_refuses_non_finite_coefficients_and_unknown_backends():
+    torch_path = _self_transfer("llama")
+    model = torch_path.target
+    broken = replace(torch_path.mapper, weight_v=torch_path.mapper.weight_v.clone())
+    broken.weight_v[1, 0, 0, 0] = float("nan")
+    fused = KVTransfer(broken, model, model, vocabulary_hash(model), backend="auto")
+    with pytest.raises(TransferError, match="mapped target layer 1 is not finite"):
+        fused(prefill(model, _prompt()))
+    with pytest.raises(ValueError, match="apply backend must be one of"):
+        KVTransfer(torch_path.mapper, model, model, vocabulary_hash(model), backend="cuda")
