@@ -5,6 +5,7 @@ native scoring with the prefill fraction it spent, hand-computed comparison metr
 calibration text free of evaluated items, and diagnostics that read perfect on an identity map."""
 
 import functools
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -23,7 +24,8 @@ from src.models import Pair, tokenizer_hash
 from src.traces import collect_traces
 from tests.conftest import calibration_ids, tiny
 
-DATA = "../shared/data"
+DATA = Path(__file__).resolve().parents[2] / "shared/data"
+needs_data = pytest.mark.skipif(not DATA.is_dir(), reason=f"shared data not found at {DATA}")
 VOCAB = 260  # 256 byte symbols + </s>
 
 
@@ -79,6 +81,7 @@ def test_encode_pair_equals_lm_evals_template():
         assert encode_pair(_tokenizer(), context, continuation) == tuple(lm._encode_pair(context, continuation))
 
 
+@needs_data
 @torch.no_grad()
 def test_native_scores_equal_a_full_forward():
     pair = _two_models()
@@ -95,6 +98,7 @@ def test_native_scores_equal_a_full_forward():
     assert scores.prefill_fraction == [1.0] * len(items)
 
 
+@needs_data
 @pytest.mark.parametrize("task", ["arc_easy", "winogrande", "lambada"])
 @pytest.mark.parametrize(("sink", "hold", "layers"), [(0, 0, 0), (4, 0, 0), (2, 8, 0), (500, 0, 0), (2, 8, 1)])
 def test_identity_transfer_with_levers_equals_native(task, sink, hold, layers):
@@ -162,6 +166,7 @@ def test_summarize_and_length_buckets():
     assert buckets == {"acc_len_0_64": 1.0, "acc_len_64_128": 0.0, "acc_len_128_256": 1.0, "acc_len_256_512": 1.0}
 
 
+@needs_data
 def test_task_dev_text_holds_no_evaluated_item():
     text = dev_text(DATA)
     assert text.startswith("Question: ") and "\nAnswer: " in text
@@ -170,6 +175,7 @@ def test_task_dev_text_holds_no_evaluated_item():
             assert item.contexts[0].split("\n\n")[-1] not in text, (task, item.index)  # question + options
 
 
+@needs_data
 def test_corpus_mixture_alternates_and_keeps_each_corpus_order():
     mixed = token_sequences(DATA, "gutenberg+task_dev+wikitext2_valid", 7, 32, None, 1000)  # [7, 32]
     parts = [token_sequences(DATA, name, 3, 32, None, 1000) for name in ("gutenberg", "task_dev", "wikitext2_valid")]
@@ -177,6 +183,7 @@ def test_corpus_mixture_alternates_and_keeps_each_corpus_order():
     assert torch.equal(mixed, expected) and torch.equal(mixed[1], parts[1][0])
 
 
+@needs_data
 def test_diagnostics_read_perfect_on_an_identity_map():
     pair, transfer = _identity()
     prompts = [torch.tensor(pair.tokenizer.encode(item.contexts[0])) for item in _items("arc_easy", 2)]
