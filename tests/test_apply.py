@@ -9,15 +9,17 @@ the random models' logits, so greedy tokens must agree exactly.
 """
 
 import functools
+import os
 import re
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 import torch
 
 from src.apply import KVTransfer, TransferError, handoff, prefill
 from src.fit import fit_transfer
-from src.models import vocabulary_hash
+from src.models import load_model, load_tokenizer, tokenizer_hash, vocabulary_hash
 from src.traces import collect_traces
 from tests.conftest import calibration_ids, tiny
 
@@ -363,3 +365,23 @@ def test_fused_backend_refuses_non_finite_coefficients_and_unknown_backends():
         fused(prefill(model, _prompt()))
     with pytest.raises(ValueError, match="apply backend must be one of"):
         KVTransfer(torch_path.mapper, model, model, vocabulary_hash(model), backend="cuda")
+
+
+SMOLLM2 = Path(os.environ.get("KVRELAY_HOME", Path.home() / ".cache/kvrelay")) / "models/smollm2_135m"
+
+
+@pytest.mark.skipif(not (SMOLLM2 / "kvrelay_fetch.json").is_file(), reason="run scripts/fetch_models.py smollm2_135m")
+def test_real_smollm2_self_transfer_reproduces_greedy_decoding():
+    """Real weights (SmolLM2-135M, llama, 3 KV heads): an identity self-map fitted on real text continues a
+    real prompt exactly as the model's own cache does."""
+    model, tokenizer = load_model(SMOLLM2), load_tokenizer(SMOLLM2)
+    hashed = tokenizer_hash(tokenizer)
+    text = "The quick brown fox jumps over the lazy dog. " * 8
+    ids = torch.tensor(tokenizer(text)["input_ids"][:64])[None]  # [1, 64]
+    traces = collect_traces(model, model, ids.repeat(2, 1), stride=1, batch_size=2)
+    mapper = fit_transfer(model, model, traces, hashed, support="local", k=1, selection="identity", lam=1e-6)
+    transfer = KVTransfer(mapper, model, model, hashed)
+    prompt = torch.tensor(tokenizer("def fibonacci(n):")["input_ids"])[None]  # [1, T]
+    native_tokens, _ = _greedy(model, prefill(model, prompt[:, :-1]), prompt[:, -1:])
+    mapped_tokens, _ = _greedy(model, transfer(prefill(model, prompt[:, :-1])), prompt[:, -1:])
+    assert mapped_tokens.tolist() == native_tokens.tolist()
