@@ -3,7 +3,8 @@
 #   bash scripts/device_quality.sh setup      wheels (.whl) + data (.stage/data) carried; install, check GPU
 #   (the GGUF chunks from ../shared/tools/split-for-device are moved to $HOME/stage by their own calls)
 #   bash scripts/device_quality.sh models     join + verify the GGUFs, de-quantize to safetensors (fetch_models.py)
-#   bash scripts/device_quality.sh attribution | domain    the experiments below (each ≤ BUDGET_S = 540 s)
+#   bash scripts/device_quality.sh attribution | domain | capacity    the experiments below (each ≤ BUDGET_S = 540 s)
+#   bash scripts/device_quality.sh systems    issue-4 timings on random weights (needs only setup)
 # The GPU image has no hydra/mlflow: hydra comes from the carried wheels, tracking writes JSON records
 # that come back as one tarball in $OUT and are imported here with `python -m src.tracking import DIR`.
 set -euo pipefail
@@ -24,6 +25,7 @@ pack() { [ -d "$OUT/trk" ] && tar czf "$OUT/trk-$stage.tgz" -C "$OUT" trk && rm 
 trap pack EXIT
 METHODS=+method=head_local,head_local_attn_repair,full_head_k4,block_pca,cyclic_shift
 DIAGNOSE=(eval.diagnose.fidelity=true eval.diagnose.swaps=true)
+CAPACITY=(budget=paper_mix +method=head_local_attn_repair fit.k=24 fit.lam_relative=true fit.lam=0.006 weighting.alpha_cap=0.5)
 
 case $stage in
   setup)
@@ -48,5 +50,20 @@ case $stage in
       tracking.experiment=real_levers
     run budget=paper_mix +method=head_local eval.levers.native_sink=4 eval.levers.native_layers=2,7 \
       tracking.experiment=real_levers ;;
+  capacity)  # the CPU Optuna study's best point (k = 23, relative λ 0.006, α cap 0.51) at the paper budget, then levers
+    run "${CAPACITY[@]}" eval.diagnose.fidelity=true tracking.experiment=real_capacity
+    run "${CAPACITY[@]}" eval.levers.native_sink=4 eval.levers.hold_back=0,16,32 tracking.experiment=real_levers
+    run "${CAPACITY[@]}" eval.levers.native_sink=4 eval.levers.native_layers=14 tracking.experiment=real_levers ;;
+  layers)  # the capacity stage's last run alone (it did not fit that call)
+    run "${CAPACITY[@]}" eval.levers.native_sink=4 eval.levers.native_layers=14 tracking.experiment=real_levers ;;
+  systems)  # random weights: fp32-coefficient apply, then handoff TTFT through the Triton apply (pair.apply_backend=auto)
+    python3 scripts/bench_apply_map.py --compute-dtype float32 --precision tf32 --no-sweep --out "$OUT/apply_map_tf32.json" \
+      2>&1 | tail -12 | tee -a "$OUT/log.txt"
+    COMMON=(budget=synthetic_paper tracking.backend=json "tracking.json_dir=$OUT/trk" fit.k=8 "paths.data=$HOME/data"
+      pair.apply_backend=auto eval.handoff.new_turn=64 eval.handoff.warmup=3 pair.device=cuda)
+    run +experiment=handoff pair=qwen3_14b_to_32b "eval.handoff.prefix_lens=[1024,4096,16384,32768]" \
+      eval.handoff.repeats=100 eval.handoff.prefill_repeats=10
+    run +experiment=handoff pair=qwen25coder_0p5b_to_1p5b_random "eval.handoff.prefix_lens=[1024,4096,16384,32704]" \
+      eval.handoff.repeats=100 eval.handoff.prefill_repeats=10 ;;
   *) echo "unknown stage $stage" >&2; exit 2 ;;
 esac

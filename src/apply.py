@@ -76,7 +76,8 @@ def map_rows(mapper: Mapper, source_k: torch.Tensor, source_v: torch.Tensor) -> 
     return torch.cat([k for k, _ in groups]), torch.cat([v for _, v in groups])
 
 
-def _layers_of(cache) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def cache_layers(cache) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """(K, V) per layer of a DynamicCache or legacy tuple cache, each [batch, kv_heads, seq, head_dim]."""
     if isinstance(cache, DynamicCache):
         return [(layer.keys, layer.values) for layer in cache.layers]
     return [tuple(pair) for pair in cache]
@@ -158,7 +159,7 @@ class KVTransfer:
     @torch.no_grad()
     def __call__(self, source_cache, positions: torch.Tensor | None = None) -> DynamicCache:
         """source_cache: DynamicCache or [(keys, values)] with [B, H_s, T, d_s]; positions [T] (default 0..T−1)."""
-        layers = _layers_of(source_cache)
+        layers = cache_layers(source_cache)
         batch, seq = self._check(layers)
         positions = torch.arange(seq) if positions is None else positions
         if positions.shape[-1] != seq:
@@ -308,7 +309,7 @@ def spliced_cache(transfer: KVTransfer, source_cache, input_ids: torch.Tensor, l
         return prefill(target, input_ids)
     cache = prefill(target, input_ids[:, :sink]) if sink else None
     if end > sink:
-        middle = [(k[:, :, sink:end], v[:, :, sink:end]) for k, v in _layers_of(source_cache)]
+        middle = [(k[:, :, sink:end], v[:, :, sink:end]) for k, v in cache_layers(source_cache)]
         mapped = transfer(middle, positions=torch.arange(sink, end))
         if cache is None:
             cache = mapped

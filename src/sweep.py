@@ -1,6 +1,7 @@
-"""Optuna over k and λ, driven directly (PyPI's hydra-optuna-sweeper 1.3.0 pins optuna < 3).
+"""Optuna over k, λ and Attn-Repair's α cap, driven directly (PyPI's hydra-optuna-sweeper 1.3.0 pins optuna < 3).
 
-Each trial copies the composed config, sets `fit.k` and `fit.lam`, and runs the same fit_eval job as
+Each trial copies the composed config, sets `fit.k`, `fit.lam` (absolute or relative to the Gram diagonal, as
+`fit.lam_relative` says) and, when `sweep.alpha_cap` gives a range, `weighting.alpha_cap`, and runs the same job as
 an MLflow child run of one study run. Traces are cached, so trials refit without re-running the
 models. The study lives in sqlite (`sweep.storage`) and resumes when started again with the same name.
 """
@@ -52,6 +53,11 @@ def optimize(cfg: DictConfig, job: Callable[[DictConfig], float]) -> float:
         if sweep.max_coefficients is not None and _coefficients(cfg, k) > sweep.max_coefficients:
             raise optuna.TrialPruned(f"k={k} exceeds the storage budget of {sweep.max_coefficients} coefficients")
         trial_cfg = OmegaConf.merge(cfg, {"fit": {"k": k, "lam": lam}})
+        if sweep.get("alpha_cap") is not None:
+            if cfg.weighting.kind != "attn_repair":
+                raise ValueError("sweep.alpha_cap needs weighting=attn_repair (uniform weighting has no α)")
+            alpha = trial.suggest_float("alpha_cap", sweep.alpha_cap.low, sweep.alpha_cap.high)
+            trial_cfg = OmegaConf.merge(trial_cfg, {"weighting": {"alpha_cap": alpha}})
         return job(trial_cfg)
 
     with mlflow.start_run(run_name=f"optuna:{sweep.study_name}", nested=mlflow.active_run() is not None):

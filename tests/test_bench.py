@@ -3,8 +3,10 @@
 import json
 
 import torch
+from transformers import DynamicCache
 
 import src.bench
+from src.eval.handoff import transport
 from src.models import describe_kv
 from src.support import coefficient_count
 from src.synthetic import synthetic_mapper, synthetic_traces
@@ -51,6 +53,9 @@ def test_handoff_job_json_backend_and_import(ws, tmp_path):  # noqa: F811
         "ttft_cache_hit_ms_p50",
         "map_ms_p50",
         "ttft_speedup_vs_prefill",
+        "gpu_peak_mb_transfer",
+        "gpu_peak_mb_prefill",
+        "cache_bytes",
     ):
         assert {(name, 16), (name, 32)} <= logged
     assert record["tags"]["weights"] == "random" and record["params"]["job"] == "handoff"
@@ -59,3 +64,12 @@ def test_handoff_job_json_backend_and_import(ws, tmp_path):  # noqa: F811
     assert import_records(records, uri, str(tmp_path / "artifacts")) == 1
     (run,) = runs(uri, "handoff")
     assert run.data.metrics["ttft_transfer_ms_p50"] > 0 and run.data.tags["job"] == "handoff"
+
+
+def test_transport_counts_the_source_cache_bytes():
+    cache = DynamicCache()
+    for layer in range(3):  # [batch, kv_heads, seq, head_dim]
+        cache.update(
+            torch.zeros(1, 2, 5, 4, dtype=torch.bfloat16), torch.zeros(1, 2, 5, 4, dtype=torch.bfloat16), layer
+        )
+    assert transport(cache, repeats=1, warmup=0, device=torch.device("cpu")) == {"cache_bytes": 3 * 2 * 40 * 2.0}

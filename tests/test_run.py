@@ -425,6 +425,18 @@ def test_optuna_with_every_trial_pruned_reports_no_best(first, ws):
     assert math.isnan(optimize(cfg, lambda trial_cfg: 0.0))
 
 
+def test_optuna_sweeps_the_attn_repair_alpha_cap_when_asked(first, ws):
+    overrides = ("+experiment=optuna", "sweep.n_trials=3", "sweep.alpha_cap={low: 0.2, high: 0.9}")
+    cfg = config(ws, *overrides, "weighting=attn_repair", "sweep.study_name=alpha", "tracking.experiment=optuna_alpha")
+    seen = []
+    optimize(cfg, lambda trial_cfg: seen.append(trial_cfg.weighting.alpha_cap) or trial_cfg.weighting.alpha_cap)
+    trials = optuna.load_study(study_name="alpha", storage=ws.storage).trials
+    assert [t.params["alpha_cap"] for t in trials] == seen and all(0.2 <= a <= 0.9 for a in seen)
+    uniform = config(ws, *overrides, "sweep.study_name=alpha_uniform", "tracking.experiment=optuna_alpha")
+    with pytest.raises(ValueError, match="alpha_cap needs weighting=attn_repair"):
+        optimize(uniform, lambda trial_cfg: 0.0)
+
+
 # --- real processes -----------------------------------------------------------------------------------------------
 
 

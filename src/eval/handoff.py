@@ -3,14 +3,52 @@
 transfer   map S's prefix cache → prefill the new turn on top of it → first token
 prefill    T re-prefills prefix + new turn → first token            (what a router does today)
 cache_hit  T already holds its own prefix cache → new turn → first token (same-model prefix hit)
+
+Beside TTFT: GPU peak memory per path, and the source cache's transport cost when S and T live apart —
+bytes, host staging (device → pinned host → device) and device-to-device copies (to a second GPU when
+there is one, else within the one GPU, labelled by `d2d_peer`).
 """
 
 from __future__ import annotations
 
 import torch
 
-from src.apply import KVTransfer, prefill
+from src.apply import KVTransfer, cache_layers, prefill
 from src.eval.latency import percentiles, time_ms
+
+
+def _peak_mb(fn, device: torch.device) -> float:
+    """GPU peak memory (MB) of one call of fn (0 on CPU)."""
+    if device.type != "cuda":
+        fn()
+        return 0.0
+    torch.cuda.synchronize(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    fn()
+    torch.cuda.synchronize(device)
+    return torch.cuda.max_memory_allocated(device) / 2**20
+
+
+def transport(source_cache, repeats: int, warmup: int, device: torch.device) -> dict[str, float]:
+    """Bytes of S's cache and the ms / GB/s to move it: device → pinned host, host → device, device → device."""
+    tensors = [t for pair in cache_layers(source_cache) for t in pair]  # K, V per layer: [B, H_s, P, d_s]
+    total = sum(t.numel() * t.element_size() for t in tensors)
+    metrics: dict[str, float] = {"cache_bytes": float(total)}
+    if device.type != "cuda":
+        return metrics
+    host = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in tensors]
+    peer = torch.device("cuda", 1) if torch.cuda.device_count() > 1 and device.index in (0, None) else device
+    moves = {
+        "d2h": lambda: [h.copy_(t, non_blocking=True) for h, t in zip(host, tensors, strict=True)],
+        "h2d": lambda: [h.to(device, non_blocking=True) for h in host],
+        "d2d": lambda: [t.to(peer, non_blocking=True) if peer != device else t.clone() for t in tensors],
+    }
+    for name, move in moves.items():
+        metrics |= percentiles(time_ms(move, repeats, warmup, device), name)
+        metrics[f"{name}_gbps"] = total / metrics[f"{name}_ms_p50"] / 1e6
+    metrics["host_staging_ms_p50"] = metrics["d2h_ms_p50"] + metrics["h2d_ms_p50"]
+    metrics["d2d_peer"] = float(peer != device)  # 1: a second GPU; 0: a copy within the one GPU
+    return metrics
 
 
 @torch.no_grad()
@@ -40,6 +78,6 @@ def handoff_ttft(
     metrics |= percentiles(time_ms(via_cache_hit, repeats, warmup, device), "ttft_cache_hit")
     metrics |= percentiles(time_ms(lambda: transfer(source_cache), repeats, warmup, device), "map")
     metrics["ttft_speedup_vs_prefill"] = metrics["ttft_prefill_ms_p50"] / metrics["ttft_transfer_ms_p50"]
-    if torch.cuda.is_available():
-        metrics["gpu_peak_memory_mb"] = torch.cuda.max_memory_allocated() / 2**20
-    return metrics
+    for name, path in (("transfer", via_transfer), ("prefill", via_prefill), ("cache_hit", via_cache_hit)):
+        metrics[f"gpu_peak_mb_{name}"] = _peak_mb(path, device)
+    return metrics | transport(source_cache, repeats, warmup, device)
