@@ -52,9 +52,8 @@ case $stage in
       tracking.experiment=real_levers ;;
   capacity)  # the CPU Optuna study's best point (k = 23, relative λ 0.006, α cap 0.51) at the paper budget, then levers
     run "${CAPACITY[@]}" eval.diagnose.fidelity=true tracking.experiment=real_capacity
-    run "${CAPACITY[@]}" eval.levers.native_sink=4 eval.levers.hold_back=0,16,32 tracking.experiment=real_levers
-    run "${CAPACITY[@]}" eval.levers.native_sink=4 eval.levers.native_layers=14 tracking.experiment=real_levers ;;
-  layers)  # the capacity stage's last run alone (it did not fit that call)
+    run "${CAPACITY[@]}" eval.levers.native_sink=4 eval.levers.hold_back=0,16,32 tracking.experiment=real_levers ;&
+  layers)  # the capacity stage's last run (also alone: it did not fit that stage's call on 2026-12-03)
     run "${CAPACITY[@]}" eval.levers.native_sink=4 eval.levers.native_layers=14 tracking.experiment=real_levers ;;
   systems)  # random weights: fp32-coefficient apply, then handoff TTFT through the Triton apply (pair.apply_backend=auto)
     python3 scripts/bench_apply_map.py --compute-dtype float32 --precision tf32 --no-sweep --out "$OUT/apply_map_tf32.json" \

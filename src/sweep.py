@@ -41,6 +41,8 @@ def _source_layers(cfg: DictConfig) -> int:
 def optimize(cfg: DictConfig, job: Callable[[DictConfig], float]) -> float:
     """Run (or resume) the study; returns the best objective value."""
     sweep = cfg.sweep
+    if sweep.get("alpha_cap") is not None and cfg.weighting.kind != "attn_repair":
+        raise ValueError("sweep.alpha_cap needs weighting=attn_repair (uniform weighting has no α)")
     tracking.configure(cfg.tracking.uri, cfg.tracking.experiment, cfg.tracking.artifacts)
     study = optuna.create_study(
         study_name=sweep.study_name, storage=sweep.storage, direction=sweep.direction, load_if_exists=True
@@ -54,8 +56,6 @@ def optimize(cfg: DictConfig, job: Callable[[DictConfig], float]) -> float:
             raise optuna.TrialPruned(f"k={k} exceeds the storage budget of {sweep.max_coefficients} coefficients")
         trial_cfg = OmegaConf.merge(cfg, {"fit": {"k": k, "lam": lam}})
         if sweep.get("alpha_cap") is not None:
-            if cfg.weighting.kind != "attn_repair":
-                raise ValueError("sweep.alpha_cap needs weighting=attn_repair (uniform weighting has no α)")
             alpha = trial.suggest_float("alpha_cap", sweep.alpha_cap.low, sweep.alpha_cap.high)
             trial_cfg = OmegaConf.merge(trial_cfg, {"weighting": {"alpha_cap": alpha}})
         return job(trial_cfg)

@@ -37,17 +37,19 @@ def transport(source_cache, repeats: int, warmup: int, device: torch.device) -> 
     if device.type != "cuda":
         return metrics
     host = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in tensors]
-    peer = torch.device("cuda", 1) if torch.cuda.device_count() > 1 and device.index in (0, None) else device
+    others = [i for i in range(torch.cuda.device_count()) if i != (device.index or 0)]
+    peer = torch.device("cuda", others[0]) if others else device
+    to_peer = (lambda t: t.to(peer, non_blocking=True)) if others else torch.clone
     moves = {
         "d2h": lambda: [h.copy_(t, non_blocking=True) for h, t in zip(host, tensors, strict=True)],
         "h2d": lambda: [h.to(device, non_blocking=True) for h in host],
-        "d2d": lambda: [t.to(peer, non_blocking=True) if peer != device else t.clone() for t in tensors],
+        "d2d": lambda: [to_peer(t) for t in tensors],
     }
     for name, move in moves.items():
         metrics |= percentiles(time_ms(move, repeats, warmup, device), name)
         metrics[f"{name}_gbps"] = total / metrics[f"{name}_ms_p50"] / 1e6
     metrics["host_staging_ms_p50"] = metrics["d2h_ms_p50"] + metrics["h2d_ms_p50"]
-    metrics["d2d_peer"] = float(peer != device)  # 1: a second GPU; 0: a copy within the one GPU
+    metrics["d2d_peer"] = float(bool(others))  # 1: a second GPU; 0: a copy within the one GPU
     return metrics
 
 
