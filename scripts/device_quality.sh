@@ -3,7 +3,8 @@
 #   bash scripts/device_quality.sh setup      wheels (.whl) + data (.stage/data) carried; install, check GPU
 #   (the GGUF chunks from ../shared/tools/split-for-device are moved to $HOME/stage by their own calls)
 #   bash scripts/device_quality.sh models     join + verify the GGUFs, de-quantize to safetensors (fetch_models.py)
-#   bash scripts/device_quality.sh attribution | domain | capacity    the experiments below (each ≤ BUDGET_S = 540 s)
+#   bash scripts/device_quality.sh attribution | domain | capacity | reverse | frontier    the experiments below
+#   (each ≤ BUDGET_S = 540 s)
 #   bash scripts/device_quality.sh systems    issue-4 timings on random weights (needs only setup)
 # The GPU image has no hydra/mlflow: hydra comes from the carried wheels, tracking writes JSON records
 # that come back as one tarball in $OUT and are imported here with `python -m src.tracking import DIR`.
@@ -55,6 +56,18 @@ case $stage in
     run "${CAPACITY[@]}" eval.levers.native_sink=4 eval.levers.hold_back=0,16,32 tracking.experiment=real_levers ;&
   layers)  # the capacity stage's last run (also alone: it did not fit that stage's call on 2026-12-03)
     run "${CAPACITY[@]}" eval.levers.native_sink=4 eval.levers.native_layers=14 tracking.experiment=real_levers ;;
+  reverse)  # the escalation reversed (1.5B → 0.5B) at the capacity point, then sink + hold-back: its frontier
+    run pair=qwen25coder_1p5b_to_0p5b "${CAPACITY[@]}" eval.diagnose.fidelity=true tracking.experiment=real_reverse
+    run pair=qwen25coder_1p5b_to_0p5b "${CAPACITY[@]}" eval.levers.native_sink=4 eval.levers.hold_back=16,32 \
+      tracking.experiment=real_reverse ;;
+  frontier)  # long-prefix NLL (1,024-token prefix) against the hold-back share, both directions; then the V probes
+    for pair in qwen25coder_0p5b_to_1p5b qwen25coder_1p5b_to_0p5b; do
+      run pair=$pair "${CAPACITY[@]}" "eval.tasks.names=[]" eval.nll.prefix_len=1024 eval.levers.native_sink=4 \
+        eval.levers.hold_back=0,64,128,256,512 tracking.experiment=real_frontier_nll
+    done
+    for pair in qwen25coder_0p5b_to_1p5b qwen25coder_1p5b_to_0p5b; do
+      run +experiment=feature_probe pair=$pair "${CAPACITY[@]}" tracking.experiment=real_feature_probe
+    done ;;
   systems)  # random weights: fp32-coefficient apply, then handoff TTFT through the Triton apply (pair.apply_backend=auto)
     python3 scripts/bench_apply_map.py --compute-dtype float32 --precision tf32 --no-sweep --out "$OUT/apply_map_tf32.json" \
       2>&1 | tail -12 | tee -a "$OUT/log.txt"

@@ -2,8 +2,8 @@
 
 fit_eval: load pair → calibration traces (cached) → select + fit (cached artifact) → verify by
 reloading → held-out R², horizon NLL, task accuracy vs both native models, fidelity on task prompts,
-native-swap attribution, handoff latency, rollback → MLflow. Other jobs: latency, construction, gate,
-optuna. A multirun in one process loads each pair and each calibration set once (`_MEMO`).
+native-swap attribution, handoff latency, rollback → MLflow. probe: held-out R² of wider closed-form
+maps on the same traces (src/eval/features.py). Other jobs: latency, construction, gate, optuna. A multirun in one process loads each pair and each calibration set once (`_MEMO`).
 """
 
 from __future__ import annotations
@@ -25,12 +25,15 @@ from src.artifact import ArtifactError, Mapper, load_mapper, save_mapper
 from src.corpus import token_sequences
 from src.eval.accuracy import TaskScores, by_length, compare, score_task, summarize
 from src.eval.diagnose import cache_fidelity, swap_nll
+from src.eval.features import probe_features
 from src.eval.latency import handoff_latency
 from src.eval.nll import horizon_nll
 from src.eval.rollback import verify_rollback
 from src.eval.tasks import load_task
 from src.fit import fit_transfer, mapper_r2
 from src.models import Pair, describe_kv, fingerprint, load_pair
+from src.select import layers_for_support
+from src.support import head_assignment
 from src.synthetic import synthetic_mapper, synthetic_traces
 from src.traces import Traces, collect_traces, corpus_hash, load_traces, save_traces
 
@@ -308,10 +311,56 @@ def fit_eval(cfg: DictConfig) -> float:
     return float(metrics[cfg.objective])
 
 
+def feature_probe(cfg: DictConfig) -> float:
+    """Held-out R² of the Head-Local design widened per `eval.probe.variants`, on the pair's traces."""
+    torch.manual_seed(cfg.seed)
+    pair = load(cfg)
+    traces, _ = calibration(cfg, pair)
+    fit, heldout = traces.split_heldout(cfg.budget.heldout_fraction)
+    if cfg.fit.sequences is not None:
+        fit = fit.select_rows(torch.nonzero(fit.sequence_index < cfg.fit.sequences)[:, 0])
+    source_kv, target_kv = describe_kv(pair.source), describe_kv(pair.target)
+    head_index = head_assignment("local", source_kv.num_kv_heads, target_kv.num_kv_heads)
+    source_layers, _ = layers_for_support(fit, "local", cfg.fit.k, cfg.support.selection, cfg.fit.chunk_rows)
+    probe = cfg.eval.probe
+    began = time.perf_counter()
+    scores = probe_features(
+        fit,
+        heldout,
+        source_layers,
+        head_index,
+        list(probe.variants),
+        cfg.fit.lam,
+        cfg.fit.lam_relative,
+        cfg.fit.chunk_rows,
+        probe.relu_width,
+        cfg.seed,
+    )
+    metrics = {name: value for name, value in scores.items() if not isinstance(value, list)}
+    metrics |= {"calibration_rows": fit.rows, "probe_seconds": time.perf_counter() - began}
+    run_name = f"{cfg.pair.name}:probe:k{cfg.fit.k}"
+    with tracking.job_run(
+        cfg, run_name, _tags(cfg, pair, "probe") | {"corpus_hash": traces.meta["corpus_hash"]}
+    ) as run:
+        run.metrics(metrics)
+        run.dict({"source_layers": source_layers.tolist()} | scores, "probe/scores.json")
+    print(f"\n{run_name}  (weights={pair.weights}, {fit.rows} fit rows)")
+    print(
+        f"  {'variant':<8} {'width K':>8} {'R² K fit':>9} {'R² K held':>10} {'width V':>8} {'R² V fit':>9} {'R² V held':>10}"
+    )
+    for variant in probe.variants:
+        row = [scores[f"{variant}.{name}"] for name in ("width_k", "r2_k_fit", "r2_k_heldout")]
+        row += [scores[f"{variant}.{name}"] for name in ("width_v", "r2_v_fit", "r2_v_heldout")]
+        print(f"  {variant:<8} {row[0]:8.0f} {row[1]:9.4f} {row[2]:10.4f} {row[3]:8.0f} {row[4]:9.4f} {row[5]:10.4f}")
+    return float(scores[f"{probe.variants[-1]}.r2_v_heldout"])
+
+
 @hydra.main(version_base="1.3", config_path="../conf", config_name="run")
 def main(cfg: DictConfig) -> float | None:
     if cfg.job == "fit_eval":
         return fit_eval(cfg)
+    if cfg.job == "probe":
+        return feature_probe(cfg)
     if cfg.job in SYSTEMS_JOBS:
         from src import bench
 

@@ -321,6 +321,19 @@ def test_latency_job(first, ws, tmp_path):
     assert logged["storage"]["full"]["artifact_bytes"] > logged["storage"]["local"]["artifact_bytes"]
 
 
+def test_probe_job(first, ws):
+    value = src.run.main.__wrapped__(config(ws, "+experiment=feature_probe", "eval.probe.relu_width=32"))
+    (run,) = runs(ws.uri, "feature_probe")
+    metrics = run.data.metrics
+    for variant in ("own", "kv", "token", "relu"):
+        for component in "kv":
+            assert {f"{variant}.r2_{component}_fit", f"{variant}.r2_{component}_heldout"} <= set(metrics)
+    assert metrics["relu.width_v"] == metrics["own.width_v"] + 32
+    assert value == pytest.approx(metrics["relu.r2_v_heldout"])
+    assert run.data.tags["job"] == "probe" and run.data.tags["weights"] == "random"
+    assert "probe/scores.json" in artifact_paths(ws.uri, run.info.run_id)
+
+
 @pytest.mark.parametrize(("budgets", "steps"), [("[4,8,50]", [4, 8]), ("[50,100]", [8])])
 def test_construction_job(first, ws, monkeypatch, budgets, steps):
     fitted = []
