@@ -82,7 +82,7 @@ def test_found_the_configs():
         EXPERIMENTS
     )
     assert {"pair", "support", "weighting", "budget", "fit", "eval", "tracking", "gate", "sweep"} <= set(GROUPS)
-    assert JOBS == {"fit_eval", "latency", "construction", "handoff", "gate", "optuna"}
+    assert JOBS == {"fit_eval", "probe", "latency", "construction", "handoff", "gate", "optuna"}
 
 
 @pytest.mark.parametrize("experiment", EXPERIMENTS)
