@@ -3,13 +3,15 @@
 `KVTransfer` is built once per (mapper, source model, target model) — it verifies the artifact
 against both models and puts the coefficients on the target's device — and is then called per
 handoff. Per target layer: gather the selected source blocks, one head-batched matmul, re-apply the
-target's RoPE at the same positions. `handoff` wraps it with deterministic rollback to plain prefill.
+target's RoPE at the same positions. A mapper with token features (src/support.py) also needs the prefix's
+token ids: a layer-0 target prefill gives its features and, exactly, target layer 0. `handoff` wraps it with
+deterministic rollback to plain prefill.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from transformers import DynamicCache, PreTrainedModel
@@ -17,7 +19,7 @@ from transformers import DynamicCache, PreTrainedModel
 from src.artifact import Mapper
 from src.models import KVInterface, describe_kv, fingerprint
 from src.rope import apply_rope, remove_rope, rope_cos_sin
-from src.support import gather_features
+from src.support import gather_features, with_tokens
 
 
 class TransferError(ValueError):
@@ -34,9 +36,15 @@ GROUP_BYTES = 1 << 30  # target layers are mapped in groups whose gathered featu
 
 
 def map_layers(
-    mapper: Mapper, group: slice, source_k: torch.Tensor, source_v: torch.Tensor, shared: bool
+    mapper: Mapper,
+    group: slice,
+    source_k: torch.Tensor,
+    source_v: torch.Tensor,
+    shared: bool,
+    tokens: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Content rows [L_s, H_s, n, d_s] (K and V) → mapped rows of target layers `group`: [g, H_t, n, d_t].
+    `tokens` [n, 2·H_t·d_t]: the target's token features, for a mapper fitted with them.
 
     One gather and one batched GEMM per component for the whole group. When every target head reads
     the same source heads (full / pca support, `shared`) the features are gathered once per layer and
@@ -45,7 +53,7 @@ def map_layers(
     layers = mapper.source_layers[group]  # [g, k]
     mapped = []
     for component, rows in (("k", source_k), ("v", source_v)):
-        x = gather_features(rows, layers, heads).to(mapper.weight_k.dtype)  # [g, H_t or 1, n, p]
+        x = with_tokens(gather_features(rows, layers, heads), tokens).to(mapper.weight_k.dtype)  # [g, H_t or 1, n, p]
         weight = getattr(mapper, f"weight_{component}")[group]  # [g, H_t, p, d_t]
         bias = getattr(mapper, f"bias_{component}")[group]  # [g, H_t, d_t]
         if shared:
@@ -67,11 +75,17 @@ def layer_groups(mapper: Mapper, rows: int, shared: bool) -> list[slice]:
     return [slice(start, min(start + size, target_layers)) for start in range(0, target_layers, size)]
 
 
-def map_rows(mapper: Mapper, source_k: torch.Tensor, source_v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Content rows [L_s, H_s, n, d_s] (K and V) → mapped target content rows [L_t, H_t, n, d_t]."""
+def map_rows(
+    mapper: Mapper, source_k: torch.Tensor, source_v: torch.Tensor, tokens: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Content rows [L_s, H_s, n, d_s] (K and V) (+ token features [n, 2·H_t·d_t]) → mapped target content
+    rows [L_t, H_t, n, d_t]."""
     shared = shares_heads(mapper)
+    if mapper.token_features and tokens is None:
+        raise TransferError("this mapper reads the target's token features: pass them")
     groups = [
-        map_layers(mapper, g, source_k, source_v, shared) for g in layer_groups(mapper, source_k.shape[2], shared)
+        map_layers(mapper, g, source_k, source_v, shared, tokens)
+        for g in layer_groups(mapper, source_k.shape[2], shared)
     ]
     return torch.cat([k for k, _ in groups]), torch.cat([v for _, v in groups])
 
@@ -116,10 +130,21 @@ class KVTransfer:
         expected = (self.target_kv.num_layers, self.target_kv.num_kv_heads)
         if tuple(mapper.weight_k.shape[:2]) != expected or mapper.weight_k.shape[-1] != self.target_kv.head_dim:
             raise TransferError(f"mapper shape {tuple(mapper.weight_k.shape)} does not fit the target's KV interface")
+        self.token_features = mapper.token_features
+        width = mapper.source_layers.shape[1] * mapper.head_index.shape[1] * self.source_kv.head_dim
+        width += 2 * self.target_kv.num_kv_heads * self.target_kv.head_dim if self.token_features else 0
+        for name in ("weight_k", "weight_v"):
+            if getattr(mapper, name).shape[2] != width:
+                raise TransferError(
+                    f"mapper {name} reads {getattr(mapper, name).shape[2]} features, its layers, heads and token "
+                    f"features make {width}"
+                )
         self.device = next(target.parameters()).device
         self.dtype = next(target.parameters()).dtype
         if backend not in BACKENDS:
             raise ValueError(f"apply backend must be one of {BACKENDS}, not {backend!r}")
+        if backend == "triton" and self.token_features:
+            raise ValueError("the Triton apply does not read token features; use apply_backend torch or auto")
         self.backend = backend
         self.mapper = mapper.to(self.device, compute_dtype)
         self.shared_heads = shares_heads(mapper)
@@ -156,16 +181,39 @@ class KVTransfer:
             raise TransferError(f"source cache layer {index} {name} contains NaN or Inf")
         return shape[0], shape[2]
 
+    def spent(self, levers: Levers) -> Levers:
+        """The target work of a handoff with these levers: a token-feature mapper also prefills layer 0."""
+        return replace(levers, native_layers=max(levers.native_layers, 1)) if self.token_features else levers
+
+    def _layer0(self, input_ids: torch.Tensor | None, batch: int, seq: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Target layer 0's content K and V [B, H_t, T, d_t] for the prefix ids [B, T] (a stopped prefill)."""
+        if input_ids is None:
+            raise TransferError("this mapper reads the target's token features: pass the prefix's input_ids")
+        if tuple(input_ids.shape) != (batch, seq):
+            raise TransferError(f"input_ids shape {tuple(input_ids.shape)} ≠ the source cache's ({batch}, {seq})")
+        layer = prefill_layers(self.target, input_ids, 1).layers[0]
+        cos, sin = rope_cos_sin(self.target.model.rotary_emb, torch.arange(seq, device=self.device))
+        return remove_rope(layer.keys, cos, sin, self.target_kv.rope_layout), layer.values
+
     @torch.no_grad()
-    def __call__(self, source_cache, positions: torch.Tensor | None = None) -> DynamicCache:
-        """source_cache: DynamicCache or [(keys, values)] with [B, H_s, T, d_s]; positions [T] (default 0..T−1)."""
+    def __call__(
+        self, source_cache, positions: torch.Tensor | None = None, input_ids: torch.Tensor | None = None
+    ) -> DynamicCache:
+        """source_cache: DynamicCache or [(keys, values)] with [B, H_s, T, d_s]; positions [T] (default 0..T−1);
+        input_ids [B, T] of those tokens (needed by a token-feature mapper, checked against the cache otherwise)."""
         layers = cache_layers(source_cache)
         batch, seq = self._check(layers)
         positions = torch.arange(seq) if positions is None else positions
         if positions.shape[-1] != seq:
             raise TransferError(f"{positions.shape[-1]} positions given for a {seq}-token cache")
-        if self.backend != "torch":
+        if input_ids is not None and tuple(input_ids.shape) != (batch, seq):
+            raise TransferError(f"input_ids shape {tuple(input_ids.shape)} ≠ the source cache's ({batch}, {seq})")
+        if self.backend != "torch" and not self.token_features:
             return self._fused(layers, positions)
+        tokens = layer0 = None
+        if self.token_features:
+            layer0 = self._layer0(input_ids, batch, seq)  # content K, V [B, H_t, T, d_t]
+            tokens = torch.cat(layer0, 1).transpose(1, 2).flatten(2).flatten(0, 1)  # [B·T, 2·H_t·d_t]
         cos, sin = rope_cos_sin(self.source.model.rotary_emb, positions.to(layers[0][0].device))
         to_rows = lambda t: t.to(self.device).transpose(1, 2).flatten(2, 3)  # [L_s, H_s, B·T, d_s]
         source_k = to_rows(torch.stack([remove_rope(k, cos, sin, self.source_kv.rope_layout) for k, _ in layers]))
@@ -175,7 +223,7 @@ class KVTransfer:
         cache = DynamicCache(config=self.target.config)
         finite = []
         for group in layer_groups(self.mapper, batch * seq, self.shared_heads):
-            target_k, target_v = map_layers(self.mapper, group, source_k, source_v, self.shared_heads)
+            target_k, target_v = map_layers(self.mapper, group, source_k, source_v, self.shared_heads, tokens)
             keys = apply_rope(to_cache(target_k), cos, sin, self.target_kv.rope_layout).to(self.dtype)
             values = to_cache(target_v).to(self.dtype)
             finite.append(torch.isfinite(keys).flatten(1).all(1) & torch.isfinite(values).flatten(1).all(1))
@@ -185,6 +233,9 @@ class KVTransfer:
         if not bool(finite.all()):  # one device sync per handoff
             layer = int((~finite).nonzero()[0])
             raise TransferError(f"mapped target layer {layer} is not finite (corrupt coefficients?)")
+        if layer0 is not None:  # computed anyway for the features: target layer 0 is exact
+            keys = apply_rope(layer0[0], cos, sin, self.target_kv.rope_layout).to(self.dtype)
+            cache.layers[0].keys, cache.layers[0].values = keys, layer0[1].to(self.dtype)
         return cache
 
     def _fused(self, layers: list[tuple[torch.Tensor, torch.Tensor]], positions: torch.Tensor) -> DynamicCache:
@@ -228,7 +279,7 @@ def prefill(model: PreTrainedModel, input_ids: torch.Tensor) -> DynamicCache:
 def handoff(transfer: KVTransfer, source_cache, input_ids: torch.Tensor) -> Handoff:
     """Mapped cache when the transfer is safe, else — deterministically — the target's own prefill."""
     try:
-        return Handoff(cache=transfer(source_cache), mode="transfer", reason=None)
+        return Handoff(cache=transfer(source_cache, input_ids=input_ids), mode="transfer", reason=None)
     except TransferError as refusal:
         return Handoff(cache=prefill(transfer.target, input_ids), mode="prefill", reason=str(refusal))
 
@@ -310,7 +361,7 @@ def spliced_cache(transfer: KVTransfer, source_cache, input_ids: torch.Tensor, l
     cache = prefill(target, input_ids[:, :sink]) if sink else None
     if end > sink:
         middle = [(k[:, :, sink:end], v[:, :, sink:end]) for k, v in cache_layers(source_cache)]
-        mapped = transfer(middle, positions=torch.arange(sink, end))
+        mapped = transfer(middle, positions=torch.arange(sink, end), input_ids=input_ids[:, sink:end])
         if cache is None:
             cache = mapped
         else:

@@ -33,11 +33,16 @@ class Mapper:
 
     source_layers: torch.Tensor  # [L_t, k]  S_ℓ
     head_index: torch.Tensor  # [H_t, f]  source heads admitted per target head
-    weight_k: torch.Tensor  # [L_t, H_t, p, d_t]  p = k·f·d_s
+    weight_k: torch.Tensor  # [L_t, H_t, p, d_t]  p = k·f·d_s (+ 2·H_t·d_t with token features)
     bias_k: torch.Tensor  # [L_t, H_t, d_t]
     weight_v: torch.Tensor  # [L_t, H_t, p, d_t]
     bias_v: torch.Tensor  # [L_t, H_t, d_t]
     manifest: dict
+
+    @property
+    def token_features(self) -> bool:
+        """True when every design also reads the target's token features (src/support.py)."""
+        return bool(self.manifest.get("token_features", False))
 
     def tensors(self) -> dict[str, torch.Tensor]:
         return {name: getattr(self, name) for name in ("source_layers", "head_index", *_COEFFICIENTS)}

@@ -16,18 +16,23 @@ from src.artifact import Mapper
 from src.models import describe_kv, fingerprint
 from src.select import layers_for_support
 from src.stats import reference_moments, ridge_solve, streaming_moments
-from src.support import coefficient_count, gather_features, head_assignment, pca_basis
+from src.support import coefficient_count, gather_features, head_assignment, pca_basis, token_features, with_tokens
 from src.traces import Traces
 from src.weighting import attn_repair_weights
 
 
 def _design(
-    rows: torch.Tensor, layers: torch.Tensor, head_index: torch.Tensor, pca: tuple | None, span: slice
+    rows: torch.Tensor,
+    layers: torch.Tensor,
+    head_index: torch.Tensor,
+    pca: tuple | None,
+    span: slice,
+    tokens: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Features of one row span [H_t, b, p] (PCA-projected to k·d_s when `pca` is given)."""
+    """Features of one row span [H_t, b, p] (PCA-projected to k·d_s when `pca` is given; ⊕ token features)."""
     x = gather_features(rows[:, :, span], layers, head_index)  # [H_t, b, k·f·d_s]
     if pca is None:
-        return x
+        return with_tokens(x, None if tokens is None else tokens[span])
     mean, basis = pca  # [L_s, H_s·d_s], [L_s, H_s·d_s, w]
     blocks = x.double().unflatten(-1, (layers.numel(), -1)) - mean[layers]  # [H_t, b, k, H_s·d_s]
     return torch.einsum("hbkc,kcw->hbkw", blocks, basis[layers]).flatten(2)  # [H_t, b, k·w]
@@ -54,10 +59,15 @@ def fit_mapper(
     chunk_rows: int,
     reference: bool = False,
     alpha_cap: float = 1.0,
+    tokens: bool = False,
 ) -> Mapper:
-    """Fit K and V maps for every target layer from traces; returns the Mapper (manifest partly filled)."""
+    """Fit K and V maps for every target layer from traces; returns the Mapper (manifest partly filled).
+    tokens=True appends the target's token features (layer-0 content K/V) to every design."""
     if weighting == "attn_repair" and traces.attn_k is None:
         raise ValueError("attn_repair weighting needs traces collected with attention_boundaries > 0")
+    if tokens and support == "pca":
+        raise ValueError("token features are not offered with the block-PCA control (support=pca)")
+    token_rows = token_features(traces.target_k[0], traces.target_v[0]) if tokens else None  # [n, 2·H_t·d_t]
     num_target_layers, target_heads = traces.target_k.shape[:2]
     source_dim = traces.source_k.shape[-1]
     pcas = {}
@@ -72,13 +82,13 @@ def fit_mapper(
             ("v", traces.source_v, traces.target_v[layer], traces.attn_v),
         ):
             pca = pcas.get(component)
-            width = _design(source_rows, layers, head_index, pca, slice(0, 1)).shape[-1]
+            width = _design(source_rows, layers, head_index, pca, slice(0, 1), token_rows).shape[-1]
             weights = None
             if weighting == "attn_repair":
                 weights, stats = attn_repair_weights(raw[layer], width, alpha_cap)  # [H_t, n]
                 alpha_stats[component].append(stats["alpha"])
             chunk = lambda span, rows=source_rows, y=target_rows, w=weights, ls=layers, pc=pca: (
-                _design(rows, ls, head_index, pc, span),
+                _design(rows, ls, head_index, pc, span, token_rows),
                 y[:, span],
                 None if w is None else w[:, span],
             )
@@ -98,6 +108,7 @@ def fit_mapper(
         "lambda": lam,
         "lambda_relative": lam_relative,
         "alpha_cap": alpha_cap,
+        "token_features": tokens,
         "alpha": alpha_stats if weighting == "attn_repair" else None,
         "k": int(source_layers.shape[1]),
         "fan_in": int(head_index.shape[1]),
@@ -128,6 +139,7 @@ def fit_transfer(
     shift: int = 0,
     chunk_rows: int = 4096,
     alpha_cap: float = 1.0,
+    tokens: bool = False,
 ) -> Mapper:
     """Select layers and fit a mapper for this model pair; the manifest identifies pair and method."""
     source_kv, target_kv = describe_kv(source), describe_kv(target)
@@ -143,15 +155,22 @@ def fit_transfer(
         lam_relative,
         chunk_rows,
         alpha_cap=alpha_cap,
+        tokens=tokens,
     )
     fan_in = source_kv.num_kv_heads if support == "pca" else head_index.shape[1]
     mapper.manifest.update(
-        method=f"{support}+{weighting}",
+        method=f"{support}+{weighting}" + ("+tokens" if tokens else ""),
         selection=selection,
         shift=shift,
         selection_scores=None if scores is None else scores.tolist(),
         coefficient_count=coefficient_count(
-            target_kv.num_layers, target_kv.num_kv_heads, k, fan_in, source_kv.head_dim, target_kv.head_dim
+            target_kv.num_layers,
+            target_kv.num_kv_heads,
+            k,
+            fan_in,
+            source_kv.head_dim,
+            target_kv.head_dim,
+            2 * target_kv.num_kv_heads * target_kv.head_dim if tokens else 0,
         ),
         source_fingerprint=fingerprint(source),
         target_fingerprint=fingerprint(target),
@@ -164,7 +183,8 @@ def fit_transfer(
 
 def mapper_r2(mapper: Mapper, traces: Traces) -> dict[str, float | list[float]]:
     """R² of the mapped K and V on these rows (content space): pooled, and per target layer (`*_layers`)."""
-    predicted_k, predicted_v = map_rows(mapper, traces.source_k.float(), traces.source_v.float())
+    tokens = token_features(traces.target_k[0], traces.target_v[0]).float() if mapper.token_features else None
+    predicted_k, predicted_v = map_rows(mapper, traces.source_k.float(), traces.source_v.float(), tokens)
     scores: dict[str, float | list[float]] = {}
     for name, predicted, actual in (("k", predicted_k, traces.target_k), ("v", predicted_v, traces.target_v)):
         actual = actual.double()

@@ -155,6 +155,7 @@ def build_mapper(cfg: DictConfig, pair: Pair, traces: Traces, traces_key: str, s
         shift=support.shift,
         chunk_rows=fit.chunk_rows,
         alpha_cap=cfg.weighting.alpha_cap,
+        tokens=fit.token_features,
     )
     mapper.manifest["construction_seconds"] = time.perf_counter() - began
     mapper.manifest["weights"] = pair.weights

@@ -7,6 +7,10 @@ A support is a head index [H_t, f] (f source heads per target head, per selected
           m·h … m·h+m−1 of group h, concatenated (f = m)
   cyclic  the local assignment shifted by c source heads: a(h) = (h + c) mod H_s (a control)
   pca     all source heads of each selected layer, block-PCA-reduced to Head-Local's width (a control)
+
+Any support can also read the target's token features (`fit.token_features`): the target's own layer-0
+content K and V of the token, all heads [n, 2·H_t·d_t] — a function of the token id alone (embedding → norm
+→ projection), computed exactly at handoff by a layer-0 target prefill — appended to every head's features.
 """
 
 from __future__ import annotations
@@ -49,9 +53,23 @@ def gather_features(rows: torch.Tensor, layers: torch.Tensor, head_index: torch.
     return picked.permute(0, 2, 4, 1, 3, 5).flatten(3)  # [g, H_t, n, k·f·d_s]
 
 
-def coefficient_count(target_layers: int, target_heads: int, k: int, fan_in: int, d_s: int, d_t: int) -> int:
-    """Non-bias coefficients over K and V: C(f) = 2·L_t·H_t·(k·f·d_s)·d_t (Eqs. 6, 12, 13)."""
-    return 2 * target_layers * target_heads * (k * fan_in * d_s) * d_t
+def token_features(target_k0: torch.Tensor, target_v0: torch.Tensor) -> torch.Tensor:
+    """The target's layer-0 content K, V [H_t, n, d_t] each → token features [n, 2·H_t·d_t] (K heads, V heads)."""
+    return torch.cat([target_k0, target_v0], 0).permute(1, 0, 2).flatten(1)
+
+
+def with_tokens(features: torch.Tensor, tokens: torch.Tensor | None) -> torch.Tensor:
+    """features [..., H, n, p] ⊕ token features [n, q] broadcast to every head → [..., H, n, p + q]."""
+    if tokens is None:
+        return features
+    return torch.cat([features, tokens.to(features.dtype).expand(*features.shape[:-1], -1)], -1)
+
+
+def coefficient_count(
+    target_layers: int, target_heads: int, k: int, fan_in: int, d_s: int, d_t: int, token_width: int = 0
+) -> int:
+    """Non-bias coefficients over K and V: C(f) = 2·L_t·H_t·(k·f·d_s + q)·d_t (Eqs. 6, 12, 13; q = token width)."""
+    return 2 * target_layers * target_heads * (k * fan_in * d_s + token_width) * d_t
 
 
 def pca_basis(rows: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.Tensor]:

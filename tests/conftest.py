@@ -43,6 +43,6 @@ class CountingTransfer:
     def __init__(self, transfer):
         self.transfer, self.source, self.target, self.calls = transfer, transfer.source, transfer.target, 0
 
-    def __call__(self, cache):
+    def __call__(self, cache, **kwargs):
         self.calls += 1
-        return self.transfer(cache)
+        return self.transfer(cache, **kwargs)

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from src.apply import KVTransfer, TransferError, handoff, prefill
+from src.apply import KVTransfer, Levers, TransferError, handoff, prefill
 from src.fit import fit_transfer
 from src.models import load_model, load_tokenizer, tokenizer_hash, vocabulary_hash
 from src.traces import collect_traces
@@ -168,6 +168,65 @@ def test_relocated_positions_position_dependent_map(family):
     shifted = transfer(_source_layers(source))
     torch.testing.assert_close(shifted.layers[-1].values, own.layers[-1].values, rtol=0, atol=CACHE_TOL)
     assert float((shifted.layers[-1].keys - last_own).abs().max()) > 1e-2
+
+
+# --------------------------------------------------------------------------- token features (fit.token_features)
+
+
+@functools.cache
+def _token_transfer(family: str) -> KVTransfer:
+    """The self-transfer, its maps also reading the target's layer-0 content K/V of each token."""
+    model = tiny(family)
+    token_hash = vocabulary_hash(model)
+    traces = collect_traces(model, model, calibration_ids(4, 48, seed=1), stride=1, batch_size=4)
+    mapper = fit_transfer(
+        model, model, traces, token_hash, support="local", k=1, selection="identity", lam=1e-6, tokens=True
+    )
+    return KVTransfer(mapper, model, model, token_hash)
+
+
+def test_token_feature_self_transfer_reproduces_prefill_cache(family):
+    transfer = _token_transfer(family)
+    heads, dim = transfer.target_kv.num_kv_heads, transfer.target_kv.head_dim
+    assert transfer.mapper.weight_v.shape[2] == dim + 2 * heads * dim  # k·f·d_s + 2·H_t·d_t
+    prompt = _prompt(batch=2)
+    source = prefill(transfer.source, prompt)
+    _assert_cache_close(transfer(_source_layers(source), input_ids=prompt), prefill(transfer.target, prompt))
+
+
+def test_token_feature_transfer_at_relocated_positions(family):
+    transfer = _token_transfer(family)
+    prompt, positions = _prompt(), torch.arange(50, 70)
+    with torch.no_grad():
+        source = transfer.source(prompt, position_ids=positions[None], use_cache=True).past_key_values
+        own = transfer.target(prompt, position_ids=positions[None], use_cache=True).past_key_values
+    _assert_cache_close(transfer(_source_layers(source), positions=positions, input_ids=prompt), own)
+
+
+def test_token_feature_mapper_needs_the_prefix_ids():
+    transfer = _token_transfer("qwen2")
+    prompt = _prompt()
+    layers = _source_layers(prefill(transfer.source, prompt))
+    with pytest.raises(TransferError, match="token features: pass the prefix's input_ids"):
+        transfer(layers)
+    with pytest.raises(TransferError, match=re.escape("input_ids shape (1, 19) ≠ the source cache's (1, 20)")):
+        transfer(layers, input_ids=prompt[:, 1:])
+    assert handoff(transfer, layers, prompt).mode == "transfer"
+    assert transfer.spent(Levers()) == Levers(native_layers=1)  # layer 0 is prefilled for the features
+    assert transfer.spent(Levers(4, 16, 7)) == Levers(4, 16, 7)
+
+
+def test_token_feature_mapper_refuses_triton_and_a_narrow_artifact():
+    transfer = _token_transfer("qwen2")
+    model = transfer.target
+    with pytest.raises(ValueError, match="Triton apply does not read token features"):
+        KVTransfer(transfer.mapper, model, model, vocabulary_hash(model), backend="triton")
+    plain = _self_transfer("qwen2").mapper
+    claims_tokens = replace(plain, manifest=dict(plain.manifest, token_features=True))
+    with pytest.raises(
+        TransferError, match="mapper weight_k reads 16 features, its layers, heads and token features make 80"
+    ):
+        KVTransfer(claims_tokens, model, model, vocabulary_hash(model))
 
 
 # --------------------------------------------------------------------------- refusal and rollback

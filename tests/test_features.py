@@ -50,6 +50,16 @@ def test_own_variant_equals_the_head_local_mapper():
         assert scores[f"own.width_{component}"] == LAYERS.shape[1] * 6
 
 
+def test_token_variant_equals_the_token_feature_mapper():
+    traces, head_index = _noisy_traces()
+    fit, heldout = traces.split_heldout(0.25)
+    scores = _probe(traces, head_index, ["token"])
+    mapper = fit_mapper(fit, LAYERS, head_index, "local", "uniform", 1e-3, True, 97, tokens=True)
+    reference = mapper_r2(mapper, heldout)
+    for component in "kv":
+        assert scores[f"token.r2_{component}_heldout"] == pytest.approx(reference[f"r2_{component}"], abs=1e-5)
+
+
 def test_kv_variant_recovers_what_v_reads_from_k():
     traces, head_index = _noisy_traces()
     scores = _probe(traces, head_index, ["own", "kv"])

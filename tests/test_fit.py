@@ -294,6 +294,19 @@ def test_coefficient_count_equals_mapper_numel(support, expected_fan_in, k):
 # --------------------------------------------------------------------------- head assignment
 
 
+def test_token_features_widen_every_design_and_are_refused_with_pca():
+    traces, layers, head_index, _ = _planted_traces("local")
+    mapper = _fit(traces, layers, head_index, "local", tokens=True)
+    heads, dim = traces.target_k.shape[1], traces.target_k.shape[-1]
+    width = layers.shape[1] * 8 + 2 * heads * dim
+    assert mapper.weight_k.shape[2] == mapper.weight_v.shape[2] == width and mapper.token_features
+    assert mapper.weight_k.numel() + mapper.weight_v.numel() == coefficient_count(
+        traces.target_k.shape[0], heads, layers.shape[1], 1, 8, dim, 2 * heads * dim
+    )
+    with pytest.raises(ValueError, match="token features are not offered with the block-PCA control"):
+        _fit(traces, layers, head_assignment("pca", 2, 2), "pca", tokens=True)
+
+
 def test_head_assignment_equal_counts_is_identity():
     for heads in (1, 2, 8):
         assert torch.equal(head_assignment("local", heads, heads), torch.arange(heads)[:, None])

@@ -84,7 +84,7 @@ def score_task(
                 mode, pair, torch.tensor(context), [torch.tensor(x) for x in continuations], transfer, levers
             )
         prefixes = [len(context) - 1 for context, _ in groups]
-        spent = [levers.prefill_fraction(p, layers) * p if mode == "transfer" else p for p in prefixes]
+        spent = [transfer.spent(levers).prefill_fraction(p, layers) * p if mode == "transfer" else p for p in prefixes]
         scores.loglikelihoods.append([r[0] for r in results])
         scores.greedy.append([r[1] for r in results])
         scores.labels.append(item.label)

@@ -38,7 +38,7 @@ def cache_fidelity(transfer: KVTransfer, prompts: list[torch.Tensor]) -> dict[st
             positions = torch.arange(ids.shape[1], device=device)
             native = prefill(target, ids)
             queries = dict(capture.queries)  # layer → [1, H_q, T, d] pre-RoPE
-            mapped = transfer(prefill(transfer.source, ids))
+            mapped = transfer(prefill(transfer.source, ids), input_ids=ids)
             cos, sin = rope_cos_sin(target.model.rotary_emb, positions)
             native_rows, mapped_rows = (
                 content_kv(target, kv, native, positions),
@@ -83,7 +83,9 @@ def swap_nll(transfer: KVTransfer, streams: torch.Tensor, prefix_len: int) -> di
     target = transfer.target
     prefix = streams[:, : prefix_len - 1]
     native = [(layer.keys, layer.values) for layer in prefill(target, prefix).layers]
-    mapped = [(layer.keys, layer.values) for layer in transfer(prefill(transfer.source, prefix)).layers]
+    mapped = [
+        (layer.keys, layer.values) for layer in transfer(prefill(transfer.source, prefix), input_ids=prefix).layers
+    ]
     nll = lambda layers: float(continuation_nll(target, _cache(layers, target.config), streams, prefix_len).mean())
     scores = {
         "nll_swap_k": nll([(own[0], new[1]) for own, new in zip(native, mapped, strict=True)]),

@@ -6,7 +6,7 @@ the Head-Local design of the selected source layers, widened by one feature fami
           equals a Head-Local uniform mapper's held-out R²)
   kv      + the same layers' rows of the other component (context the source cache already holds)
   token   + the target's own layer-0 content K and V of every head (a function of the token id alone:
-          embedding → norm → projection, no attention; exact at apply time for ~nothing)
+          embedding → norm → projection; the mapper's `fit.token_features` design)
   relu    + ReLU(z·R): z the standardized own features, R a fixed Gaussian [p, width] (random features,
           a nonlinear map that stays closed-form)
 R² on the fit rows and on held-out sequences, so capacity-limited and overfit-limited cases read apart.
@@ -19,7 +19,7 @@ from collections.abc import Callable
 import torch
 
 from src.stats import ridge_solve, streaming_moments
-from src.support import gather_features
+from src.support import gather_features, token_features, with_tokens
 from src.traces import Traces
 
 VARIANTS = ("own", "kv", "token", "relu")
@@ -41,10 +41,10 @@ def base_design(component: str, variant: str, layers: torch.Tensor, head_index: 
         parts = [gather_features(rows(component), layers, head_index)]  # [H_t, b, k·f·d_s]
         if variant == "kv":
             parts.append(gather_features(rows(OTHER[component]), layers, head_index))
-        if variant == "token":
-            token = torch.cat([traces.target_k[0, :, span], traces.target_v[0, :, span]], 0)  # [2·H_t, b, d_t]
-            parts.append(token.permute(1, 0, 2).flatten(1).expand(head_index.shape[0], -1, -1))
-        return torch.cat([p.double() for p in parts], -1)
+        x = torch.cat([p.double() for p in parts], -1)
+        if variant == "token":  # the mapper's `fit.token_features` design
+            return with_tokens(x, token_features(traces.target_k[0, :, span], traces.target_v[0, :, span]))
+        return x
 
     return design
 

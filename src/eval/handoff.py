@@ -65,7 +65,7 @@ def handoff_ttft(
     first_token = lambda cache, ids: target(ids, past_key_values=cache, logits_to_keep=1).logits[:, -1].argmax(-1)
 
     def via_transfer():
-        return first_token(transfer(source_cache), turn)
+        return first_token(transfer(source_cache, input_ids=prefix), turn)
 
     def via_prefill():
         return target(torch.cat([prefix, turn], dim=1), logits_to_keep=1).logits[:, -1].argmax(-1)
@@ -78,7 +78,7 @@ def handoff_ttft(
     metrics = percentiles(time_ms(via_transfer, repeats, warmup, device), "ttft_transfer")
     metrics |= percentiles(time_ms(via_prefill, prefill_repeats, min(warmup, 1), device), "ttft_prefill")
     metrics |= percentiles(time_ms(via_cache_hit, repeats, warmup, device), "ttft_cache_hit")
-    metrics |= percentiles(time_ms(lambda: transfer(source_cache), repeats, warmup, device), "map")
+    metrics |= percentiles(time_ms(lambda: transfer(source_cache, input_ids=prefix), repeats, warmup, device), "map")
     metrics["ttft_speedup_vs_prefill"] = metrics["ttft_prefill_ms_p50"] / metrics["ttft_transfer_ms_p50"]
     for name, path in (("transfer", via_transfer), ("prefill", via_prefill), ("cache_hit", via_cache_hit)):
         metrics[f"gpu_peak_mb_{name}"] = _peak_mb(path, device)

@@ -50,7 +50,7 @@ def handoff_latency(
     if levers:
         apply = lambda: spliced_cache(transfer, source_cache, prefix, levers)
     else:
-        apply = lambda: transfer(source_cache)
+        apply = lambda: transfer(source_cache, input_ids=prefix)
     metrics = percentiles(time_ms(apply, repeats, warmup, device), "apply")
     metrics |= percentiles(time_ms(lambda: prefill(transfer.target, prefix), repeats, warmup, device), "prefill")
     metrics["handoff_speedup"] = metrics["prefill_ms_p50"] / metrics["apply_ms_p50"]

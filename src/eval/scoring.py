@@ -61,7 +61,11 @@ def context_cache(
     if mode == "transfer":
         clipped = levers.clipped(prefix.shape[1])
         source_cache = prefill(pair.source, prefix)
-        return spliced_cache(transfer, source_cache, prefix, clipped) if clipped else transfer(source_cache)
+        return (
+            spliced_cache(transfer, source_cache, prefix, clipped)
+            if clipped
+            else transfer(source_cache, input_ids=prefix)
+        )
     return prefill(reading_model(mode, pair), prefix)
 
 
