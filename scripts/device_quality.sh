@@ -3,7 +3,7 @@
 #   bash scripts/device_quality.sh setup      wheels (.whl) + data (.stage/data) carried; install, check GPU
 #   (the GGUF chunks from ../shared/tools/split-for-device are moved to $HOME/stage by their own calls)
 #   bash scripts/device_quality.sh models     join + verify the GGUFs, de-quantize to safetensors (fetch_models.py)
-#   bash scripts/device_quality.sh attribution | domain | capacity | reverse | frontier    the experiments below
+#   bash scripts/device_quality.sh attribution | domain | capacity | reverse | frontier | tokens    the experiments below
 #   (each ≤ BUDGET_S = 540 s)
 #   bash scripts/device_quality.sh systems    issue-4 timings on random weights (needs only setup)
 # The GPU image has no hydra/mlflow: hydra comes from the carried wheels, tracking writes JSON records
@@ -62,12 +62,18 @@ case $stage in
       tracking.experiment=real_reverse ;;
   frontier)  # long-prefix NLL (1,024-token prefix) against the hold-back share, both directions; then the V probes
     for pair in qwen25coder_0p5b_to_1p5b qwen25coder_1p5b_to_0p5b; do
-      run pair=$pair "${CAPACITY[@]}" "eval.tasks.names=[]" eval.nll.prefix_len=1024 eval.levers.native_sink=4 \
-        eval.levers.hold_back=0,64,128,256,512 tracking.experiment=real_frontier_nll
+      run pair=$pair "${CAPACITY[@]}" "eval.tasks.names=[]" eval.nll.prefix_len=1024 eval.latency.prefix_len=1024 \
+        eval.levers.native_sink=4 eval.levers.hold_back=0,64,128,256,512 tracking.experiment=real_frontier_nll
     done
     for pair in qwen25coder_0p5b_to_1p5b qwen25coder_1p5b_to_0p5b; do
       run +experiment=feature_probe pair=$pair "${CAPACITY[@]}" tracking.experiment=real_feature_probe
     done ;;
+  tokens)  # lever (g) on the tasks: the capacity point with the target's token features, both directions
+    for pair in qwen25coder_0p5b_to_1p5b qwen25coder_1p5b_to_0p5b; do
+      run pair=$pair "${CAPACITY[@]}" fit.token_features=true eval.diagnose.fidelity=true tracking.experiment=real_tokens
+    done
+    run "${CAPACITY[@]}" fit.token_features=true eval.levers.native_sink=4 eval.levers.hold_back=16 \
+      tracking.experiment=real_tokens ;;
   systems)  # random weights: fp32-coefficient apply, then handoff TTFT through the Triton apply (pair.apply_backend=auto)
     python3 scripts/bench_apply_map.py --compute-dtype float32 --precision tf32 --no-sweep --out "$OUT/apply_map_tf32.json" \
       2>&1 | tail -12 | tee -a "$OUT/log.txt"

@@ -185,14 +185,13 @@ class KVTransfer:
         """The target work of a handoff with these levers: a token-feature mapper also prefills layer 0."""
         return replace(levers, native_layers=max(levers.native_layers, 1)) if self.token_features else levers
 
-    def _layer0(self, input_ids: torch.Tensor | None, batch: int, seq: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def _layer0(self, input_ids: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         """Target layer 0's content K and V [B, H_t, T, d_t] for the prefix ids [B, T] (a stopped prefill)."""
         if input_ids is None:
             raise TransferError("this mapper reads the target's token features: pass the prefix's input_ids")
-        if tuple(input_ids.shape) != (batch, seq):
-            raise TransferError(f"input_ids shape {tuple(input_ids.shape)} ≠ the source cache's ({batch}, {seq})")
         layer = prefill_layers(self.target, input_ids, 1).layers[0]
-        cos, sin = rope_cos_sin(self.target.model.rotary_emb, torch.arange(seq, device=self.device))
+        positions = torch.arange(input_ids.shape[1], device=self.device)
+        cos, sin = rope_cos_sin(self.target.model.rotary_emb, positions)
         return remove_rope(layer.keys, cos, sin, self.target_kv.rope_layout), layer.values
 
     @torch.no_grad()
@@ -212,7 +211,7 @@ class KVTransfer:
             return self._fused(layers, positions)
         tokens = layer0 = None
         if self.token_features:
-            layer0 = self._layer0(input_ids, batch, seq)  # content K, V [B, H_t, T, d_t]
+            layer0 = self._layer0(input_ids)  # content K, V [B, H_t, T, d_t]
             tokens = torch.cat(layer0, 1).transpose(1, 2).flatten(2).flatten(0, 1)  # [B·T, 2·H_t·d_t]
         cos, sin = rope_cos_sin(self.source.model.rotary_emb, positions.to(layers[0][0].device))
         to_rows = lambda t: t.to(self.device).transpose(1, 2).flatten(2, 3)  # [L_s, H_s, B·T, d_s]
