@@ -19,7 +19,7 @@ from transformers import DynamicCache, PreTrainedModel
 from src.artifact import Mapper
 from src.models import KVInterface, describe_kv, fingerprint
 from src.rope import apply_rope, remove_rope, rope_cos_sin
-from src.support import gather_features, with_tokens
+from src.support import gather_features, token_width, with_tokens
 
 
 class TransferError(ValueError):
@@ -132,7 +132,7 @@ class KVTransfer:
             raise TransferError(f"mapper shape {tuple(mapper.weight_k.shape)} does not fit the target's KV interface")
         self.token_features = mapper.token_features
         width = mapper.source_layers.shape[1] * mapper.head_index.shape[1] * self.source_kv.head_dim
-        width += 2 * self.target_kv.num_kv_heads * self.target_kv.head_dim if self.token_features else 0
+        width += token_width(self.target_kv.num_kv_heads, self.target_kv.head_dim) if self.token_features else 0
         for name in ("weight_k", "weight_v"):
             if getattr(mapper, name).shape[2] != width:
                 raise TransferError(

@@ -16,7 +16,15 @@ from src.artifact import Mapper
 from src.models import describe_kv, fingerprint
 from src.select import layers_for_support
 from src.stats import reference_moments, ridge_solve, streaming_moments
-from src.support import coefficient_count, gather_features, head_assignment, pca_basis, token_features, with_tokens
+from src.support import (
+    coefficient_count,
+    gather_features,
+    head_assignment,
+    pca_basis,
+    token_features,
+    token_width,
+    with_tokens,
+)
 from src.traces import Traces
 from src.weighting import attn_repair_weights
 
@@ -170,7 +178,7 @@ def fit_transfer(
             fan_in,
             source_kv.head_dim,
             target_kv.head_dim,
-            2 * target_kv.num_kv_heads * target_kv.head_dim if tokens else 0,
+            token_width(target_kv.num_kv_heads, target_kv.head_dim) if tokens else 0,
         ),
         source_fingerprint=fingerprint(source),
         target_fingerprint=fingerprint(target),

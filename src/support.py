@@ -58,6 +58,11 @@ def token_features(target_k0: torch.Tensor, target_v0: torch.Tensor) -> torch.Te
     return torch.cat([target_k0, target_v0], 0).permute(1, 0, 2).flatten(1)
 
 
+def token_width(target_heads: int, d_t: int) -> int:
+    """Width q of the token features: the target's layer-0 K and V of every head."""
+    return 2 * target_heads * d_t
+
+
 def with_tokens(features: torch.Tensor, tokens: torch.Tensor | None) -> torch.Tensor:
     """features [..., H, n, p] ⊕ token features [n, q] broadcast to every head → [..., H, n, p + q]."""
     if tokens is None:

@@ -72,6 +72,7 @@ def score_task(
         raise ValueError("no items to score")
     layers = pair.target.config.get_text_config().num_hidden_layers
     scores = TaskScores(items[0].task, [], [], [], [], [], [])
+    spent_levers = transfer.spent(levers) if mode == "transfer" else None  # + the mapper's own target prefill
     for item in tqdm(items, desc=f"{items[0].task}:{mode}", unit="item", leave=False):
         encoded = [encode_pair(pair.tokenizer, c, x) for c, x in zip(item.contexts, item.continuations, strict=True)]
         if item.shared_context:
@@ -84,7 +85,7 @@ def score_task(
                 mode, pair, torch.tensor(context), [torch.tensor(x) for x in continuations], transfer, levers
             )
         prefixes = [len(context) - 1 for context, _ in groups]
-        spent = [transfer.spent(levers).prefill_fraction(p, layers) * p if mode == "transfer" else p for p in prefixes]
+        spent = [spent_levers.prefill_fraction(p, layers) * p if spent_levers is not None else p for p in prefixes]
         scores.loglikelihoods.append([r[0] for r in results])
         scores.greedy.append([r[1] for r in results])
         scores.labels.append(item.label)

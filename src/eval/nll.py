@@ -44,8 +44,7 @@ def horizon_nll(
         scores[f"nll_{mode}"] = float(continuation_nll(model, cache, streams, prefix_len).mean())
     gap = scores["nll_native_source"] - scores["nll_native_target"]
     layers = target.config.get_text_config().num_hidden_layers
-    scores["prefill_fraction"] = transfer.spent(levers).prefill_fraction(
-        prefix.shape[1], layers
-    )  # target prefill still spent
+    spent = transfer.spent(levers)  # the levers' target prefill and the mapper's own (token features)
+    scores["prefill_fraction"] = spent.prefill_fraction(prefix.shape[1], layers)
     scores["nll_gap_recovered"] = (scores["nll_native_source"] - scores["nll_transfer"]) / gap if gap else float("nan")
     return scores
