@@ -94,25 +94,24 @@ def tables(uri: str, experiments: list[str]) -> str:
 
 
 def task_tables(runs) -> str:
-    metric = _metric
     head = ["run", "prefill frac", "NLL gap rec.", "R² K/V held-out", "R² K/V prompts"]
     lines = ["| " + " | ".join(head + [f"{t} acc (loss pt [95% CI])" for t in TASKS]) + " |"]
     lines.append("|" + "---|" * (len(head) + len(TASKS)))
     first = runs.iloc[0]
     for native in ("source", "target"):  # the same items in every run: natives from the first
-        accs = [_fmt(metric(first, f"task.{task}.acc_{native}"), 1, 100) for task in TASKS]
+        accs = [_fmt(_metric(first, f"task.{task}.acc_{native}"), 1, 100) for task in TASKS]
         lines.append(f"| native {native} | {1.0 if native == 'target' else 0.0} | | | | " + " | ".join(accs) + " |")
     for _, row in runs.iterrows():
         cells = [
             _label(row),
-            _fmt(metric(row, "task.mean.prefill_fraction"), 3),
-            _fmt(metric(row, "nll_gap_recovered"), 3),
-            f"{_fmt(metric(row, 'r2_k_heldout'), 3)} / {_fmt(metric(row, 'r2_v_heldout'), 3)}",
-            f"{_fmt(metric(row, 'prompt_r2_k'), 3)} / {_fmt(metric(row, 'prompt_r2_v'), 3)}",
+            _fmt(_metric(row, "task.mean.prefill_fraction"), 3),
+            _fmt(_metric(row, "nll_gap_recovered"), 3),
+            f"{_fmt(_metric(row, 'r2_k_heldout'), 3)} / {_fmt(_metric(row, 'r2_v_heldout'), 3)}",
+            f"{_fmt(_metric(row, 'prompt_r2_k'), 3)} / {_fmt(_metric(row, 'prompt_r2_v'), 3)}",
         ]
         for task in TASKS:
-            acc = metric(row, f"task.{task}.acc")
-            loss = [metric(row, f"task.{task}.loss_points{suffix}") for suffix in ("", "_low", "_high")]
+            acc = _metric(row, f"task.{task}.acc")
+            loss = [_metric(row, f"task.{task}.loss_points{suffix}") for suffix in ("", "_low", "_high")]
             cells.append(f"{_fmt(acc, 1, 100)} ({_fmt(loss[0])} [{_fmt(loss[1])}, {_fmt(loss[2])}])")
         lines.append("| " + " | ".join(cells) + " |")
     lines += [
@@ -121,9 +120,9 @@ def task_tables(runs) -> str:
     ]
     lines.append("|---|---|---|---|---|---|---|")
     for _, row in runs.iterrows():
-        values = [metric(row, f"task.mean.{name}") for name in ("acc", "loss_points", "max_loss_points")]
+        values = [_metric(row, f"task.mean.{name}") for name in ("acc", "loss_points", "max_loss_points")]
         ratios = [
-            metric(row, f"task.mean.{name}") for name in ("retention", "gap_recovered", "mean_task_gap_recovered")
+            _metric(row, f"task.mean.{name}") for name in ("retention", "gap_recovered", "mean_task_gap_recovered")
         ]
         lines.append(
             f"| {_label(row)} | {_fmt(values[0], 1, 100)} | {_fmt(values[1])} | {_fmt(values[2])} | "

@@ -3,7 +3,8 @@
 fit_eval: load pair → calibration traces (cached) → select + fit (cached artifact) → verify by
 reloading → held-out R², horizon NLL, task accuracy vs both native models, fidelity on task prompts,
 native-swap attribution, handoff latency, rollback → MLflow. probe: held-out R² of wider closed-form
-maps on the same traces (src/eval/features.py). Other jobs: latency, construction, gate, optuna. A multirun in one process loads each pair and each calibration set once (`_MEMO`).
+maps on the same traces (src/eval/features.py). Other jobs: latency, construction, gate, optuna. A
+multirun in one process loads each pair and each calibration set once (`_MEMO`).
 """
 
 from __future__ import annotations
@@ -111,6 +112,14 @@ def calibration(cfg: DictConfig, pair: Pair) -> tuple[Traces, str]:
     return traces, key
 
 
+def split_rows(cfg: DictConfig, traces: Traces) -> tuple[Traces, Traces]:
+    """Fit rows and held-out rows; with `fit.sequences` (the budget lever) only the first N fit sequences."""
+    fit_rows, heldout = traces.split_heldout(cfg.budget.heldout_fraction)
+    if cfg.fit.sequences is not None:
+        fit_rows = fit_rows.select_rows(torch.nonzero(fit_rows.sequence_index < cfg.fit.sequences)[:, 0])
+    return fit_rows, heldout
+
+
 def build_mapper(cfg: DictConfig, pair: Pair, traces: Traces, traces_key: str, support: DictConfig) -> Mapper:
     """Fit on the non-held-out rows (or reuse the verified cached artifact for the same inputs)."""
     fit = cfg.fit
@@ -137,9 +146,7 @@ def build_mapper(cfg: DictConfig, pair: Pair, traces: Traces, traces_key: str, s
             return load_mapper(directory, fingerprint(pair.source), fingerprint(pair.target), pair.tokenizer_hash)
         except ArtifactError as stale:
             print(f"refitting: cached mapper at {directory} rejected ({stale})")
-    fit_rows, _ = traces.split_heldout(cfg.budget.heldout_fraction)
-    if fit.sequences is not None:  # the budget lever: the first N fit sequences, same held-out set
-        fit_rows = fit_rows.select_rows(torch.nonzero(fit_rows.sequence_index < fit.sequences)[:, 0])
+    fit_rows, _ = split_rows(cfg, traces)
     began = time.perf_counter()
     mapper = fit_transfer(
         pair.source,
@@ -313,13 +320,12 @@ def fit_eval(cfg: DictConfig) -> float:
 
 
 def feature_probe(cfg: DictConfig) -> float:
-    """Held-out R² of the Head-Local design widened per `eval.probe.variants`, on the pair's traces."""
+    """Held-out R² of the Head-Local design widened per `eval.probe.variants`, on the pair's traces;
+    returns the last variant's held-out V R² (what a sweep over the probe would read)."""
     torch.manual_seed(cfg.seed)
     pair = load(cfg)
     traces, _ = calibration(cfg, pair)
-    fit, heldout = traces.split_heldout(cfg.budget.heldout_fraction)
-    if cfg.fit.sequences is not None:
-        fit = fit.select_rows(torch.nonzero(fit.sequence_index < cfg.fit.sequences)[:, 0])
+    fit, heldout = split_rows(cfg, traces)
     source_kv, target_kv = describe_kv(pair.source), describe_kv(pair.target)
     head_index = head_assignment("local", source_kv.num_kv_heads, target_kv.num_kv_heads)
     source_layers, _ = layers_for_support(fit, "local", cfg.fit.k, cfg.support.selection, cfg.fit.chunk_rows)

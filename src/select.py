@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 
+from src.stats import row_spans
 from src.support import gather_features, head_assignment
 from src.traces import Traces
 
@@ -22,7 +23,7 @@ def _probe_r2(source: torch.Tensor, target: torch.Tensor, head_index: torch.Tens
     features = lambda span: torch.stack(
         [gather_features(source[:, :, span], all_layers[j : j + 1], head_index) for j in range(num_source)]
     ).double()  # [L_s, H_t, b, p]
-    spans = [slice(s, min(s + chunk_rows, rows)) for s in range(0, rows, chunk_rows)]
+    spans = row_spans(rows, chunk_rows)
     mean_x = sum(features(span).sum(2) for span in spans) / rows  # [L_s, H_t, p]
     mean_y = sum(target[:, :, span].double().sum(2) for span in spans) / rows  # [L_t, H_t, d_t]
     gram = cross = total = 0

@@ -48,9 +48,14 @@ def reference_moments(x: torch.Tensor, y: torch.Tensor, w: torch.Tensor | None) 
     )
 
 
+def row_spans(rows: int, chunk_rows: int) -> list[slice]:
+    """Consecutive row panels of at most b = chunk_rows rows covering 0..rows−1 (Eq. 22's b)."""
+    return [slice(start, min(start + chunk_rows, rows)) for start in range(0, rows, chunk_rows)]
+
+
 def streaming_moments(chunk: Callable[[slice], RowChunk], rows: int, chunk_rows: int) -> Moments:
     """Two-pass Eqs. 20–21 over row chunks of size b; only one chunk's X, Y, w exist at a time."""
-    spans = [slice(start, min(start + chunk_rows, rows)) for start in range(0, rows, chunk_rows)]
+    spans = row_spans(rows, chunk_rows)
     sum_x = sum_y = total = None
     for span in spans:  # pass 1: weighted means, a fixed left-to-right reduction order
         x, y, w = chunk(span)

@@ -18,17 +18,13 @@ from collections.abc import Callable
 
 import torch
 
-from src.stats import ridge_solve, streaming_moments
+from src.stats import ridge_solve, row_spans, streaming_moments
 from src.support import gather_features, token_features, with_tokens
 from src.traces import Traces
 
 VARIANTS = ("own", "kv", "token", "relu")
 OTHER = {"k": "v", "v": "k"}
 Design = Callable[[Traces, slice], torch.Tensor]  # rows of a span → features [H_t, b, p]
-
-
-def _spans(rows: int, chunk_rows: int) -> list[slice]:
-    return [slice(start, min(start + chunk_rows, rows)) for start in range(0, rows, chunk_rows)]
 
 
 def base_design(component: str, variant: str, layers: torch.Tensor, head_index: torch.Tensor) -> Design:
@@ -51,7 +47,7 @@ def base_design(component: str, variant: str, layers: torch.Tensor, head_index: 
 
 def random_features(design: Design, traces: Traces, width: int, chunk_rows: int, seed: int) -> Design:
     """design ⊕ ReLU(((x − μ)/σ)·R / √p), μ, σ per head from the fit rows, R ~ N(0, 1) [p, width] seeded."""
-    spans = _spans(traces.rows, chunk_rows)
+    spans = row_spans(traces.rows, chunk_rows)
     total = sum(design(traces, span).sum(1) for span in spans)  # [H_t, p]
     mean = total / traces.rows
     spread = sum(((design(traces, span) - mean[:, None]) ** 2).sum(1) for span in spans)
@@ -73,7 +69,7 @@ def residual_and_spread(
 ) -> tuple[float, float]:
     """Σ‖y − ŷ‖² and Σ‖y − ȳ‖² over the rows of `traces` (ȳ their own mean), target [H_t, n, d_t]."""
     residual = total = square = 0.0
-    for span in _spans(traces.rows, chunk_rows):
+    for span in row_spans(traces.rows, chunk_rows):
         y = target[:, span].double()  # [H_t, b, d_t]
         predicted = design(traces, span) @ weight + bias[:, None]
         residual += float(((y - predicted) ** 2).sum())
