@@ -28,8 +28,8 @@ from types import SimpleNamespace
 
 import torch
 
-from src.apply import layer_groups, map_layers, shares_heads
 from src.artifact import Mapper
+from src.maps import layer_groups, map_layers, shares_heads
 from src.rope import apply_rope, remove_rope
 
 try:

@@ -16,7 +16,7 @@ import math
 
 import mlflow
 
-VARIANTS = ("own", "kv", "token", "relu")  # src/eval/features.py, in that order
+VARIANTS = ("own", "kv", "token", "relu")  # src/probe.py, in that order
 TASKS = ("hellaswag", "arc_easy", "arc_challenge", "winogrande", "piqa", "mmlu", "lambada")
 
 
@@ -61,7 +61,7 @@ def nll_table(runs) -> str:
 
 
 def probe_table(runs) -> str:
-    """Held-out (and fit) R² of the Head-Local design widened per variant (src/eval/features.py)."""
+    """Held-out (and fit) R² of the Head-Local design widened per variant (src/probe.py)."""
     lines = [
         "| pair | fit rows | variant | width K / V | R² K fit / held-out | R² V fit / held-out |",
         "|---|---|---|---|---|---|",

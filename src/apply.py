@@ -5,103 +5,25 @@ against both models and puts the coefficients on the target's device — and is 
 handoff. Per target layer: gather the selected source blocks, one head-batched matmul, re-apply the
 target's RoPE at the same positions. A mapper with token features (src/support.py) also needs the prefix's
 token ids: a layer-0 target prefill gives its features and, exactly, target layer 0. `handoff` wraps it with
-deterministic rollback to plain prefill.
+deterministic rollback to plain prefill (src/handoff.py).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
 
 import torch
 from transformers import DynamicCache, PreTrainedModel
 
+from kernels.apply_map import map_cache
 from src.artifact import Mapper
+from src.forward import prefill_layers
+from src.maps import TransferError, cache_layers, layer_groups, map_layers, shares_heads
 from src.models import KVInterface, describe_kv, fingerprint
 from src.rope import apply_rope, remove_rope, rope_cos_sin
-from src.support import gather_features, token_width, with_tokens
-
-
-class TransferError(ValueError):
-    """This source cache cannot be mapped safely; the message names why. Callers roll back to prefill."""
-
-
-def shares_heads(mapper: Mapper) -> bool:
-    """True when every target head reads the same source heads (full / pca support)."""
-    return bool((mapper.head_index == mapper.head_index[:1]).all())
-
+from src.support import token_width
 
 BACKENDS = ("torch", "auto", "triton")  # apply paths: torch grouped GEMMs, or kernels/apply_map.py
-GROUP_BYTES = 1 << 30  # target layers are mapped in groups whose gathered features fit in about 1 GiB
-
-
-def map_layers(
-    mapper: Mapper,
-    group: slice,
-    source_k: torch.Tensor,
-    source_v: torch.Tensor,
-    shared: bool,
-    tokens: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Content rows [L_s, H_s, n, d_s] (K and V) → mapped rows of target layers `group`: [g, H_t, n, d_t].
-    `tokens` [n, 2·H_t·d_t]: the target's token features, for a mapper fitted with them.
-
-    One gather and one batched GEMM per component for the whole group. When every target head reads
-    the same source heads (full / pca support, `shared`) the features are gathered once per layer and
-    all heads are one GEMM against W reshaped to [p, H_t·d_t]."""
-    heads = mapper.head_index[:1] if shared else mapper.head_index  # [H_t or 1, f]
-    layers = mapper.source_layers[group]  # [g, k]
-    mapped = []
-    for component, rows in (("k", source_k), ("v", source_v)):
-        x = with_tokens(gather_features(rows, layers, heads), tokens).to(mapper.weight_k.dtype)  # [g, H_t or 1, n, p]
-        weight = getattr(mapper, f"weight_{component}")[group]  # [g, H_t, p, d_t]
-        bias = getattr(mapper, f"bias_{component}")[group]  # [g, H_t, d_t]
-        if shared:
-            w = weight.permute(0, 2, 1, 3).flatten(2)  # [g, p, H_t·d_t]
-            y = torch.baddbmm(bias.flatten(1)[:, None, :], x[:, 0], w)  # [g, n, H_t·d_t]
-            mapped.append(y.unflatten(2, bias.shape[1:]).transpose(1, 2))  # [g, H_t, n, d_t]
-        else:
-            g, h = weight.shape[:2]
-            y = torch.baddbmm(bias.flatten(0, 1)[:, None, :], x.flatten(0, 1), weight.flatten(0, 1))  # [g·H_t, n, d_t]
-            mapped.append(y.unflatten(0, (g, h)))  # [g, H_t, n, d_t]
-    return mapped[0], mapped[1]
-
-
-def layer_groups(mapper: Mapper, rows: int, shared: bool) -> list[slice]:
-    """Slices of target layers whose gathered features stay under GROUP_BYTES."""
-    target_layers, target_heads, width = mapper.weight_k.shape[:3]
-    per_layer = (1 if shared else target_heads) * rows * width * mapper.weight_k.element_size()
-    size = max(1, min(target_layers, GROUP_BYTES // max(per_layer, 1)))
-    return [slice(start, min(start + size, target_layers)) for start in range(0, target_layers, size)]
-
-
-def map_rows(
-    mapper: Mapper, source_k: torch.Tensor, source_v: torch.Tensor, tokens: torch.Tensor | None = None
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Content rows [L_s, H_s, n, d_s] (K and V) (+ token features [n, 2·H_t·d_t]) → mapped target content
-    rows [L_t, H_t, n, d_t]."""
-    shared = shares_heads(mapper)
-    if mapper.token_features and tokens is None:
-        raise TransferError("this mapper reads the target's token features: pass them")
-    groups = [
-        map_layers(mapper, g, source_k, source_v, shared, tokens)
-        for g in layer_groups(mapper, source_k.shape[2], shared)
-    ]
-    return torch.cat([k for k, _ in groups]), torch.cat([v for _, v in groups])
-
-
-def cache_layers(cache) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """(K, V) per layer of a DynamicCache or legacy tuple cache, each [batch, kv_heads, seq, head_dim]."""
-    if isinstance(cache, DynamicCache):
-        return [(layer.keys, layer.values) for layer in cache.layers]
-    return [tuple(pair) for pair in cache]
-
-
-@dataclass
-class Handoff:
-    cache: DynamicCache
-    mode: str  # "transfer" or "prefill"
-    reason: str | None  # why the transfer was refused (mode == "prefill")
 
 
 class KVTransfer:
@@ -181,10 +103,6 @@ class KVTransfer:
             raise TransferError(f"source cache layer {index} {name} contains NaN or Inf")
         return shape[0], shape[2]
 
-    def spent(self, levers: Levers) -> Levers:
-        """The target work of a handoff with these levers: a token-feature mapper also prefills layer 0."""
-        return replace(levers, native_layers=max(levers.native_layers, 1)) if self.token_features else levers
-
     def _layer0(self, input_ids: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         """Target layer 0's content K and V [B, H_t, T, d_t] for the prefix ids [B, T] (a stopped prefill)."""
         if input_ids is None:
@@ -209,10 +127,10 @@ class KVTransfer:
             raise TransferError(f"input_ids shape {tuple(input_ids.shape)} ≠ the source cache's ({batch}, {seq})")
         if self.backend != "torch" and not self.token_features:
             return self._fused(layers, positions)
-        tokens = layer0 = None
+        token_rows = layer0 = None
         if self.token_features:
             layer0 = self._layer0(input_ids)  # content K, V [B, H_t, T, d_t]
-            tokens = torch.cat(layer0, 1).transpose(1, 2).flatten(2).flatten(0, 1)  # [B·T, 2·H_t·d_t]
+            token_rows = torch.cat(layer0, 1).transpose(1, 2).flatten(2).flatten(0, 1)  # [B·T, 2·H_t·d_t]
         cos, sin = rope_cos_sin(self.source.model.rotary_emb, positions.to(layers[0][0].device))
         to_rows = lambda t: t.to(self.device).transpose(1, 2).flatten(2, 3)  # [L_s, H_s, B·T, d_s]
         source_k = to_rows(torch.stack([remove_rope(k, cos, sin, self.source_kv.rope_layout) for k, _ in layers]))
@@ -222,7 +140,7 @@ class KVTransfer:
         cache = DynamicCache(config=self.target.config)
         finite = []
         for group in layer_groups(self.mapper, batch * seq, self.shared_heads):
-            target_k, target_v = map_layers(self.mapper, group, source_k, source_v, self.shared_heads, tokens)
+            target_k, target_v = map_layers(self.mapper, group, source_k, source_v, self.shared_heads, token_rows)
             keys = apply_rope(to_cache(target_k), cos, sin, self.target_kv.rope_layout).to(self.dtype)
             values = to_cache(target_v).to(self.dtype)
             finite.append(torch.isfinite(keys).flatten(1).all(1) & torch.isfinite(values).flatten(1).all(1))
@@ -240,8 +158,6 @@ class KVTransfer:
     def _fused(self, layers: list[tuple[torch.Tensor, torch.Tensor]], positions: torch.Tensor) -> DynamicCache:
         """The same map through `kernels.apply_map.map_cache` (Triton on CUDA where supported, else its torch
         reference; `backend="triton"` refuses to fall back): one launch per component, finiteness flags."""
-        from kernels.apply_map import map_cache  # the kernel module builds on this one
-
         positions = positions.to(self.device)
         source_cos, source_sin = rope_cos_sin(self.source.model.rotary_emb, positions)
         target_cos, target_sin = rope_cos_sin(self.target.model.rotary_emb, positions)
@@ -266,114 +182,3 @@ class KVTransfer:
         for layer in range(keys.shape[0]):
             cache.update(keys[layer], values[layer], layer)
         return cache
-
-
-@torch.no_grad()
-def prefill(model: PreTrainedModel, input_ids: torch.Tensor) -> DynamicCache:
-    """The ordinary path: the model's own cache for input_ids [B, T] (logits of the last token only)."""
-    device = next(model.parameters()).device
-    return model(input_ids.to(device), use_cache=True, logits_to_keep=1).past_key_values
-
-
-def handoff(transfer: KVTransfer, source_cache, input_ids: torch.Tensor) -> Handoff:
-    """Mapped cache when the transfer is safe, else — deterministically — the target's own prefill."""
-    try:
-        return Handoff(cache=transfer(source_cache, input_ids=input_ids), mode="transfer", reason=None)
-    except TransferError as refusal:
-        return Handoff(cache=prefill(transfer.target, input_ids), mode="prefill", reason=str(refusal))
-
-
-@dataclass(frozen=True)
-class Levers:
-    """Target work kept native around a mapped prefix: the first `native_sink` tokens (exact — their K/V
-    depend on those tokens alone, the attention sink), the last `hold_back` tokens (re-prefilled on top of
-    the spliced prefix), and the first `native_layers` target layers over the whole prefix (a target
-    prefill stopped after that layer)."""
-
-    native_sink: int = 0
-    hold_back: int = 0
-    native_layers: int = 0
-
-    def __post_init__(self) -> None:
-        if min(self.native_sink, self.hold_back, self.native_layers) < 0:
-            raise ValueError(f"levers must be ≥ 0, got {self}")
-
-    def clipped(self, prefix_len: int) -> Levers:
-        """The levers a prefix of `prefix_len` tokens can take: the sink first, then the hold-back."""
-        sink = min(self.native_sink, prefix_len)
-        return Levers(sink, min(self.hold_back, prefix_len - sink), self.native_layers)
-
-    def prefill_fraction(self, prefix_len: int, num_layers: int) -> float:
-        """Share of the target's prefill compute (layer × token work) still spent on a prefix of
-        `prefix_len` tokens: sink and hold-back tokens in full, the mapped span in its native layers."""
-        c = self.clipped(prefix_len)
-        mapped = prefix_len - c.native_sink - c.hold_back
-        layers = min(c.native_layers, num_layers) / num_layers
-        return (c.native_sink + c.hold_back + mapped * layers) / prefix_len if prefix_len else 1.0
-
-    def __bool__(self) -> bool:
-        return bool(self.native_sink or self.hold_back or self.native_layers)
-
-
-NO_LEVERS = Levers()  # pure transfer: every prefix token mapped
-
-
-class _StopForward(Exception):
-    pass
-
-
-def _raise_stop(*_) -> None:
-    raise _StopForward
-
-
-@torch.no_grad()
-def prefill_layers(model: PreTrainedModel, input_ids: torch.Tensor, layers: int) -> DynamicCache:
-    """The model's own cache of input_ids [B, T] in its first `layers` decoder layers only: the forward
-    stops after layer `layers` − 1 (later cache layers stay empty)."""
-    device = next(model.parameters()).device
-    cache = DynamicCache(config=model.config)
-    handle = model.model.layers[layers - 1].register_forward_hook(_raise_stop)
-    try:
-        model(input_ids.to(device), past_key_values=cache, use_cache=True, logits_to_keep=1)
-    except _StopForward:
-        pass
-    finally:
-        handle.remove()
-    return cache
-
-
-@torch.no_grad()
-def spliced_cache(transfer: KVTransfer, source_cache, input_ids: torch.Tensor, levers: Levers) -> DynamicCache:
-    """Target cache for input_ids [B, T] that spends only the levers' target prefill (`Levers`).
-
-    Tokens 0..s−1 are prefilled natively on the target; tokens s..T−w−1 are mapped from the source cache at
-    their own positions, except in the first `native_layers` layers, which a stopped target prefill of
-    0..T−w−1 fills; the last w tokens are re-prefilled natively on top of the spliced prefix."""
-    total, sink, hold = input_ids.shape[1], levers.native_sink, levers.hold_back
-    if sink + hold > total:
-        raise ValueError(f"native_sink={sink} + hold_back={hold} must fit in {total} tokens")
-    end = total - hold
-    target = transfer.target
-    native_layers = min(levers.native_layers, len(target.model.layers))
-    if end == 0:
-        return prefill(target, input_ids)
-    cache = prefill(target, input_ids[:, :sink]) if sink else None
-    if end > sink:
-        middle = [(k[:, :, sink:end], v[:, :, sink:end]) for k, v in cache_layers(source_cache)]
-        mapped = transfer(middle, positions=torch.arange(sink, end), input_ids=input_ids[:, sink:end])
-        if cache is None:
-            cache = mapped
-        else:
-            for layer, (own, new) in enumerate(zip(cache.layers, mapped.layers, strict=True)):
-                cache.layers[layer].keys = torch.cat([own.keys, new.keys], dim=2)
-                cache.layers[layer].values = torch.cat([own.values, new.values], dim=2)
-        if native_layers:
-            early = prefill_layers(target, input_ids[:, :end], native_layers)
-            for layer in range(native_layers):
-                cache.layers[layer].keys, cache.layers[layer].values = (
-                    early.layers[layer].keys,
-                    early.layers[layer].values,
-                )
-    if hold:
-        target(input_ids[:, end:].to(transfer.device), past_key_values=cache, use_cache=True, logits_to_keep=1)
-    return cache

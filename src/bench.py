@@ -16,8 +16,8 @@ from src import tracking
 from src.apply import KVTransfer
 from src.artifact import save_mapper
 from src.corpus import token_sequences
-from src.eval.handoff import handoff_ttft
 from src.eval.latency import handoff_latency
+from src.eval.ttft import handoff_ttft
 from src.fit import fit_mapper
 from src.models import Pair, build_random_model, describe_kv
 from src.run import _tags, build_mapper, calibration, load

@@ -1,7 +1,7 @@
 """Token streams from the offline corpora in `shared/data/corpora` (never copied into the repo).
 
 Calibration text and evaluation streams come from different corpora, so they are disjoint. `task_dev`
-is task-format text from dev splits that are never evaluated (`tasks.dev_text`); `a+b+c` mixes corpora
+is task-format text from dev splits that are never evaluated (`dev_text`); `a+b+c` mixes corpora
 sequence by sequence. A model pair without a tokenizer (random weights, timing only) reads UTF-8 bytes
 folded into its vocabulary.
 """
@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from src.eval.tasks import dev_text
+from src.tasks import DEV_FILES, LOADERS
 
 CORPORA = {
     "gutenberg": "corpora/gutenberg/gutenberg_en_books_part1.jsonl.xz",
@@ -24,8 +24,20 @@ CORPORA = {
     "simplebooks_valid": "corpora/simplebooks-92/valid.txt",
     "simplebooks_test": "corpora/simplebooks-92/test.txt",
     "lambada_dev": "eval/lambada/lambada_development_plain_text.txt",
-    "task_dev": "eval",  # dev splits of ARC and MMLU, rendered (tasks.dev_text)
+    "task_dev": "eval",  # dev splits of ARC and MMLU, rendered (dev_text)
 }
+
+
+def dev_text(data_root: str | Path) -> str:
+    """Task-format text from splits that are never evaluated: each dev item rendered as its gold answer
+    (context + gold continuation), items separated by blank lines."""
+    items = []
+    for name, relative in DEV_FILES.items():
+        path = Path(data_root) / relative
+        if not path.is_file():
+            raise FileNotFoundError(f"dev split of {name!r} not found at {path}; set paths.data to shared/data")
+        items += LOADERS[name](path)
+    return "\n\n".join(item.contexts[item.label] + item.continuations[item.label] for item in items)
 
 
 def read_text(data_root: str | Path, name: str, max_chars: int) -> str:

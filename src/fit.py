@@ -11,7 +11,6 @@ import torch
 from tqdm import tqdm
 from transformers import PreTrainedModel
 
-from src.apply import map_rows
 from src.artifact import Mapper
 from src.models import describe_kv, fingerprint
 from src.select import layers_for_support
@@ -21,9 +20,9 @@ from src.support import (
     gather_features,
     head_assignment,
     pca_basis,
-    token_features,
+    token_kv,
     token_width,
-    with_tokens,
+    with_token_kv,
 )
 from src.traces import Traces
 from src.weighting import attn_repair_weights
@@ -35,12 +34,12 @@ def _design(
     head_index: torch.Tensor,
     pca: tuple | None,
     span: slice,
-    tokens: torch.Tensor | None = None,
+    token_rows: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Features of one row span [H_t, b, p] (PCA-projected to k·d_s when `pca` is given; ⊕ token features)."""
     x = gather_features(rows[:, :, span], layers, head_index)  # [H_t, b, k·f·d_s]
     if pca is None:
-        return with_tokens(x, None if tokens is None else tokens[span])
+        return with_token_kv(x, None if token_rows is None else token_rows[span])
     mean, basis = pca  # [L_s, H_s·d_s], [L_s, H_s·d_s, w]
     blocks = x.double().unflatten(-1, (layers.numel(), -1)) - mean[layers]  # [H_t, b, k, H_s·d_s]
     return torch.einsum("hbkc,kcw->hbkw", blocks, basis[layers]).flatten(2)  # [H_t, b, k·w]
@@ -67,15 +66,15 @@ def fit_mapper(
     chunk_rows: int,
     reference: bool = False,
     alpha_cap: float = 1.0,
-    tokens: bool = False,
+    token_features: bool = False,
 ) -> Mapper:
     """Fit K and V maps for every target layer from traces; returns the Mapper (manifest partly filled).
-    tokens=True appends the target's token features (layer-0 content K/V) to every design."""
+    token_features=True appends the target's token features (layer-0 content K/V) to every design."""
     if weighting == "attn_repair" and traces.attn_k is None:
         raise ValueError("attn_repair weighting needs traces collected with attention_boundaries > 0")
-    if tokens and support == "pca":
+    if token_features and support == "pca":
         raise ValueError("token features are not offered with the block-PCA control (support=pca)")
-    token_rows = token_features(traces.target_k[0], traces.target_v[0]) if tokens else None  # [n, 2·H_t·d_t]
+    token_rows = token_kv(traces.target_k[0], traces.target_v[0]) if token_features else None  # [n, 2·H_t·d_t]
     num_target_layers, target_heads = traces.target_k.shape[:2]
     source_dim = traces.source_k.shape[-1]
     pcas = {}
@@ -116,7 +115,7 @@ def fit_mapper(
         "lambda": lam,
         "lambda_relative": lam_relative,
         "alpha_cap": alpha_cap,
-        "token_features": tokens,
+        "token_features": token_features,
         "alpha": alpha_stats if weighting == "attn_repair" else None,
         "k": int(source_layers.shape[1]),
         "fan_in": int(head_index.shape[1]),
@@ -147,7 +146,7 @@ def fit_transfer(
     shift: int = 0,
     chunk_rows: int = 4096,
     alpha_cap: float = 1.0,
-    tokens: bool = False,
+    token_features: bool = False,
 ) -> Mapper:
     """Select layers and fit a mapper for this model pair; the manifest identifies pair and method."""
     source_kv, target_kv = describe_kv(source), describe_kv(target)
@@ -163,11 +162,11 @@ def fit_transfer(
         lam_relative,
         chunk_rows,
         alpha_cap=alpha_cap,
-        tokens=tokens,
+        token_features=token_features,
     )
     fan_in = source_kv.num_kv_heads if support == "pca" else head_index.shape[1]
     mapper.manifest.update(
-        method=f"{support}+{weighting}" + ("+tokens" if tokens else ""),
+        method=f"{support}+{weighting}" + ("+tokens" if token_features else ""),
         selection=selection,
         shift=shift,
         selection_scores=None if scores is None else scores.tolist(),
@@ -178,7 +177,7 @@ def fit_transfer(
             fan_in,
             source_kv.head_dim,
             target_kv.head_dim,
-            token_width(target_kv.num_kv_heads, target_kv.head_dim) if tokens else 0,
+            token_width(target_kv.num_kv_heads, target_kv.head_dim) if token_features else 0,
         ),
         source_fingerprint=fingerprint(source),
         target_fingerprint=fingerprint(target),
@@ -187,17 +186,3 @@ def fit_transfer(
         target_kv=target_kv.to_dict(),
     )
     return mapper
-
-
-def mapper_r2(mapper: Mapper, traces: Traces) -> dict[str, float | list[float]]:
-    """R² of the mapped K and V on these rows (content space): pooled, and per target layer (`*_layers`)."""
-    tokens = token_features(traces.target_k[0], traces.target_v[0]).float() if mapper.token_features else None
-    predicted_k, predicted_v = map_rows(mapper, traces.source_k.float(), traces.source_v.float(), tokens)
-    scores: dict[str, float | list[float]] = {}
-    for name, predicted, actual in (("k", predicted_k, traces.target_k), ("v", predicted_v, traces.target_v)):
-        actual = actual.double()
-        residual = ((actual - predicted.double()) ** 2).sum((1, 2, 3))  # [L_t]
-        spread = ((actual - actual.mean(dim=2, keepdim=True)) ** 2).sum((1, 2, 3))  # [L_t]
-        scores[f"r2_{name}"] = float(1 - residual.sum() / spread.sum())
-        scores[f"r2_{name}_layers"] = (1 - residual / spread).tolist()
-    return scores

@@ -3,7 +3,7 @@
 fit_eval: load pair → calibration traces (cached) → select + fit (cached artifact) → verify by
 reloading → held-out R², horizon NLL, task accuracy vs both native models, fidelity on task prompts,
 native-swap attribution, handoff latency, rollback → MLflow. probe: held-out R² of wider closed-form
-maps on the same traces (src/eval/features.py). Other jobs: latency, construction, gate, optuna. A
+maps on the same traces (src/probe.py). Other jobs: latency, construction, gate, optuna. A
 multirun in one process loads each pair and each calibration set once (`_MEMO`).
 """
 
@@ -21,21 +21,23 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from src import tracking
-from src.apply import KVTransfer, Levers
+from src.apply import KVTransfer
 from src.artifact import ArtifactError, Mapper, load_mapper, save_mapper
 from src.corpus import token_sequences
 from src.eval.accuracy import TaskScores, by_length, compare, score_task, summarize
 from src.eval.diagnose import cache_fidelity, swap_nll
-from src.eval.features import probe_features
 from src.eval.latency import handoff_latency
+from src.eval.metrics import mapper_r2
 from src.eval.nll import horizon_nll
 from src.eval.rollback import verify_rollback
-from src.eval.tasks import load_task
-from src.fit import fit_transfer, mapper_r2
+from src.fit import fit_transfer
+from src.handoff import Levers
 from src.models import Pair, describe_kv, fingerprint, load_pair
+from src.probe import probe_features
 from src.select import layers_for_support
 from src.support import head_assignment
 from src.synthetic import synthetic_mapper, synthetic_traces
+from src.tasks import load_task
 from src.traces import Traces, collect_traces, corpus_hash, load_traces, save_traces
 
 matplotlib.use("Agg")
@@ -162,7 +164,7 @@ def build_mapper(cfg: DictConfig, pair: Pair, traces: Traces, traces_key: str, s
         shift=support.shift,
         chunk_rows=fit.chunk_rows,
         alpha_cap=cfg.weighting.alpha_cap,
-        tokens=fit.token_features,
+        token_features=fit.token_features,
     )
     mapper.manifest["construction_seconds"] = time.perf_counter() - began
     mapper.manifest["weights"] = pair.weights

@@ -53,7 +53,7 @@ def gather_features(rows: torch.Tensor, layers: torch.Tensor, head_index: torch.
     return picked.permute(0, 2, 4, 1, 3, 5).flatten(3)  # [g, H_t, n, k·f·d_s]
 
 
-def token_features(target_k0: torch.Tensor, target_v0: torch.Tensor) -> torch.Tensor:
+def token_kv(target_k0: torch.Tensor, target_v0: torch.Tensor) -> torch.Tensor:
     """The target's layer-0 content K, V [H_t, n, d_t] each → token features [n, 2·H_t·d_t] (K heads, V heads)."""
     return torch.cat([target_k0, target_v0], 0).permute(1, 0, 2).flatten(1)
 
@@ -63,11 +63,11 @@ def token_width(target_heads: int, d_t: int) -> int:
     return 2 * target_heads * d_t
 
 
-def with_tokens(features: torch.Tensor, tokens: torch.Tensor | None) -> torch.Tensor:
-    """features [..., H, n, p] ⊕ token features [n, q] broadcast to every head → [..., H, n, p + q]."""
-    if tokens is None:
+def with_token_kv(features: torch.Tensor, token_rows: torch.Tensor | None) -> torch.Tensor:
+    """features [..., H, n, p] ⊕ token K/V rows [n, q] broadcast to every head → [..., H, n, p + q]."""
+    if token_rows is None:
         return features
-    return torch.cat([features, tokens.to(features.dtype).expand(*features.shape[:-1], -1)], -1)
+    return torch.cat([features, token_rows.to(features.dtype).expand(*features.shape[:-1], -1)], -1)
 
 
 def coefficient_count(

@@ -13,14 +13,16 @@ import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
-from src.apply import KVTransfer, Levers, prefill
-from src.corpus import token_sequences
+from src.apply import KVTransfer
+from src.corpus import dev_text, token_sequences
 from src.eval.accuracy import TaskScores, by_length, compare, encode_pair, score_task, summarize
 from src.eval.diagnose import cache_fidelity, swap_nll
 from src.eval.nll import continuation_nll
-from src.eval.tasks import dev_text, load_task
 from src.fit import fit_transfer
+from src.forward import prefill
+from src.handoff import Levers
 from src.models import Pair, tokenizer_hash
+from src.tasks import load_task
 from src.traces import collect_traces
 from tests.conftest import calibration_ids, tiny
 

@@ -17,8 +17,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from src.apply import KVTransfer, Levers, TransferError, handoff, prefill
+from src.apply import KVTransfer
 from src.fit import fit_transfer
+from src.forward import prefill
+from src.handoff import Levers, handoff, spent
+from src.maps import TransferError
 from src.models import load_model, load_tokenizer, tokenizer_hash, vocabulary_hash
 from src.traces import collect_traces
 from tests.conftest import calibration_ids, tiny
@@ -180,7 +183,7 @@ def _token_transfer(family: str) -> KVTransfer:
     token_hash = vocabulary_hash(model)
     traces = collect_traces(model, model, calibration_ids(4, 48, seed=1), stride=1, batch_size=4)
     mapper = fit_transfer(
-        model, model, traces, token_hash, support="local", k=1, selection="identity", lam=1e-6, tokens=True
+        model, model, traces, token_hash, support="local", k=1, selection="identity", lam=1e-6, token_features=True
     )
     return KVTransfer(mapper, model, model, token_hash)
 
@@ -212,8 +215,8 @@ def test_token_feature_mapper_needs_the_prefix_ids():
     with pytest.raises(TransferError, match=re.escape("input_ids shape (1, 19) ≠ the source cache's (1, 20)")):
         transfer(layers, input_ids=prompt[:, 1:])
     assert handoff(transfer, layers, prompt).mode == "transfer"
-    assert transfer.spent(Levers()) == Levers(native_layers=1)  # layer 0 is prefilled for the features
-    assert transfer.spent(Levers(4, 16, 7)) == Levers(4, 16, 7)
+    assert spent(transfer, Levers()) == Levers(native_layers=1)  # layer 0 is prefilled for the features
+    assert spent(transfer, Levers(4, 16, 7)) == Levers(4, 16, 7)
 
 
 def test_token_feature_mapper_refuses_triton_and_a_narrow_artifact():
@@ -381,7 +384,7 @@ def test_transfer_refuses_another_pair():
 @pytest.mark.parametrize("support", ["local", "full"])
 def test_layer_groups_do_not_change_the_mapped_cache(monkeypatch, support):
     """Mapping target layers in groups (one gather + one batched GEMM per group) equals one layer at a time."""
-    import src.apply
+    import src.maps
 
     source, target = tiny("qwen3", seed=0), tiny("qwen3", seed=1, num_hidden_layers=5)
     hashed = vocabulary_hash(target)
@@ -389,8 +392,8 @@ def test_layer_groups_do_not_change_the_mapped_cache(monkeypatch, support):
     mapper = fit_transfer(source, target, traces, hashed, support=support, k=2, lam=1e-3)
     ids = calibration_ids(2, 12, seed=9)
     grouped = KVTransfer(mapper, source, target, hashed)(prefill(source, ids))
-    monkeypatch.setattr(src.apply, "GROUP_BYTES", 1)  # every group a single layer
-    assert len(src.apply.layer_groups(mapper.to("cpu", torch.float32), 24, support == "full")) == 5
+    monkeypatch.setattr(src.maps, "GROUP_BYTES", 1)  # every group a single layer
+    assert len(src.maps.layer_groups(mapper.to("cpu", torch.float32), 24, support == "full")) == 5
     single = KVTransfer(mapper, source, target, hashed)(prefill(source, ids))
     for a, b in zip(grouped.layers, single.layers, strict=True):
         assert torch.allclose(a.keys, b.keys, atol=1e-6) and torch.allclose(a.values, b.values, atol=1e-6)

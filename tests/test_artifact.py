@@ -11,7 +11,7 @@ import transformers
 from conftest import calibration_ids, tiny
 from safetensors.torch import load_file
 
-from src.apply import KVTransfer, TransferError, prefill
+from src.apply import KVTransfer
 from src.artifact import (
     MANIFEST_FILE,
     SCHEMA_VERSION,
@@ -22,6 +22,8 @@ from src.artifact import (
     save_mapper,
 )
 from src.fit import fit_transfer
+from src.forward import prefill
+from src.maps import TransferError
 from src.models import describe_kv, fingerprint, vocabulary_hash
 from src.traces import collect_traces, corpus_hash
 

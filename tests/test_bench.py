@@ -6,7 +6,7 @@ import torch
 from transformers import DynamicCache
 
 import src.bench
-from src.eval.handoff import transport
+from src.eval.ttft import transport
 from src.models import describe_kv
 from src.support import coefficient_count
 from src.synthetic import synthetic_mapper, synthetic_traces

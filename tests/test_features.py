@@ -1,12 +1,13 @@
-"""Feature probes (src/eval/features.py): the baseline equals the mapper, each widening does what it says."""
+"""Feature probes (src/probe.py): the baseline equals the mapper, each widening does what it says."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from src.eval.features import VARIANTS, base_design, probe_features, random_features
-from src.fit import fit_mapper, mapper_r2
+from src.eval.metrics import mapper_r2
+from src.fit import fit_mapper
+from src.probe import VARIANTS, base_design, probe_features, random_features
 from src.support import gather_features, head_assignment
 from tests.test_fit import _source, _traces
 
@@ -54,7 +55,7 @@ def test_token_variant_equals_the_token_feature_mapper():
     traces, head_index = _noisy_traces()
     fit, heldout = traces.split_heldout(0.25)
     scores = _probe(traces, head_index, ["token"])
-    mapper = fit_mapper(fit, LAYERS, head_index, "local", "uniform", 1e-3, True, 97, tokens=True)
+    mapper = fit_mapper(fit, LAYERS, head_index, "local", "uniform", 1e-3, True, 97, token_features=True)
     reference = mapper_r2(mapper, heldout)
     for component in "kv":
         assert scores[f"token.r2_{component}_heldout"] == pytest.approx(reference[f"r2_{component}"], abs=1e-5)

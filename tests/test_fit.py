@@ -6,8 +6,10 @@ and end-to-end fits between real tiny models with mismatched KV interfaces.
 import pytest
 import torch
 
-from src.apply import KVTransfer, prefill
-from src.fit import fit_mapper, fit_transfer, mapper_r2
+from src.apply import KVTransfer
+from src.eval.metrics import mapper_r2
+from src.fit import fit_mapper, fit_transfer
+from src.forward import prefill
 from src.models import vocabulary_hash
 from src.select import depth_layers, probe_r2, select_layers
 from src.stats import Moments, reference_moments, ridge_solve, streaming_moments
@@ -296,7 +298,7 @@ def test_coefficient_count_equals_mapper_numel(support, expected_fan_in, k):
 
 def test_token_features_widen_every_design_and_are_refused_with_pca():
     traces, layers, head_index, _ = _planted_traces("local")
-    mapper = _fit(traces, layers, head_index, "local", tokens=True)
+    mapper = _fit(traces, layers, head_index, "local", token_features=True)
     heads, dim = traces.target_k.shape[1], traces.target_k.shape[-1]
     width = layers.shape[1] * 8 + 2 * heads * dim
     assert mapper.weight_k.shape[2] == mapper.weight_v.shape[2] == width and mapper.token_features
@@ -304,7 +306,7 @@ def test_token_features_widen_every_design_and_are_refused_with_pca():
         traces.target_k.shape[0], heads, layers.shape[1], 1, 8, dim, 2 * heads * dim
     )
     with pytest.raises(ValueError, match="token features are not offered with the block-PCA control"):
-        _fit(traces, layers, head_assignment("pca", 2, 2), "pca", tokens=True)
+        _fit(traces, layers, head_assignment("pca", 2, 2), "pca", token_features=True)
 
 
 def test_head_assignment_equal_counts_is_identity():

@@ -22,8 +22,9 @@ from kernels.apply_map import (
     map_cache_ref,
     triton_unsupported,
 )
-from src.apply import KVTransfer, prefill
+from src.apply import KVTransfer
 from src.artifact import Mapper
+from src.forward import prefill
 from src.models import describe_kv, fingerprint, vocabulary_hash
 from src.rope import remove_rope, rope_cos_sin
 from src.select import depth_layers

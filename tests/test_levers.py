@@ -1,10 +1,12 @@
-"""Native sink, hold-back and native layers around a mapped prefix (src.apply.spliced_cache, Levers)."""
+"""Native sink, hold-back and native layers around a mapped prefix (src.handoff.spliced_cache, Levers)."""
 
 import pytest
 import torch
 
-from src.apply import KVTransfer, Levers, prefill, prefill_layers, spliced_cache
+from src.apply import KVTransfer
 from src.fit import fit_transfer
+from src.forward import prefill, prefill_layers
+from src.handoff import Levers, spliced_cache
 from src.models import vocabulary_hash
 from src.traces import collect_traces
 from tests.conftest import calibration_ids, tiny

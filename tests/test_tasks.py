@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from src.eval.tasks import METRICS, TASKS, Item, choice_lengths, hellaswag_preprocess, load_task, subsample
+from src.tasks import METRICS, TASKS, Item, choice_lengths, hellaswag_preprocess, load_task, subsample
 
 DATA = Path(__file__).resolve().parents[2] / "shared/data"
 if not (DATA / "eval").is_dir():

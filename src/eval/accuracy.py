@@ -15,7 +15,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from src.apply import NO_LEVERS, KVTransfer, Levers
+from src.apply import KVTransfer
 from src.eval.metrics import (
     accuracy_by_length,
     accuracy_difference_ci,
@@ -27,8 +27,9 @@ from src.eval.metrics import (
     retention_ci,
 )
 from src.eval.scoring import choice_loglikelihoods
-from src.eval.tasks import METRICS, Item, choice_lengths
+from src.handoff import NO_LEVERS, Levers, spent
 from src.models import Pair
+from src.tasks import METRICS, Item, choice_lengths
 
 LENGTH_EDGES = (0, 64, 128, 256, 512, 1 << 20)  # context-length buckets (tokens)
 
@@ -72,7 +73,7 @@ def score_task(
         raise ValueError("no items to score")
     layers = pair.target.config.get_text_config().num_hidden_layers
     scores = TaskScores(items[0].task, [], [], [], [], [], [])
-    spent_levers = transfer.spent(levers) if mode == "transfer" else None  # + the mapper's own target prefill
+    spent_levers = spent(transfer, levers) if mode == "transfer" else None  # + the mapper's own target prefill
     for item in tqdm(items, desc=f"{items[0].task}:{mode}", unit="item", leave=False):
         encoded = [encode_pair(pair.tokenizer, c, x) for c, x in zip(item.contexts, item.continuations, strict=True)]
         if item.shared_context:
@@ -85,13 +86,13 @@ def score_task(
                 mode, pair, torch.tensor(context), [torch.tensor(x) for x in continuations], transfer, levers
             )
         prefixes = [len(context) - 1 for context, _ in groups]
-        spent = [spent_levers.prefill_fraction(p, layers) * p if spent_levers is not None else p for p in prefixes]
+        charged = [spent_levers.prefill_fraction(p, layers) * p if spent_levers is not None else p for p in prefixes]
         scores.loglikelihoods.append([r[0] for r in results])
         scores.greedy.append([r[1] for r in results])
         scores.labels.append(item.label)
         scores.lengths.append(choice_lengths(item))
         scores.context_tokens.append(len(encoded[0][0]))
-        scores.prefill_fraction.append(sum(spent) / sum(prefixes) if sum(prefixes) else 1.0)
+        scores.prefill_fraction.append(sum(charged) / sum(prefixes) if sum(prefixes) else 1.0)
     return scores
 
 

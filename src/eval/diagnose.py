@@ -12,9 +12,10 @@ from __future__ import annotations
 import torch
 from transformers import DynamicCache
 
-from src.apply import KVTransfer, prefill
+from src.apply import KVTransfer
 from src.eval.metrics import attention_output_cosine, position_relative_error
 from src.eval.nll import continuation_nll
+from src.forward import prefill
 from src.rope import apply_rope, rope_cos_sin
 from src.traces import QueryCapture, content_kv
 

@@ -11,7 +11,9 @@ from collections.abc import Callable
 
 import torch
 
-from src.apply import NO_LEVERS, KVTransfer, Levers, prefill, spliced_cache
+from src.apply import KVTransfer
+from src.forward import prefill
+from src.handoff import NO_LEVERS, Levers, spliced_cache
 
 
 def time_ms(fn: Callable[[], object], repeats: int, warmup: int, device: torch.device) -> list[float]:

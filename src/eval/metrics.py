@@ -15,6 +15,11 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from src.artifact import Mapper
+from src.maps import map_rows
+from src.support import token_kv
+from src.traces import Traces
+
 
 @dataclass(frozen=True)
 class Interval:
@@ -206,3 +211,17 @@ def accuracy_by_length(correct: Sequence[bool], lengths: Sequence[int], edges: S
             Bucket(float(edges[i]), float(edges[i + 1]), int(hits.size), float(hits.mean()) if hits.size else math.nan)
         )
     return buckets
+
+
+def mapper_r2(mapper: Mapper, traces: Traces) -> dict[str, float | list[float]]:
+    """R² of the mapped K and V on these rows (content space): pooled, and per target layer (`*_layers`)."""
+    token_rows = token_kv(traces.target_k[0], traces.target_v[0]).float() if mapper.token_features else None
+    predicted_k, predicted_v = map_rows(mapper, traces.source_k.float(), traces.source_v.float(), token_rows)
+    scores: dict[str, float | list[float]] = {}
+    for name, predicted, actual in (("k", predicted_k, traces.target_k), ("v", predicted_v, traces.target_v)):
+        actual = actual.double()
+        residual = ((actual - predicted.double()) ** 2).sum((1, 2, 3))  # [L_t]
+        spread = ((actual - actual.mean(dim=2, keepdim=True)) ** 2).sum((1, 2, 3))  # [L_t]
+        scores[f"r2_{name}"] = float(1 - residual.sum() / spread.sum())
+        scores[f"r2_{name}_layers"] = (1 - residual / spread).tolist()
+    return scores

@@ -13,7 +13,9 @@ import torch
 import torch.nn.functional as F
 from transformers import DynamicCache, PreTrainedModel
 
-from src.apply import NO_LEVERS, KVTransfer, Levers, prefill, spliced_cache
+from src.apply import KVTransfer
+from src.forward import prefill
+from src.handoff import NO_LEVERS, Levers, spent, spliced_cache
 
 
 @torch.no_grad()
@@ -44,7 +46,7 @@ def horizon_nll(
         scores[f"nll_{mode}"] = float(continuation_nll(model, cache, streams, prefix_len).mean())
     gap = scores["nll_native_source"] - scores["nll_native_target"]
     layers = target.config.get_text_config().num_hidden_layers
-    spent = transfer.spent(levers)  # the levers' target prefill and the mapper's own (token features)
-    scores["prefill_fraction"] = spent.prefill_fraction(prefix.shape[1], layers)
+    used = spent(transfer, levers)  # the levers' target prefill and the mapper's own (token features)
+    scores["prefill_fraction"] = used.prefill_fraction(prefix.shape[1], layers)
     scores["nll_gap_recovered"] = (scores["nll_native_source"] - scores["nll_transfer"]) / gap if gap else float("nan")
     return scores

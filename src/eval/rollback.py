@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import torch
 
-from src.apply import KVTransfer, handoff, prefill
+from src.apply import KVTransfer
+from src.forward import prefill
+from src.handoff import handoff
 
 
 def _same_cache(a, b) -> bool:

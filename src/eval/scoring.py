@@ -17,7 +17,9 @@ import torch
 from torch.nn.utils.rnn import pad_sequence
 from transformers import DynamicCache, PreTrainedModel
 
-from src.apply import NO_LEVERS, KVTransfer, Levers, prefill, spliced_cache
+from src.apply import KVTransfer
+from src.forward import prefill
+from src.handoff import NO_LEVERS, Levers, spliced_cache
 from src.models import Pair
 
 MODES = ("native_source", "native_target", "transfer")

@@ -19,7 +19,7 @@ from collections.abc import Callable
 import torch
 
 from src.stats import ridge_solve, row_spans, streaming_moments
-from src.support import gather_features, token_features, with_tokens
+from src.support import gather_features, token_kv, with_token_kv
 from src.traces import Traces
 
 VARIANTS = ("own", "kv", "token", "relu")
@@ -39,7 +39,7 @@ def base_design(component: str, variant: str, layers: torch.Tensor, head_index: 
             parts.append(gather_features(rows(OTHER[component]), layers, head_index))
         x = torch.cat([p.double() for p in parts], -1)
         if variant == "token":  # the mapper's `fit.token_features` design
-            return with_tokens(x, token_features(traces.target_k[0, :, span], traces.target_v[0, :, span]))
+            return with_token_kv(x, token_kv(traces.target_k[0, :, span], traces.target_v[0, :, span]))
         return x
 
     return design

@@ -42,8 +42,8 @@ _FILES = {
 }
 
 
-# dev/validation splits that are never evaluated: task-format calibration text (`dev_text`)
-_DEV_FILES = {
+# dev/validation splits that are never evaluated: task-format calibration text (`corpus.dev_text`)
+DEV_FILES = {
     "arc_easy": "eval/arc/ARC-Easy-Dev.jsonl",
     "arc_challenge": "eval/arc/ARC-Challenge-Dev.jsonl",
     "mmlu": "eval/mmlu/mmlu_val.jsonl",
@@ -95,12 +95,12 @@ def subsample(count: int, limit: int | None) -> list[int]:
 
 def load_task(name: str, data_root: str | Path, limit: int | None = None) -> list[Item]:
     """The task's items in file order, systematically subsampled to `limit`."""
-    if name not in _LOADERS:
+    if name not in LOADERS:
         raise ValueError(f"unknown task {name!r}; choose one of {TASKS}")
     path = Path(data_root) / _FILES[name]
     if not path.is_file():
         raise FileNotFoundError(f"task {name!r} not found at {path}; set paths.data to the shared/data folder")
-    items = _LOADERS[name](path)
+    items = LOADERS[name](path)
     return [items[i] for i in subsample(len(items), limit)]
 
 
@@ -222,7 +222,7 @@ def _boolq(path: Path) -> list[Item]:
     ]
 
 
-_LOADERS: dict[str, Callable[[Path], list[Item]]] = {
+LOADERS: dict[str, Callable[[Path], list[Item]]] = {
     "hellaswag": _hellaswag,
     "arc_easy": _arc("arc_easy"),
     "arc_challenge": _arc("arc_challenge"),
@@ -232,15 +232,3 @@ _LOADERS: dict[str, Callable[[Path], list[Item]]] = {
     "lambada": _lambada,
     "boolq": _boolq,
 }
-
-
-def dev_text(data_root: str | Path) -> str:
-    """Task-format text from splits that are never evaluated: each dev item rendered as its gold answer
-    (context + gold continuation), items separated by blank lines."""
-    items = []
-    for name, relative in _DEV_FILES.items():
-        path = Path(data_root) / relative
-        if not path.is_file():
-            raise FileNotFoundError(f"dev split of {name!r} not found at {path}; set paths.data to shared/data")
-        items += _LOADERS[name](path)
-    return "\n\n".join(item.contexts[item.label] + item.continuations[item.label] for item in items)

@@ -13,8 +13,10 @@ from __future__ import annotations
 
 import torch
 
-from src.apply import KVTransfer, cache_layers, prefill
+from src.apply import KVTransfer
 from src.eval.latency import percentiles, time_ms
+from src.forward import prefill
+from src.maps import cache_layers
 
 
 def _peak_mb(fn, device: torch.device) -> float:
