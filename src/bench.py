@@ -15,12 +15,11 @@ from omegaconf import DictConfig, OmegaConf
 from src import tracking
 from src.apply import KVTransfer
 from src.artifact import save_mapper
-from src.corpus import token_sequences
 from src.eval.latency import handoff_latency
 from src.eval.ttft import handoff_ttft
 from src.fit import fit_mapper
 from src.models import Pair, build_random_model, describe_kv
-from src.run import _tags, build_mapper, calibration, load
+from src.pipeline import build_mapper, calibration, load, make_transfer, spec, tags, text_ids
 from src.select import layers_for_support
 from src.support import head_assignment
 from src.synthetic import synthetic_traces
@@ -32,8 +31,7 @@ SUPPORTS_COMPARED = ("full", "local")
 
 
 def _prefix_ids(cfg: DictConfig, pair: Pair, length: int) -> torch.Tensor:
-    vocab = pair.target.config.get_text_config().vocab_size
-    return token_sequences(cfg.paths.data, cfg.eval.nll.corpus, 1, length, pair.tokenizer, vocab)  # [1, length]
+    return text_ids(cfg, pair, cfg.eval.nll.corpus, 1, length)  # [1, length]
 
 
 def _transfers(cfg: DictConfig, pair: Pair, kinds: tuple[str, ...]) -> tuple[dict[str, KVTransfer], dict[str, dict]]:
@@ -51,10 +49,7 @@ def _transfers(cfg: DictConfig, pair: Pair, kinds: tuple[str, ...]) -> tuple[dic
             "artifact_bytes": mapper.manifest["tensor_bytes"],
             "coefficient_count": mapper.manifest["coefficient_count"],
         }
-        compute = getattr(torch, cfg.pair.compute_dtype)
-        transfers[kind] = KVTransfer(
-            mapper, pair.source, pair.target, pair.tokenizer_hash, compute, cfg.pair.apply_backend
-        )
+        transfers[kind] = make_transfer(cfg, pair, mapper)
     return transfers, storage
 
 
@@ -74,7 +69,7 @@ def latency(cfg: DictConfig) -> None:
     axis.plot(lengths, [results["local"][n]["prefill_ms_p50"] for n in lengths], "k--", label="target re-prefill")
     axis.set(xlabel="prefix tokens", ylabel="ms (p50)", xscale="log", yscale="log", title=cfg.pair.name)
     axis.legend()
-    with tracking.job_run(cfg, f"{cfg.pair.name}:latency", _tags(cfg, pair, "latency")) as run:
+    with tracking.job_run(cfg, f"{cfg.pair.name}:latency", tags(cfg, pair, "latency")) as run:
         for kind, by_length in results.items():
             run.metrics({f"{name}.{kind}": value for name, value in storage[kind].items()})
             for n, metrics in by_length.items():
@@ -120,7 +115,7 @@ def handoff(cfg: DictConfig) -> None:
         axis.plot(list(results), [m[f"ttft_{path}_ms_p50"] for m in results.values()], "o-", label=path)
     axis.set(xlabel="prefix tokens", ylabel="TTFT ms (p50)", xscale="log", yscale="log", title=cfg.pair.name)
     axis.legend()
-    with tracking.job_run(cfg, f"{cfg.pair.name}:handoff", _tags(cfg, pair, "handoff")) as run:
+    with tracking.job_run(cfg, f"{cfg.pair.name}:handoff", tags(cfg, pair, "handoff")) as run:
         for n, metrics in results.items():
             run.metrics(metrics, step=n)
         run.dict({"ttft": {str(n): m for n, m in results.items()}, "out_of_memory": out_of_memory}, "handoff.json")
@@ -133,7 +128,6 @@ def construction(cfg: DictConfig) -> None:
     Times statistics + solve + serialization from traces (excl. trace collection, selection, attention
     weights, as the paper). Synthetic budgets need no models: shapes come from meta-device builds."""
     if cfg.budget.synthetic:
-        spec = lambda node: OmegaConf.to_container(node, resolve=True)
         meta = [
             build_random_model(spec(s)["config"], 0, torch.bfloat16, "meta") for s in (cfg.pair.source, cfg.pair.target)
         ]
@@ -142,7 +136,7 @@ def construction(cfg: DictConfig) -> None:
         traces = synthetic_traces(
             *kvs, b.sequences, b.seq_len // b.stride, cfg.pair.device, getattr(torch, b.storage_dtype), cfg.seed
         )
-        tags = {
+        run_tags = {
             "job": "construction",
             "weights": "random",
             "pair": cfg.pair.name,
@@ -153,7 +147,7 @@ def construction(cfg: DictConfig) -> None:
     else:
         pair = load(cfg)
         traces, _ = calibration(cfg, pair)
-        tags = _tags(cfg, pair, "construction")
+        run_tags = tags(cfg, pair, "construction")
         layers = layers_for_support(traces, cfg.support.kind, cfg.fit.k, cfg.support.selection, cfg.fit.chunk_rows)[0]
     heads = head_assignment(cfg.support.kind, traces.source_k.shape[1], traces.target_k.shape[1], cfg.support.shift)
     budgets = [b for b in cfg.eval.construction.budgets if b <= cfg.budget.sequences] or [cfg.budget.sequences]
@@ -205,7 +199,7 @@ def construction(cfg: DictConfig) -> None:
         axis.plot(budgets, [rows[b][f"{path}_seconds"] for b in budgets], "o-", label=path)
     axis.set(xlabel="calibration sequences", ylabel="construction s (median)", yscale="log", title=cfg.pair.name)
     axis.legend()
-    with tracking.job_run(cfg, f"{cfg.pair.name}:construction", tags) as run:
+    with tracking.job_run(cfg, f"{cfg.pair.name}:construction", run_tags) as run:
         for budget, metrics in rows.items():
             run.metrics(metrics, step=budget)
         run.figure(figure, "plots/construction_vs_budget.png")

@@ -1,190 +1,43 @@
-"""The job: `python -m src.run +experiment=NAME` (Hydra). The only module that reads the whole cfg.
+"""The job: `python -m src.run +experiment=NAME` (Hydra) — dispatch by `cfg.job` (JOBS) and the fit/eval job.
 
-fit_eval: load pair → calibration traces (cached) → select + fit (cached artifact) → verify by
-reloading → held-out R², horizon NLL, task accuracy vs both native models, fidelity on task prompts,
-native-swap attribution, handoff latency, rollback → MLflow. probe: held-out R² of wider closed-form
-maps on the same traces (src/probe.py). Other jobs: latency, construction, gate, optuna. A
-multirun in one process loads each pair and each calibration set once (`_MEMO`).
+fit_eval, top to bottom: load pair → calibration traces (cached) → select + fit (cached artifact) → bind to the
+pair → held-out R², horizon NLL, task accuracy vs both native models, fidelity on task prompts, native-swap
+attribution, handoff latency, rollback → MLflow, then print every logged metric. probe: held-out R² of wider
+closed-form maps on the same traces (src/probe.py). Config → objects lives in src/pipeline.py; the systems jobs
+in src/bench.py; the Optuna study in src/sweep.py; the gate in src/gate.py.
 """
 
 from __future__ import annotations
 
-import hashlib
-import json
 import sys
 import time
-from pathlib import Path
+from collections.abc import Callable
 
 import hydra
 import matplotlib
 import torch
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
-from src import tracking
+from src import bench, tracking
 from src.apply import KVTransfer
-from src.artifact import ArtifactError, Mapper, load_mapper, save_mapper
-from src.corpus import token_sequences
-from src.eval.accuracy import TaskScores, by_length, compare, score_task, summarize
+from src.eval.accuracy import by_length, compare, score_task, summarize
 from src.eval.diagnose import cache_fidelity, swap_nll
 from src.eval.latency import handoff_latency
 from src.eval.metrics import mapper_r2
 from src.eval.nll import horizon_nll
 from src.eval.rollback import verify_rollback
-from src.fit import fit_transfer
+from src.gate import check
 from src.handoff import Levers
-from src.models import Pair, describe_kv, fingerprint, load_pair
+from src.models import Pair, describe_kv
+from src.pipeline import build_mapper, calibration, load, make_transfer, native_scores, split_rows, tags, text_ids
 from src.probe import probe_features
 from src.select import layers_for_support
 from src.support import head_assignment
-from src.synthetic import synthetic_mapper, synthetic_traces
+from src.sweep import optimize
 from src.tasks import load_task
-from src.traces import Traces, collect_traces, corpus_hash, load_traces, save_traces
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
-
-SYSTEMS_JOBS = ("latency", "construction", "handoff")  # in src/bench.py
-_MEMO: dict[str, object] = {}  # pair / traces / native task scores already built in this process
-
-
-def _key(*parts) -> str:
-    return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:20]
-
-
-def load(cfg: DictConfig) -> Pair:
-    spec = lambda node: OmegaConf.to_container(node, resolve=True)
-    key = _key("pair", spec(cfg.pair))
-    if key not in _MEMO:
-        _MEMO.clear()  # one pair (and its traces) resident at a time
-        _MEMO[key] = _load_pair(cfg)
-    return _MEMO[key]
-
-
-def _load_pair(cfg: DictConfig) -> Pair:
-    spec = lambda node: OmegaConf.to_container(node, resolve=True)
-    dtype = getattr(torch, cfg.pair.dtype)
-    return load_pair(
-        spec(cfg.pair.source),
-        spec(cfg.pair.target),
-        cfg.pair.weights,
-        dtype,
-        cfg.pair.device,
-        cfg.pair.allow_sliding_window,
-        cfg.pair.attn_implementation,
-    )
-
-
-def calibration(cfg: DictConfig, pair: Pair) -> tuple[Traces, str]:
-    """Traces for the budget, from the cache keyed by pair fingerprints + corpus hash + budget."""
-    budget = cfg.budget
-    if budget.synthetic:
-        kvs = describe_kv(pair.source), describe_kv(pair.target)
-        traces = synthetic_traces(
-            *kvs,
-            budget.sequences,
-            budget.seq_len // budget.stride,
-            cfg.pair.device,
-            getattr(torch, budget.storage_dtype),
-            cfg.seed,
-        )
-        return traces, f"synthetic-{cfg.seed}"
-    vocab = pair.target.config.get_text_config().vocab_size
-    ids = token_sequences(cfg.paths.data, budget.corpus, budget.sequences, budget.seq_len, pair.tokenizer, vocab)
-    key = _key(fingerprint(pair.source), fingerprint(pair.target), corpus_hash(ids), OmegaConf.to_container(budget))
-    if f"traces:{key}" in _MEMO:
-        return _MEMO[f"traces:{key}"], key
-    path = Path(cfg.paths.home) / "traces" / key
-    traces = load_traces(path)
-    if traces is None:
-        began = time.perf_counter()
-        traces = collect_traces(
-            pair.source,
-            pair.target,
-            ids,
-            budget.stride,
-            budget.batch_size,
-            getattr(torch, budget.storage_dtype),
-            budget.attention_boundaries,
-            budget.first_boundary,
-        )
-        traces.meta["collect_seconds"] = time.perf_counter() - began
-        save_traces(traces, path)
-    traces = traces.to(cfg.pair.device)  # statistics are built where the models run
-    _MEMO[f"traces:{key}"] = traces
-    return traces, key
-
-
-def split_rows(cfg: DictConfig, traces: Traces) -> tuple[Traces, Traces]:
-    """Fit rows and held-out rows; with `fit.sequences` (the budget lever) only the first N fit sequences."""
-    fit_rows, heldout = traces.split_heldout(cfg.budget.heldout_fraction)
-    if cfg.fit.sequences is not None:
-        fit_rows = fit_rows.select_rows(torch.nonzero(fit_rows.sequence_index < cfg.fit.sequences)[:, 0])
-    return fit_rows, heldout
-
-
-def build_mapper(cfg: DictConfig, pair: Pair, traces: Traces, traces_key: str, support: DictConfig) -> Mapper:
-    """Fit on the non-held-out rows (or reuse the verified cached artifact for the same inputs)."""
-    fit = cfg.fit
-    if cfg.budget.synthetic:
-        identity = {
-            "source_fingerprint": fingerprint(pair.source),
-            "target_fingerprint": fingerprint(pair.target),
-            "tokenizer_hash": pair.tokenizer_hash,
-            "weights": pair.weights,
-        }
-        return synthetic_mapper(
-            describe_kv(pair.source), describe_kv(pair.target), support.kind, fit.k, identity, cfg.seed
-        )
-    key = _key(
-        traces_key,
-        cfg.budget.heldout_fraction,
-        OmegaConf.to_container(fit),
-        OmegaConf.to_container(support),
-        OmegaConf.to_container(cfg.weighting),
-    )
-    directory = Path(cfg.paths.home) / "mappers" / key
-    if (directory / "manifest.json").is_file():
-        try:
-            return load_mapper(directory, fingerprint(pair.source), fingerprint(pair.target), pair.tokenizer_hash)
-        except ArtifactError as stale:
-            print(f"refitting: cached mapper at {directory} rejected ({stale})")
-    fit_rows, _ = split_rows(cfg, traces)
-    began = time.perf_counter()
-    mapper = fit_transfer(
-        pair.source,
-        pair.target,
-        fit_rows,
-        pair.tokenizer_hash,
-        support=support.kind,
-        k=fit.k,
-        selection=support.selection,
-        weighting=cfg.weighting.kind,
-        lam=fit.lam,
-        lam_relative=fit.lam_relative,
-        shift=support.shift,
-        chunk_rows=fit.chunk_rows,
-        alpha_cap=cfg.weighting.alpha_cap,
-        token_features=fit.token_features,
-    )
-    mapper.manifest["construction_seconds"] = time.perf_counter() - began
-    mapper.manifest["weights"] = pair.weights
-    mapper.manifest["config"] = OmegaConf.to_container(cfg, resolve=True)
-    save_mapper(mapper, directory, fit.coefficient_dtype)
-    return load_mapper(directory, fingerprint(pair.source), fingerprint(pair.target), pair.tokenizer_hash)
-
-
-def _tags(cfg: DictConfig, pair: Pair, job: str) -> dict[str, str]:
-    return {
-        "job": job,
-        "weights": pair.weights,
-        "pair": cfg.pair.name,
-        "direction": cfg.pair.direction,
-        "source_fingerprint": fingerprint(pair.source),
-        "target_fingerprint": fingerprint(pair.target),
-        "tokenizer_hash": pair.tokenizer_hash,
-        "seed": str(cfg.seed),
-        "note": "random weights: timing/plumbing only, no quality claim" if pair.weights == "random" else "",
-    }
 
 
 def _plot_layers(scores: dict) -> plt.Figure:
@@ -196,21 +49,6 @@ def _plot_layers(scores: dict) -> plt.Figure:
     axis.legend()
     figure.tight_layout()
     return figure
-
-
-def native_scores(cfg: DictConfig, pair: Pair, mode: str, task: str) -> TaskScores:
-    """Per-item scores of a native model on a task (memoized per process, cached on disk by fingerprints)."""
-    limit = cfg.eval.tasks.limit
-    key = _key("native", mode, task, limit, fingerprint(pair.source), fingerprint(pair.target), pair.tokenizer_hash)
-    path = Path(cfg.paths.home) / "task_scores" / f"{key}.json"
-    if key not in _MEMO:
-        if path.is_file():
-            _MEMO[key] = TaskScores(**json.loads(path.read_text()))
-        else:
-            _MEMO[key] = score_task(mode, pair, load_task(task, cfg.paths.data, limit))
-            path.parent.mkdir(parents=True, exist_ok=True)
-            path.write_text(json.dumps(vars(_MEMO[key])))
-    return _MEMO[key]
 
 
 def task_metrics(cfg: DictConfig, pair: Pair, transfer: KVTransfer) -> tuple[dict[str, float], dict]:
@@ -246,37 +84,34 @@ def fit_eval(cfg: DictConfig) -> float:
     pair = load(cfg)
     traces, traces_key = calibration(cfg, pair)
     mapper = build_mapper(cfg, pair, traces, traces_key, cfg.support)
-    compute = getattr(torch, cfg.pair.compute_dtype)
-    transfer = KVTransfer(mapper, pair.source, pair.target, pair.tokenizer_hash, compute, cfg.pair.apply_backend)
-    _, heldout = traces.split_heldout(cfg.budget.heldout_fraction)
+    transfer = make_transfer(cfg, pair, mapper)
+    fit_rows, heldout = split_rows(cfg, traces)
     r2 = mapper_r2(transfer.mapper, heldout.to(transfer.device))
     manifest = mapper.manifest
     metrics = {
         "r2_k_heldout": r2["r2_k"],
         "r2_v_heldout": r2["r2_v"],
-        "calibration_rows": traces.rows,
+        "calibration_rows": fit_rows.rows,
+        "heldout_rows": heldout.rows,
         "coefficient_count": manifest["coefficient_count"],
         "artifact_bytes": manifest["tensor_bytes"],
         "construction_seconds": manifest["construction_seconds"],
         "trace_seconds": traces.meta.get("collect_seconds", float("nan")),
     }
-    vocab = pair.target.config.get_text_config().vocab_size
-    nll_cfg, latency_cfg = cfg.eval.nll, cfg.eval.latency
-    streams = token_sequences(
-        cfg.paths.data, nll_cfg.corpus, nll_cfg.streams, nll_cfg.prefix_len + nll_cfg.horizon, pair.tokenizer, vocab
-    )
+    nll, latency = cfg.eval.nll, cfg.eval.latency
     levers = Levers(**cfg.eval.levers)
-    metrics |= horizon_nll(transfer, streams, nll_cfg.prefix_len, levers)
+    streams = text_ids(cfg, pair, nll.corpus, nll.streams, nll.prefix_len + nll.horizon)
+    metrics |= horizon_nll(transfer, streams, nll.prefix_len, levers)
     items = {}
     if cfg.eval.tasks.names:
         task_scores, items = task_metrics(cfg, pair, transfer)
         metrics |= task_scores
-    if cfg.eval.diagnose.fidelity and cfg.eval.tasks.names:
-        metrics |= cache_fidelity(transfer, task_prompts(cfg, pair))
+        if cfg.eval.diagnose.fidelity:
+            metrics |= cache_fidelity(transfer, task_prompts(cfg, pair))
     if cfg.eval.diagnose.swaps:
-        metrics |= swap_nll(transfer, streams, nll_cfg.prefix_len)
-    prefix = token_sequences(cfg.paths.data, nll_cfg.corpus, 1, latency_cfg.prefix_len, pair.tokenizer, vocab)
-    metrics |= handoff_latency(transfer, prefix, latency_cfg.repeats, latency_cfg.warmup, levers)
+        metrics |= swap_nll(transfer, streams, nll.prefix_len)
+    prefix = text_ids(cfg, pair, nll.corpus, 1, latency.prefix_len)
+    metrics |= handoff_latency(transfer, prefix, latency.repeats, latency.warmup, levers)
     if cfg.eval.rollback:
         metrics |= verify_rollback(transfer, prefix)
     if torch.cuda.is_available():
@@ -286,39 +121,33 @@ def fit_eval(cfg: DictConfig) -> float:
         run_name += f":n{cfg.fit.sequences}"
     if levers:
         run_name += f":sink{levers.native_sink}:hold{levers.hold_back}:layers{levers.native_layers}"
-    with tracking.job_run(
-        cfg,
-        run_name,
-        _tags(cfg, pair, "fit_eval") | {"method": manifest["method"], "corpus_hash": traces.meta["corpus_hash"]},
-    ) as run:
+    run_tags = tags(cfg, pair, "fit_eval") | {"method": manifest["method"], "corpus_hash": traces.meta["corpus_hash"]}
+    with tracking.job_run(cfg, run_name, run_tags) as run:
         run.metrics(metrics)
         run.dict(manifest, "mapper/manifest.json")
         if items:
             run.dict(items, "tasks/item_scores.json")
         run.figure(_plot_layers(r2), "plots/r2_by_layer.png")
     print(f"\n{run_name}  (weights={pair.weights})")
-    for name in (
-        "r2_k_heldout",
-        "r2_v_heldout",
-        "nll_native_source",
-        "nll_native_target",
-        "nll_transfer",
-        "nll_gap_recovered",
-        "task.mean.acc_source",
-        "task.mean.acc_target",
-        "task.mean.acc",
-        "task.mean.loss_points",
-        "task.mean.gap_recovered",
-        "task.mean.prefill_fraction",
-        "apply_ms_p50",
-        "prefill_ms_p50",
-        "handoff_speedup",
-        "rollback_verified",
-    ):
-        if name in metrics:
-            print(f"  {name:<26} {metrics[name]:10.4f}")
+    print_metrics(metrics)
     print(f"  open the tracking UI: mlflow ui --backend-store-uri {cfg.tracking.uri}")
     return float(metrics[cfg.objective])
+
+
+def print_metrics(metrics: dict[str, float]) -> None:
+    """Every logged metric: run-level ones one per line, `task.<name>.<metric>` as a task × metric table."""
+    per_task: dict[str, dict[str, float]] = {}
+    for name, value in sorted(metrics.items()):
+        if name.startswith("task."):
+            task, metric = name[len("task.") :].split(".", 1)
+            per_task.setdefault(task, {})[metric] = value
+        else:
+            print(f"  {name:<34} {value:12.4f}")
+    if per_task:
+        columns = sorted({metric for row in per_task.values() for metric in row})
+        print("  " + "task".ljust(12) + "".join(c[:14].rjust(15) for c in columns))
+        for task, row in per_task.items():
+            print("  " + task.ljust(12) + "".join(f"{row.get(c, float('nan')):15.4f}" for c in columns))
 
 
 def feature_probe(cfg: DictConfig) -> float:
@@ -349,7 +178,7 @@ def feature_probe(cfg: DictConfig) -> float:
     metrics |= {"calibration_rows": fit.rows, "probe_seconds": time.perf_counter() - began}
     run_name = f"{cfg.pair.name}:probe:k{cfg.fit.k}"
     with tracking.job_run(
-        cfg, run_name, _tags(cfg, pair, "probe") | {"corpus_hash": traces.meta["corpus_hash"]}
+        cfg, run_name, tags(cfg, pair, "probe") | {"corpus_hash": traces.meta["corpus_hash"]}
     ) as run:
         run.metrics(metrics)
         run.dict({"source_layers": source_layers.tolist()} | scores, "probe/scores.json")
@@ -364,29 +193,28 @@ def feature_probe(cfg: DictConfig) -> float:
     return float(scores[f"{probe.variants[-1]}.r2_v_heldout"])
 
 
+def gate(cfg: DictConfig) -> None:
+    """The promotion gate on `gate.experiment`; the process exits non-zero on FAIL."""
+    g = cfg.gate
+    sys.exit(check(cfg.tracking.uri, g.experiment, g.parent, g.min_speedup, g.max_loss_points))
+
+
+JOBS: dict[str, Callable[[DictConfig], float | None]] = {
+    "fit_eval": fit_eval,
+    "probe": feature_probe,
+    "latency": bench.latency,
+    "construction": bench.construction,
+    "handoff": bench.handoff,
+    "gate": gate,
+    "optuna": lambda cfg: optimize(cfg, fit_eval),
+}
+
+
 @hydra.main(version_base="1.3", config_path="../conf", config_name="run")
 def main(cfg: DictConfig) -> float | None:
-    if cfg.job == "fit_eval":
-        return fit_eval(cfg)
-    if cfg.job == "probe":
-        return feature_probe(cfg)
-    if cfg.job in SYSTEMS_JOBS:
-        from src import bench
-
-        return getattr(bench, cfg.job)(cfg)
-    if cfg.job == "gate":
-        from src.gate import check
-
-        sys.exit(
-            check(
-                cfg.tracking.uri, cfg.gate.experiment, cfg.gate.parent, cfg.gate.min_speedup, cfg.gate.max_loss_points
-            )
-        )
-    if cfg.job == "optuna":
-        from src.sweep import optimize
-
-        return optimize(cfg, fit_eval)
-    raise ValueError(f"unknown job {cfg.job!r}")
+    if cfg.job not in JOBS:
+        raise ValueError(f"unknown job {cfg.job!r}; choose one of {sorted(JOBS)}")
+    return JOBS[cfg.job](cfg)
 
 
 if __name__ == "__main__":

@@ -15,7 +15,7 @@ from hydra.utils import get_class
 from omegaconf import OmegaConf
 
 from src.corpus import CORPORA
-from src.run import SYSTEMS_JOBS
+from src.run import JOBS
 
 REPO = Path(__file__).resolve().parents[1]
 CONF = REPO / "conf"
@@ -23,7 +23,6 @@ EXPERIMENTS = sorted(p.stem for p in (CONF / "experiment").glob("*.yaml"))
 ADDED = ("experiment", "method")  # groups outside the defaults list, chosen with +group=option
 GROUPS = sorted(p.name for p in CONF.iterdir() if p.is_dir() and p.name not in ADDED)
 OPTIONS = [(group, p.stem) for group in GROUPS for p in sorted((CONF / group).glob("*.yaml"))]
-JOBS = set(re.findall(r'cfg\.job == "(\w+)"', (REPO / "src/run.py").read_text())) | set(SYSTEMS_JOBS)
 PAPER_ROWS = 128_000  # 500 sequences × 1,024 tokens, every 4th token
 
 
@@ -82,7 +81,7 @@ def test_found_the_configs():
         EXPERIMENTS
     )
     assert {"pair", "support", "weighting", "budget", "fit", "eval", "tracking", "gate", "sweep"} <= set(GROUPS)
-    assert JOBS == {"fit_eval", "probe", "latency", "construction", "handoff", "gate", "optuna"}
+    assert {"fit_eval", "probe", "latency", "construction", "handoff", "gate", "optuna"} <= set(JOBS)
 
 
 @pytest.mark.parametrize("experiment", EXPERIMENTS)
@@ -115,11 +114,13 @@ def test_every_method_composes_and_sets_support_weighting_and_k(method):
 
 
 def test_options_of_a_group_set_the_same_keys():
-    """Swapping an option never leaves a key of another option behind (or missing)."""
+    """Swapping an option never leaves a key of another option behind (or missing); keys every pair shares
+    (conf/run.yaml `pair:`) may be overridden by some pair files only."""
+    shared = {f"pair.{k}" for k in yaml.safe_load((CONF / "run.yaml").read_text())["pair"]}
     for group in GROUPS:
         shapes = {}
         for path in sorted((CONF / group).glob("*.yaml")):
-            keys = {k for k in file_keys(path) if k.startswith(f"{group}.")}
+            keys = {k for k in file_keys(path) if k.startswith(f"{group}.") and k not in shared}
             depth = 2 if group == "pair" else None  # real pairs have a path, random pairs a seed + config
             shapes[path.stem] = {".".join(k.split(".")[:depth]) for k in keys}
         assert len({frozenset(v) for v in shapes.values()}) == 1, (group, shapes)
@@ -139,13 +140,16 @@ def test_run_defaults_have_no_experiment_entry():
 
 
 def test_each_default_lives_in_one_file():
-    """run.yaml plus the default option of each group: no leaf key is defined twice."""
+    """run.yaml plus the default option of each group: no leaf key is defined twice (a pair file may override
+    what every pair shares, conf/run.yaml `pair:`)."""
     files = [CONF / "run.yaml"] + [CONF / group / f"{option}.yaml" for group, option in default_choices().items()]
     owners: dict[str, list[str]] = {}
     for path in files:
         for key in file_keys(path):
             owners.setdefault(key, []).append(str(path.relative_to(CONF)))
-    duplicated = {key: where for key, where in owners.items() if len(where) > 1}
+    shared = {f"pair.{k}" for k in yaml.safe_load((CONF / "run.yaml").read_text())["pair"]}
+    overridden = lambda key, where: key in shared and where[0] == "run.yaml" and all(w.startswith("pair/") for w in where[1:])
+    duplicated = {key: where for key, where in owners.items() if len(where) > 1 and not overridden(key, where)}
     assert not duplicated
     composed_keys = set(leaves(OmegaConf.to_container(composed(), resolve=False)))
     assert set(owners) == composed_keys

@@ -20,6 +20,7 @@ from mlflow.tracking import MlflowClient
 from omegaconf import OmegaConf
 
 import src.bench
+import src.pipeline
 import src.run
 from src.gate import check
 from src.models import fingerprint
@@ -160,8 +161,8 @@ def first(ws) -> SimpleNamespace:
     cfg = config(ws, "+experiment=quickstart")
     collected, fitted = [], []
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(src.run, "collect_traces", counting(src.run.collect_traces, collected))
-        patch.setattr(src.run, "fit_transfer", counting(src.run.fit_transfer, fitted))
+        patch.setattr(src.pipeline, "collect_traces", counting(src.pipeline.collect_traces, collected))
+        patch.setattr(src.pipeline, "fit_transfer", counting(src.pipeline.fit_transfer, fitted))
         value = src.run.fit_eval(cfg)
     (run,) = runs(ws.uri, "quickstart")
     return SimpleNamespace(cfg=cfg, value=value, run=run, collected=collected, fitted=fitted, files=home_files(ws.home))
@@ -197,7 +198,9 @@ def test_fit_eval_metrics(first):
     assert metrics["artifact_bytes"] >= 4 * metrics["coefficient_count"]  # float32 coefficients
     assert metrics["construction_seconds"] > 0 and metrics["trace_seconds"] > 0
     (traces,) = (Path(first.cfg.paths.home) / "traces").glob("*.json")
-    assert metrics["calibration_rows"] == load_traces(traces.with_suffix("")).rows == 8 * 64 // 4
+    all_rows = load_traces(traces.with_suffix("")).rows
+    assert all_rows == 8 * 64 // 4
+    assert metrics["calibration_rows"] + metrics["heldout_rows"] == all_rows and metrics["heldout_rows"] > 0
 
 
 def test_fit_eval_tags(first):
@@ -206,7 +209,7 @@ def test_fit_eval_tags(first):
     assert (tags["weights"], tags["job"], tags["direction"]) == ("random", "fit_eval", "tiny_small_to_large")
     assert tags["method"] == "local+attn_repair"
     assert "random weights" in tags["note"]
-    pair = src.run.load(first.cfg)
+    pair = src.pipeline.load(first.cfg)
     assert tags["source_fingerprint"] == fingerprint(pair.source) != tags["target_fingerprint"]
     assert tags["target_fingerprint"] == fingerprint(pair.target)
     assert tags["torch"] == torch.__version__ and tags["transformers"] == transformers.__version__
@@ -243,8 +246,8 @@ def test_first_run_fills_the_caches(first, ws):
 
 
 def test_identical_run_reuses_traces_and_mapper(first, ws, monkeypatch):
-    monkeypatch.setattr(src.run, "collect_traces", forbid("collect_traces"))
-    monkeypatch.setattr(src.run, "fit_transfer", forbid("fit_transfer"))
+    monkeypatch.setattr(src.pipeline, "collect_traces", forbid("collect_traces"))
+    monkeypatch.setattr(src.pipeline, "fit_transfer", forbid("fit_transfer"))
     value = src.run.fit_eval(config(ws, "+experiment=quickstart"))
     before, after = runs(ws.uri, "quickstart")
     assert before.info.run_id == first.run.info.run_id
@@ -257,8 +260,8 @@ def test_identical_run_reuses_traces_and_mapper(first, ws, monkeypatch):
 
 def test_changed_fit_refits_on_cached_traces(first, ws, monkeypatch):
     fitted = []
-    monkeypatch.setattr(src.run, "collect_traces", forbid("collect_traces"))
-    monkeypatch.setattr(src.run, "fit_transfer", counting(src.run.fit_transfer, fitted))
+    monkeypatch.setattr(src.pipeline, "collect_traces", forbid("collect_traces"))
+    monkeypatch.setattr(src.pipeline, "fit_transfer", counting(src.pipeline.fit_transfer, fitted))
     src.run.fit_eval(config(ws, "+experiment=quickstart", "fit.k=1"))
     assert len(fitted) == 1
     run = runs(ws.uri, "quickstart", "params.`fit.k` = '1'")[-1]
@@ -277,8 +280,8 @@ def test_stale_cached_mapper_is_refit(first, ws, tmp_path, monkeypatch):
     manifest["source_fingerprint"] = "0" * 64
     manifest_path.write_text(json.dumps(manifest))
     fitted = []
-    monkeypatch.setattr(src.run, "collect_traces", forbid("collect_traces"))
-    monkeypatch.setattr(src.run, "fit_transfer", counting(src.run.fit_transfer, fitted))
+    monkeypatch.setattr(src.pipeline, "collect_traces", forbid("collect_traces"))
+    monkeypatch.setattr(src.pipeline, "fit_transfer", counting(src.pipeline.fit_transfer, fitted))
     src.run.fit_eval(config(ws, "+experiment=quickstart", "tracking.experiment=stale", home=home))
     assert len(fitted) == 1
     assert json.loads(manifest_path.read_text())["source_fingerprint"] == first.run.data.tags["source_fingerprint"]
@@ -369,7 +372,7 @@ def test_construction_job(first, ws, monkeypatch, budgets, steps):
 def study(first, ws) -> SimpleNamespace:
     """3 trials, then the same study resumed for 1 more; traces come from the cache throughout."""
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(src.run, "collect_traces", forbid("collect_traces"))
+        patch.setattr(src.pipeline, "collect_traces", forbid("collect_traces"))
         cfg = config(ws, "+experiment=optuna", "sweep.n_trials=3")
         best = optimize(cfg, src.run.fit_eval)
         after_three = optuna.load_study(study_name=cfg.sweep.study_name, storage=ws.storage).trials

@@ -1,0 +1,90 @@
+"""The import contract of `src/` and `kernels/`: imports only point down the pipeline, and there is no cycle.
+
+Floors, bottom to top (a module may import its own floor and the floors below it):
+models, rope, task data, tracking → corpus, traces, statistics, support, weighting, artifact → selection, map
+arithmetic, forward passes, Fused-Fit kernel → fit, probe, synthetic, apply kernel → apply → handoff policy,
+recompute → router session → eval → pipeline (cfg → objects), workloads → jobs (bench, routed, sweep, gate,
+distributed) → run (dispatch). A new module must be given a floor here before it can land.
+"""
+
+import ast
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+FLOORS = [
+    {"src.models", "src.rope", "src.tasks", "src.tracking"},
+    {"src.corpus", "src.traces", "src.stats", "src.support", "src.weighting", "src.artifact"},
+    {"src.select", "src.maps", "src.forward", "kernels.fused_fit"},
+    {"src.fit", "src.probe", "src.synthetic", "kernels.apply_map"},
+    {"src.apply"},
+    {"src.handoff", "src.recompute"},
+    {"src.session"},
+    {"src.eval"},  # the package: every src.eval.* module
+    {"src.pipeline", "src.workloads"},
+    {"src.bench", "src.routed", "src.sweep", "src.gate", "src.distributed"},
+    {"src.run"},
+]
+
+
+def module_name(path: Path) -> str:
+    return ".".join(path.relative_to(REPO).with_suffix("").parts).removesuffix(".__init__")
+
+
+def floor_of(name: str) -> int:
+    for index, floor in enumerate(FLOORS):
+        if name in floor or any(name.startswith(f"{member}.") for member in floor):
+            return index
+    raise KeyError(name)
+
+
+def imports_of(path: Path) -> set[str]:
+    """The project modules `path` imports (at any depth of the file: lazy imports count too)."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found |= {alias.name for alias in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            found.add(node.module)
+            found |= {f"{node.module}.{alias.name}" for alias in node.names}  # `from src import bench`
+    modules = {module_name(p) for p in MODULES}
+    return {name for name in found if name in modules and name not in ("src", "kernels", "src.eval")}
+
+
+MODULES = sorted(p for folder in ("src", "kernels") for p in (REPO / folder).rglob("*.py") if p.name != "__init__.py")
+GRAPH = {module_name(p): imports_of(p) for p in MODULES}
+
+
+@pytest.mark.parametrize("module", sorted(GRAPH))
+def test_every_module_has_a_floor(module):
+    floor_of(module)
+
+
+@pytest.mark.parametrize("module", sorted(GRAPH))
+def test_imports_point_down(module):
+    upward = {name for name in GRAPH[module] if floor_of(name) > floor_of(module)}
+    assert not upward, f"{module} (floor {floor_of(module)}) imports from above: {sorted(upward)}"
+
+
+def test_no_import_cycle():
+    state: dict[str, int] = {}  # 1 on the current path, 2 done
+
+    def visit(name: str, path: list[str]) -> None:
+        state[name] = 1
+        for other in sorted(GRAPH[name]):
+            if state.get(other) == 1:
+                raise AssertionError("import cycle: " + " → ".join(path[path.index(other) :] + [other]))
+            if other not in state:
+                visit(other, path + [other])
+        state[name] = 2
+
+    for name in sorted(GRAPH):
+        if name not in state:
+            visit(name, [name])
+
+
+def test_the_contract_sees_the_known_edges():
+    """The graph is built from the real files (a contract that reads nothing passes vacuously)."""
+    assert "kernels.apply_map" in GRAPH["src.apply"] and "src.maps" in GRAPH["kernels.apply_map"]
+    assert "src.pipeline" in GRAPH["src.bench"] and "src.bench" in GRAPH["src.run"]
