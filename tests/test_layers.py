@@ -23,7 +23,7 @@ FLOORS = [
     {"src.session"},
     {"src.eval"},  # the package: every src.eval.* module
     {"src.pipeline", "src.workloads"},
-    {"src.bench", "src.routed", "src.sweep", "src.gate", "src.distributed"},
+    {"src.bench", "src.routed", "src.routed_runs", "src.sweep", "src.gate", "src.distributed"},
     {"src.run"},
 ]
 
