@@ -1,9 +1,17 @@
-"""Tracking: one run per job (a child of the multirun's parent run), params = flattened config,
-tags = everything needed to reproduce (fingerprints, git commit, library/CUDA/driver/GPU versions).
+"""Tracking: one run per job, open for the whole job (a child of the multirun's parent run); params = flattened
+config, tags = everything needed to reproduce (fingerprints, git commit, library/CUDA/driver/GPU versions).
 
-Backend `mlflow` writes to the sqlite store (`sqlite:///mlruns/mlflow.db`; MLflow ≥ 3.13 refuses the
-plain file store). Backend `json` writes the same record as files (for the GPU machine, which has no
-MLflow); `python -m src.tracking import DIR` replays such records into the MLflow store here.
+    with tracking.job_run(cfg, name, tags) as run:   # at the job's START: the run spans the job
+        ...; run.metrics({...}); run.dict(items, "tasks/item_scores.json"); run.tags({...}); run.rename(final)
+
+A job that raises leaves a FAILED run whose `error` tag holds the exception (traceback in `error.txt`).
+
+Backend `mlflow` writes to the sqlite store (`sqlite:///mlruns/mlflow.db`; MLflow ≥ 3.13 refuses the plain file
+store); experiments are tagged as model-training ones so MLflow 3 opens them on the runs table, and runs log system
+metrics (psutil) every `tracking.system_metrics_s` seconds. Backend `json` writes the same record as files
+(record.json + artifacts/, for the GPU machine without MLflow, and the committed records under results/);
+`python -m src.tracking import DIR` replays records into the MLflow store, `export EXPERIMENT DIR` writes an
+experiment's runs as records.
 """
 
 from __future__ import annotations
@@ -11,10 +19,14 @@ from __future__ import annotations
 import argparse
 import contextlib
 import hashlib
+import importlib.util
 import json
 import platform
 import re
+import shutil
 import subprocess
+import time
+import traceback
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -23,17 +35,32 @@ import transformers
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
+# MLflow 3 UIs open an experiment without this tag on the GenAI overview (traces); "custom_model_development" opens
+# the runs table and charts (the value the UI's own experiment-kind selector writes). MLflow 3.17's UI ignores the tag
+# for its global GenAI / Model-training switch, which a URL sets with UI_VIEW (the browser then remembers it).
+EXPERIMENT_KIND_TAG, EXPERIMENT_KIND = "mlflow.experimentKind", "custom_model_development"
+UI_VIEW = "workflowType=machine_learning"
+ARTIFACT_EXPORT_BYTES = 1 << 20  # `export` copies artifacts up to this size (records stay small; never weights)
 
-def configure(uri: str, experiment: str, artifacts: str) -> None:
-    """Point MLflow at the sqlite store and create the experiment with artifacts under `artifacts`."""
+
+def configure(uri: str, experiment: str, artifacts: str) -> str:
+    """Point MLflow at the sqlite store, create the experiment (artifacts under `artifacts`) tagged as a
+    model-training experiment, make it the active one; returns its id."""
     import mlflow
 
     if uri.startswith("sqlite:///"):
         Path(uri.removeprefix("sqlite:///")).parent.mkdir(parents=True, exist_ok=True)
     mlflow.set_tracking_uri(uri)
-    if mlflow.get_experiment_by_name(experiment) is None:
-        mlflow.create_experiment(experiment, artifact_location=Path(artifacts).resolve().as_uri())
-    mlflow.set_experiment(experiment)
+    found = mlflow.get_experiment_by_name(experiment)
+    if found is None:
+        location = Path(artifacts).resolve().as_uri()
+        experiment_id = mlflow.create_experiment(experiment, location, tags={EXPERIMENT_KIND_TAG: EXPERIMENT_KIND})
+    else:
+        experiment_id = found.experiment_id
+        if EXPERIMENT_KIND_TAG not in found.tags:  # made before this tag existed; a kind chosen in the UI stays
+            mlflow.MlflowClient().set_experiment_tag(experiment_id, EXPERIMENT_KIND_TAG, EXPERIMENT_KIND)
+    mlflow.set_experiment(experiment_id=experiment_id)
+    return experiment_id
 
 
 def _git(*args: str) -> str:
@@ -78,32 +105,115 @@ def flatten(cfg: DictConfig) -> dict[str, str]:
     return flat
 
 
-class MLflowRecorder:
-    """What a job logs, sent to the active MLflow run."""
+def _now_ms() -> int:
+    return int(time.time() * 1000)
 
-    def __init__(self):
+
+def _error_text(error: BaseException) -> tuple[str, str]:
+    """(one line for the `error` tag, the full traceback for error.txt)."""
+    line = f"{type(error).__name__}: {error}"[:5000]
+    return line, "".join(traceback.format_exception(error))
+
+
+class MLflowRecorder:
+    """What a job logs, sent to its own MLflow run (opened at the job's start, ended by `close`)."""
+
+    def __init__(self, cfg: DictConfig, name: str, tags: dict[str, str]):
         import mlflow
 
-        self.mlflow = mlflow
+        configure(cfg.tracking.uri, cfg.tracking.experiment, cfg.tracking.artifacts)
+        self.mlflow, self.client = mlflow, mlflow.MlflowClient()
+        interval = cfg.tracking.get("system_metrics_s")  # None or absent: MLflow's own interval (10 s); 0: off
+        system_metrics = importlib.util.find_spec("psutil") is not None and interval != 0
+        if system_metrics and interval:
+            mlflow.set_system_metrics_sampling_interval(interval)
+        run = mlflow.start_run(run_name=name, nested=mlflow.active_run() is not None, log_system_metrics=system_metrics)
+        self.run_id, self.experiment_id, self.uri = run.info.run_id, run.info.experiment_id, cfg.tracking.uri
+        mlflow.log_params(flatten(cfg), run_id=self.run_id)
+        self.tags(tags | {"system_metrics": "psutil" if system_metrics else "off"})
+        self.client.log_text(self.run_id, OmegaConf.to_yaml(cfg, resolve=True), "config.yaml")
 
     def metrics(self, values: dict[str, float], step: int | None = None) -> None:
-        self.mlflow.log_metrics(values, step=step)
+        self.mlflow.log_metrics(values, step=step, run_id=self.run_id)
+
+    def tags(self, values: dict[str, str]) -> None:
+        from mlflow.entities import RunTag
+
+        self.client.log_batch(self.run_id, tags=[RunTag(key, str(value)) for key, value in values.items()])
+
+    def rename(self, name: str) -> None:
+        self.client.set_tag(self.run_id, "mlflow.runName", name)
 
     def dict(self, value: dict, path: str) -> None:
-        self.mlflow.log_dict(value, path)
+        self.client.log_dict(self.run_id, value, path)
 
     def figure(self, figure, path: str) -> None:
-        self.mlflow.log_figure(figure, path)
+        self.client.log_figure(self.run_id, figure, path)
+
+    def close(self, status: str, error: BaseException | None = None) -> None:
+        if error is not None:
+            line, text = _error_text(error)
+            self.tags({"error": line})
+            self.client.log_text(self.run_id, text, "error.txt")
+        if self._active():
+            self.mlflow.end_run(status)  # also stops the system-metrics monitor
+        else:  # the job ended its run itself or left a nested one open: end ours by id
+            self.client.set_terminated(self.run_id, status)
+
+    def where(self) -> str:
+        """How to open this run's experiment on its runs table."""
+        page = f"http://127.0.0.1:5000/#/experiments/{self.experiment_id}?{UI_VIEW}"
+        return f"open the tracking UI: mlflow ui --backend-store-uri {self.uri}  then  {page}"
+
+    def _active(self) -> bool:
+        active = self.mlflow.active_run()
+        return active is not None and active.info.run_id == self.run_id
+
+
+def _digest(params: dict[str, str]) -> str:
+    return hashlib.sha256(json.dumps(params, sort_keys=True, default=str).encode()).hexdigest()[:8]
+
+
+def _record_dir(root: Path, name: str, digest: str) -> Path:
+    return root / f"{re.sub(r'[^A-Za-z0-9._-]+', '_', name)}-{digest}"
 
 
 class JsonRecorder:
-    """What a job logs, kept as record.json + artifact files in one folder (replayed by `import`)."""
+    """What a job logs, kept as record.json + artifacts/ in `json_dir/<name>-<digest of the params>` (a rerun of
+    the same config replaces its record); replayed into MLflow by `import`."""
 
-    def __init__(self, directory: Path, record: dict):
-        self.directory, self.record = directory, record
+    def __init__(self, cfg: DictConfig, name: str, tags: dict[str, str]):
+        params = flatten(cfg)
+        self.root, self.digest = Path(cfg.tracking.json_dir), _digest(params)
+        self.directory = _record_dir(self.root, name, self.digest)
+        if (self.directory / "record.json").is_file():
+            shutil.rmtree(self.directory)
+        self.record = {
+            "name": name,
+            "experiment": cfg.tracking.experiment,
+            "status": "RUNNING",
+            "start_time": _now_ms(),
+            "end_time": None,
+            "params": params,
+            "tags": tags,
+            "metrics": [],
+        }
+        self._artifact("config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
+        self.save()
 
     def metrics(self, values: dict[str, float], step: int | None = None) -> None:
-        self.record["metrics"] += [{"key": k, "value": float(v), "step": step} for k, v in values.items()]
+        now = _now_ms()
+        self.record["metrics"] += [
+            {"key": k, "value": float(v), "step": step, "timestamp": now} for k, v in values.items()
+        ]
+        self.save()
+
+    def tags(self, values: dict[str, str]) -> None:
+        self.record["tags"] |= {key: str(value) for key, value in values.items()}
+        self.save()
+
+    def rename(self, name: str) -> None:
+        self.record["name"] = name
         self.save()
 
     def dict(self, value: dict, path: str) -> None:
@@ -112,64 +222,115 @@ class JsonRecorder:
     def figure(self, figure, path: str) -> None:
         figure.savefig(self._artifact(path), dpi=120)
 
+    def close(self, status: str, error: BaseException | None = None) -> None:
+        self.record |= {"status": status, "end_time": _now_ms()}
+        if error is not None:
+            line, text = _error_text(error)
+            self.record["tags"]["error"] = line
+            self._artifact("error.txt").write_text(text)
+        self.save()
+        final = _record_dir(self.root, self.record["name"], self.digest)
+        if final != self.directory:  # renamed during the job: the folder follows the name
+            if (final / "record.json").is_file():
+                shutil.rmtree(final)
+            self.directory = self.directory.rename(final)
+
+    def where(self) -> str:
+        return f"record: {self.directory / 'record.json'}  (into MLflow: python -m src.tracking import {self.root})"
+
     def _artifact(self, path: str) -> Path:
         target = self.directory / "artifacts" / path
         target.parent.mkdir(parents=True, exist_ok=True)
         return target
 
     def save(self) -> None:
-        (self.directory / "record.json").write_text(json.dumps(self.record, indent=2, default=str))
+        self.directory.mkdir(parents=True, exist_ok=True)
+        (self.directory / "record.json").write_text(json.dumps(self.record, indent=2, default=str) + "\n")
 
 
 @contextlib.contextmanager
-def job_run(cfg: DictConfig, name: str, tags: dict[str, str]) -> Iterator[MLflowRecorder | JsonRecorder]:
-    """A tracked run for one job; with MLflow it nests under the active (parent) run when there is one."""
-    tags = environment_tags() | tags
-    if cfg.tracking.backend == "json":
-        params = flatten(cfg)
-        digest = hashlib.sha256(json.dumps(params, sort_keys=True, default=str).encode()).hexdigest()[:8]
-        directory = Path(cfg.tracking.json_dir) / f"{re.sub(r'[^A-Za-z0-9._-]+', '_', name)}-{digest}"
-        directory.mkdir(parents=True, exist_ok=True)
-        record = {
-            "name": name,
-            "experiment": cfg.tracking.experiment,
-            "params": params,
-            "tags": tags,
-            "metrics": [],
-        }
-        recorder = JsonRecorder(directory, record)
-        recorder._artifact("config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
-        recorder.save()
+def job_run(cfg: DictConfig, name: str, tags: dict[str, str] | None = None) -> Iterator[MLflowRecorder | JsonRecorder]:
+    """The tracked run of one job; open it at the job's start so its start/end times (and system metrics) cover the
+    job. Ends FINISHED, or FAILED (KILLED on Ctrl-C) with the exception in the `error` tag, re-raised."""
+    tags = environment_tags() | (tags or {})
+    recorder = (JsonRecorder if cfg.tracking.backend == "json" else MLflowRecorder)(cfg, name, tags)
+    try:
         yield recorder
-        return
-    import mlflow
-
-    configure(cfg.tracking.uri, cfg.tracking.experiment, cfg.tracking.artifacts)
-    with mlflow.start_run(run_name=name, nested=mlflow.active_run() is not None):
-        mlflow.log_params(flatten(cfg))
-        mlflow.set_tags(tags)
-        mlflow.log_text(OmegaConf.to_yaml(cfg, resolve=True), "config.yaml")
-        yield MLflowRecorder()
+    except BaseException as error:
+        recorder.close("KILLED" if isinstance(error, KeyboardInterrupt) else "FAILED", error)
+        raise
+    recorder.close("FINISHED")
 
 
 def import_records(directory: str | Path, uri: str, artifacts: str) -> int:
-    """Replay every JSON record under `directory` as an MLflow run; returns how many."""
-    import mlflow
+    """Replay every JSON record under `directory` as an MLflow run (times and status kept); returns how many."""
+    from mlflow import MlflowClient
+    from mlflow.entities import Metric, Param
 
     records = sorted(Path(directory).glob("**/record.json"))
+    client = MlflowClient(uri)
     for path in records:
         record = json.loads(path.read_text())
-        configure(uri, record["experiment"], artifacts)
-        with mlflow.start_run(run_name=record["name"]):
-            mlflow.log_params(record["params"])
-            mlflow.set_tags(record["tags"] | {"imported_from": str(path.parent)})
-            for metric in record["metrics"]:
-                mlflow.log_metric(metric["key"], metric["value"], step=metric["step"] or 0)
-            for file in sorted((path.parent / "artifacts").glob("**/*")):
-                if file.is_file():
-                    relative = file.parent.relative_to(path.parent / "artifacts")
-                    mlflow.log_artifact(str(file), None if str(relative) == "." else str(relative))
+        experiment_id = configure(uri, record["experiment"], artifacts)
+        start = record.get("start_time") or _now_ms()  # records from before issue 15 have no times
+        tags = record["tags"] | {"imported_from": str(path.parent)}
+        run_id = client.create_run(experiment_id, start_time=start, tags=tags, run_name=record["name"]).info.run_id
+        metrics = [Metric(m["key"], m["value"], m.get("timestamp") or start, m["step"] or 0) for m in record["metrics"]]
+        client.log_batch(run_id, metrics=metrics, params=[Param(k, v) for k, v in record["params"].items()])
+        for file in sorted((path.parent / "artifacts").glob("**/*")):
+            if file.is_file():
+                relative = file.parent.relative_to(path.parent / "artifacts")
+                client.log_artifact(run_id, str(file), None if str(relative) == "." else str(relative))
+        status = record.get("status", "FINISHED")
+        client.set_terminated(run_id, "FAILED" if status == "RUNNING" else status, record.get("end_time") or start)
     return len(records)
+
+
+def export_records(experiment: str, directory: str | Path, uri: str) -> int:
+    """Write every run of `experiment` as a JSON record under `directory` (the layout `import` reads); metrics keep
+    their steps, system metrics are left out, artifacts over ARTIFACT_EXPORT_BYTES too. Returns how many."""
+    from mlflow import MlflowClient
+
+    client = MlflowClient(uri)
+    found = client.get_experiment_by_name(experiment)
+    if found is None:
+        raise ValueError(f"no experiment {experiment!r} in {uri}")
+    runs = client.search_runs([found.experiment_id], max_results=50_000, order_by=["attributes.start_time ASC"])
+    for run in runs:
+        info, data = run.info, run.data
+        history = [
+            {"key": m.key, "value": m.value, "step": m.step, "timestamp": m.timestamp}
+            for key in sorted(data.metrics)
+            if not key.startswith("system/")
+            for m in client.get_metric_history(info.run_id, key)
+        ]
+        record = {
+            "name": info.run_name,
+            "experiment": experiment,
+            "status": info.status,
+            "start_time": info.start_time,
+            "end_time": info.end_time,
+            "params": dict(sorted(data.params.items())),
+            "tags": {k: v for k, v in sorted(data.tags.items()) if not k.startswith("mlflow.")},
+            "metrics": history,
+        }
+        target = _record_dir(Path(directory), info.run_name, _digest(record["params"]))  # named as the json backend
+        if (target / "record.json").is_file():
+            shutil.rmtree(target)  # a re-export replaces the record
+        (target / "artifacts").mkdir(parents=True, exist_ok=True)
+        (target / "record.json").write_text(json.dumps(record, indent=2, default=str) + "\n")
+        _export_artifacts(client, info.run_id, "", target / "artifacts")
+    return len(runs)
+
+
+def _export_artifacts(client, run_id: str, path: str, target: Path) -> None:
+    for item in client.list_artifacts(run_id, path or None):
+        if item.is_dir:
+            _export_artifacts(client, run_id, item.path, target)
+        elif (item.file_size or 0) <= ARTIFACT_EXPORT_BYTES:
+            folder = target / Path(item.path).parent
+            folder.mkdir(parents=True, exist_ok=True)
+            client.download_artifacts(run_id, item.path, str(folder))
 
 
 class MLflowParentRun(Callback):
@@ -195,13 +356,21 @@ class MLflowParentRun(Callback):
 
 def main() -> None:
     tracking = OmegaConf.load(Path(__file__).resolve().parents[1] / "conf/tracking/mlflow.yaml")
-    parser = argparse.ArgumentParser(description="replay JSON tracking records (from the GPU machine) into MLflow")
-    parser.add_argument("command", choices=["import"])
-    parser.add_argument("directory")
-    parser.add_argument("--uri", default=tracking.uri)
-    parser.add_argument("--artifacts", default=tracking.artifacts)
+    parser = argparse.ArgumentParser(description="JSON tracking records ⇄ the MLflow store")
+    commands = parser.add_subparsers(dest="command", required=True)
+    replay = commands.add_parser("import", help="replay the records under DIR (e.g. from the GPU machine) as runs")
+    replay.add_argument("directory")
+    replay.add_argument("--artifacts", default=tracking.artifacts)
+    export = commands.add_parser("export", help="write EXPERIMENT's runs as records under DIR (e.g. results/NAME)")
+    export.add_argument("experiment")
+    export.add_argument("directory")
+    for command in (replay, export):
+        command.add_argument("--uri", default=tracking.uri)
     args = parser.parse_args()
-    print(f"imported {import_records(args.directory, args.uri, args.artifacts)} run(s) into {args.uri}")
+    if args.command == "import":
+        print(f"imported {import_records(args.directory, args.uri, args.artifacts)} run(s) into {args.uri}")
+    else:
+        print(f"exported {export_records(args.experiment, args.directory, args.uri)} run(s) to {args.directory}")
 
 
 if __name__ == "__main__":

@@ -1,0 +1,296 @@
+"""BENCHMARKS.md tables rebuilt from the committed tracking records in results/ (see results/README.md).
+
+    python scripts/tables.py                        # rewrite every marked table in BENCHMARKS.md from results/
+    python scripts/tables.py --check                # exit 1 naming each marked table that differs (tests do this)
+    python scripts/tables.py quickstart             # print registered tables
+    python scripts/tables.py --records DIR          # quality tables of any record folder (e.g. a device run's)
+    python scripts/tables.py --mlflow EXPERIMENT... [--uri sqlite:///mlruns/mlflow.db]   # ... of an MLflow store
+
+A marked table sits between `<!-- table: NAME -->` and `<!-- /table -->`; NAME is a key of TABLES, which names
+its record set (a folder under results/) and the function that renders it. A row is one FINISHED record flattened
+the way MLflow's search_runs names columns: `params.<dotted cfg key>`, `tags.<tag>`, `metrics.<key>` (the value
+at the largest step), plus `series.<key>` ({step: value}) for stepped metrics.
+
+Quality tables, per fit_eval run with tasks (one row): method, levers, prefill fraction, NLL gap recovered,
+held-out / task-prompt R², and per task the headline accuracy with the loss in points against the native target
+and its paired 95% CI; then the task means. Runs without tasks get the horizon-NLL table; probe runs
+(+experiment=feature_probe) the fit / held-out R² per feature variant.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import re
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS, BENCHMARKS = ROOT / "results", ROOT / "BENCHMARKS.md"
+MARKED = re.compile(r"(<!-- table: (\S+) -->\n)(.*?)(<!-- /table -->)", re.S)
+VARIANTS = ("own", "kv", "token", "relu")  # src/probe.py, in that order
+TASKS = ("hellaswag", "arc_easy", "arc_challenge", "winogrande", "piqa", "mmlu", "lambada")
+
+Row = dict[str, object]
+
+
+def record_rows(directory: Path) -> list[Row]:
+    """One row per FINISHED record.json under `directory` (failed / interrupted runs are left out), oldest first."""
+    rows = []
+    for path in sorted(directory.glob("**/record.json")):
+        record = json.loads(path.read_text())
+        if record.get("status", "FINISHED") != "FINISHED":
+            continue
+        row: Row = {"name": record["name"], "start_time": record.get("start_time") or 0, "record": str(path)}
+        row |= {f"params.{k}": v for k, v in record["params"].items()}
+        row |= {f"tags.{k}": v for k, v in record["tags"].items()}
+        for metric in sorted(record["metrics"], key=lambda m: (m["step"] or 0, m.get("timestamp") or 0)):
+            row[f"metrics.{metric['key']}"] = metric["value"]
+            if metric["step"] is not None:
+                row.setdefault(f"series.{metric['key']}", {})[metric["step"]] = metric["value"]
+        rows.append(row)
+    return sorted(rows, key=lambda row: (row["start_time"], row["name"]))
+
+
+def mlflow_rows(uri: str, experiments: list[str]) -> list[Row]:
+    """The same rows from an MLflow store (no series)."""
+    import mlflow
+
+    mlflow.set_tracking_uri(uri)
+    found = mlflow.search_runs(experiment_names=experiments, filter_string="attributes.status = 'FINISHED'")
+    rows = []
+    for run in found.sort_values("start_time").to_dict("records"):
+        row = {k: v for k, v in run.items() if v is not None and not (isinstance(v, float) and math.isnan(v))}
+        rows.append(row | {"name": run.get("tags.mlflow.runName"), "start_time": run["start_time"].value // 10**6})
+    return rows
+
+
+def _fmt(value: float | None, digits: int = 1, scale: float = 1.0) -> str:
+    return "—" if value is None or not math.isfinite(value) else f"{value * scale:.{digits}f}"
+
+
+def _metric(row: Row, name: str) -> float:
+    return row.get(f"metrics.{name}", float("nan"))
+
+
+def _label(row: Row) -> str:
+    parts = [str(row.get("tags.direction", "?")), str(row.get("tags.method", "?")), f"k={row.get('params.fit.k')}"]
+    if row.get("params.fit.sequences") not in (None, "None"):
+        parts.append(f"n={row['params.fit.sequences']}")
+    for name in ("native_sink", "hold_back", "native_layers"):
+        if row.get(f"params.eval.levers.{name}") not in (None, "0"):
+            parts.append(f"{name}={row[f'params.eval.levers.{name}']}")
+    parts.append(str(row.get("params.budget.corpus")))
+    return " ".join(parts)
+
+
+def provenance(row: Row) -> str:
+    """When, at which commit and on what a record was made (from its own tags)."""
+    day = datetime.fromtimestamp(row["start_time"] / 1000, tz=UTC).strftime("%Y-%m-%d")
+    commit = str(row.get("tags.git_commit", "unknown"))[:7] + (
+        " (dirty)" if row.get("tags.git_dirty") == "True" else ""
+    )
+    device = row.get("tags.gpu") or f"{row.get('tags.host')} CPU"
+    return f"{day}, git {commit}, torch {row.get('tags.torch')}, transformers {row.get('tags.transformers')}, {device}"
+
+
+def _values(row: Row, names: tuple[str, ...], digits: int = 1, unit: str = "") -> str:
+    """'a / b / c' of these metrics, formatted alike."""
+    return " / ".join(_fmt(_metric(row, name), digits) for name in names) + (f" {unit}" if unit else "")
+
+
+def quickstart(rows: list[Row]) -> str:
+    """The embedded default's record: every number the job logged that the README's plumbing claim rests on."""
+    if len(rows) != 1:
+        raise ValueError(f"the quickstart table reads exactly one record, found {len(rows)}: remove the stale ones")
+    (row,) = rows
+    weights = "random weights: plumbing only, never quality" if row.get("tags.weights") == "random" else "real weights"
+    rollback = ("rollback_nan", "rollback_missing_layer", "rollback_dtype", "rollback_clean_transfers")
+    cells = [
+        ("recorded", provenance(row)),
+        ("run", f"`{row['name']}` ({weights})"),
+        ("held-out R² K / V", _values(row, ("r2_k_heldout", "r2_v_heldout"), 3)),
+        (
+            "NLL native source / native target / transfer",
+            _values(row, ("nll_native_source", "nll_native_target", "nll_transfer"), 4),
+        ),
+        ("NLL gap recovered", _values(row, ("nll_gap_recovered",), 3)),
+        (
+            f"apply p50 / p95 ({row.get('params.eval.latency.prefix_len')}-token prefix)",
+            _values(row, ("apply_ms_p50", "apply_ms_p95"), unit="ms"),
+        ),
+        ("target re-prefill p50 / p95", _values(row, ("prefill_ms_p50", "prefill_ms_p95"), unit="ms")),
+        ("trace collection / fit construction", _values(row, ("trace_seconds", "construction_seconds"), unit="s")),
+        ("calibration rows fit / held-out", _values(row, ("calibration_rows", "heldout_rows"), 0)),
+        ("coefficients / artifact bytes", _values(row, ("coefficient_count", "artifact_bytes"), 0)),
+        (
+            "rollback checks (NaN, missing layer, wrong dtype → prefill; clean → transfer)",
+            "all verified" if all(_metric(row, name) == 1.0 for name in rollback) else "NOT verified",
+        ),
+    ]
+    return "\n".join(["| metric | value |", "|---|---|", *(f"| {name} | {value} |" for name, value in cells)])
+
+
+def nll_table(rows: list[Row]) -> str:
+    """Horizon NLL after a transferred prefix, against the share of the target's prefill still spent."""
+    lines = [
+        "| run | prefix tokens | prefill frac | NLL source | NLL target | NLL transfer | Δ vs target | NLL gap rec. |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for row in sorted(rows, key=lambda row: (str(row.get("tags.direction")), _metric(row, "prefill_fraction"))):
+        nll = [_metric(row, f"nll_{mode}") for mode in ("native_source", "native_target", "transfer")]
+        cells = [_label(row), str(row.get("params.eval.nll.prefix_len")), _fmt(_metric(row, "prefill_fraction"), 3)]
+        cells += [_fmt(value, 3) for value in nll] + [
+            _fmt(nll[2] - nll[1], 3),
+            _fmt(_metric(row, "nll_gap_recovered"), 3),
+        ]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def probe_table(rows: list[Row]) -> str:
+    """Held-out (and fit) R² of the Head-Local design widened per variant (src/probe.py)."""
+    lines = [
+        "| pair | fit rows | variant | width K / V | R² K fit / held-out | R² V fit / held-out |",
+        "|---|---|---|---|---|---|",
+    ]
+    for row in rows:
+        fit_rows = _fmt(_metric(row, "calibration_rows"), 0)
+        for variant in [v for v in VARIANTS if f"metrics.{v}.r2_v_heldout" in row]:
+            width = _values(row, (f"{variant}.width_k", f"{variant}.width_v"), 0)
+            r2 = [_values(row, (f"{variant}.r2_{c}_fit", f"{variant}.r2_{c}_heldout"), 3) for c in "kv"]
+            lines.append(f"| {row.get('tags.direction')} | {fit_rows} | {variant} | {width} | " + " | ".join(r2) + " |")
+    return "\n".join(lines)
+
+
+def task_tables(rows: list[Row]) -> str:
+    """Per-task accuracy (loss in points vs the native target [95% CI]) and the task means, one row per run."""
+    head = ["run", "prefill frac", "NLL gap rec.", "R² K/V held-out", "R² K/V prompts"]
+    lines = ["| " + " | ".join(head + [f"{t} acc (loss pt [95% CI])" for t in TASKS]) + " |"]
+    lines.append("|" + "---|" * (len(head) + len(TASKS)))
+    for native in ("source", "target"):  # the same items in every run: natives from the first
+        accs = [_fmt(_metric(rows[0], f"task.{task}.acc_{native}"), 1, 100) for task in TASKS]
+        lines.append(f"| native {native} | {1.0 if native == 'target' else 0.0} | | | | " + " | ".join(accs) + " |")
+    for row in rows:
+        cells = [
+            _label(row),
+            _fmt(_metric(row, "task.mean.prefill_fraction"), 3),
+            _fmt(_metric(row, "nll_gap_recovered"), 3),
+            f"{_fmt(_metric(row, 'r2_k_heldout'), 3)} / {_fmt(_metric(row, 'r2_v_heldout'), 3)}",
+            f"{_fmt(_metric(row, 'prompt_r2_k'), 3)} / {_fmt(_metric(row, 'prompt_r2_v'), 3)}",
+        ]
+        for task in TASKS:
+            acc = _metric(row, f"task.{task}.acc")
+            loss = [_metric(row, f"task.{task}.loss_points{suffix}") for suffix in ("", "_low", "_high")]
+            cells.append(f"{_fmt(acc, 1, 100)} ({_fmt(loss[0])} [{_fmt(loss[1])}, {_fmt(loss[2])}])")
+        lines.append("| " + " | ".join(cells) + " |")
+    lines += [
+        "",
+        "| run | mean acc | mean loss pt | worst-task loss pt | retention | gap recovered | mean task gap rec. |",
+    ]
+    lines.append("|---|---|---|---|---|---|---|")
+    for row in rows:
+        values = [_metric(row, f"task.mean.{name}") for name in ("acc", "loss_points", "max_loss_points")]
+        ratios = [
+            _metric(row, f"task.mean.{name}") for name in ("retention", "gap_recovered", "mean_task_gap_recovered")
+        ]
+        lines.append(
+            f"| {_label(row)} | {_fmt(values[0], 1, 100)} | {_fmt(values[1])} | {_fmt(values[2])} | "
+            + " | ".join(_fmt(r, 3) for r in ratios)
+            + " |"
+        )
+    return "\n".join(lines)
+
+
+def quality(rows: list[Row]) -> str:
+    """Probe runs → probe table; fit_eval runs with tasks → task tables, without → horizon-NLL table."""
+    sections = []
+    if probes := [row for row in rows if row.get("tags.job") == "probe"]:
+        sections.append(probe_table(probes))
+    runs = [row for row in rows if row.get("tags.job") == "fit_eval"]
+    if runs and any("metrics.task.mean.acc" in row for row in runs):
+        sections.append(task_tables(runs))
+    elif runs:
+        sections.append(nll_table(runs))
+    return "\n\n".join(sections)
+
+
+@dataclass(frozen=True)
+class Table:
+    run_set: str  # a folder under results/
+    render: Callable[[list[Row]], str]
+
+
+TABLES: dict[str, Table] = {
+    "quickstart": Table("quickstart-cpu", quickstart),
+}
+
+
+def build(name: str, results: Path = RESULTS) -> str:
+    """The table NAME rebuilt from its record set."""
+    if name not in TABLES:
+        raise ValueError(f"no table {name!r} in scripts/tables.py TABLES (registered: {sorted(TABLES)})")
+    table = TABLES[name]
+    rows = record_rows(results / table.run_set)
+    if not rows:
+        raise ValueError(f"table {name!r}: {results / table.run_set} holds no FINISHED record.json")
+    return table.render(rows)
+
+
+def marked(text: str) -> dict[str, str]:
+    """NAME → the table text between its markers (without the trailing newline)."""
+    found: dict[str, str] = {}
+    for match in MARKED.finditer(text):
+        if match.group(2) in found:
+            raise ValueError(f"table {match.group(2)!r} is marked twice")
+        found[match.group(2)] = match.group(3).rstrip("\n")
+    return found
+
+
+def rebuild(text: str, results: Path = RESULTS) -> str:
+    """`text` with every marked table replaced by its rebuild; a registered table without a marker is an error."""
+    missing = sorted(set(TABLES) - set(marked(text)))
+    if missing:
+        raise ValueError(f"registered tables without a `<!-- table: NAME -->` marker in BENCHMARKS.md: {missing}")
+    return MARKED.sub(lambda m: f"{m.group(1)}{build(m.group(2), results)}\n{m.group(4)}", text)
+
+
+def stale(text: str, results: Path = RESULTS) -> list[str]:
+    """Names of the marked tables whose text differs from their rebuild."""
+    fresh = marked(rebuild(text, results))
+    return [name for name, table in marked(text).items() if table != fresh[name]]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("names", nargs="*", help="tables to print (TABLES keys), or experiments with --mlflow")
+    parser.add_argument("--check", action="store_true", help="exit 1 when a marked table differs from its rebuild")
+    parser.add_argument("--records", type=Path, help="print the quality tables of the records under this folder")
+    parser.add_argument("--mlflow", action="store_true", help="print the quality tables of these MLflow experiments")
+    parser.add_argument("--uri", default="sqlite:///mlruns/mlflow.db")
+    args = parser.parse_args()
+    if args.records:
+        print(quality(record_rows(args.records)))
+    elif args.mlflow:
+        print(quality(mlflow_rows(args.uri, args.names)))
+    elif args.names:
+        print("\n\n".join(build(name) for name in args.names))
+    elif args.check:
+        if differ := stale(BENCHMARKS.read_text()):
+            sys.exit(
+                f"BENCHMARKS.md tables differ from their rebuild from results/: {differ} "
+                "(run `python scripts/tables.py` and review the diff)"
+            )
+        print(f"{len(marked(BENCHMARKS.read_text()))} marked table(s) equal their rebuild from results/")
+    else:
+        text = BENCHMARKS.read_text()
+        BENCHMARKS.write_text(rebuild(text))
+        print(f"rebuilt {len(marked(text))} table(s) in {BENCHMARKS.name}: {sorted(marked(text))}")
+
+
+if __name__ == "__main__":
+    main()

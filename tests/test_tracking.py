@@ -1,0 +1,151 @@
+"""Tracking as its users meet it: experiments open on the runs table, a run spans the job it records (times, system
+metrics), a job that raises leaves a FAILED run with the error, and JSON records survive import → export."""
+
+import json
+import time
+from pathlib import Path
+
+import mlflow
+import pytest
+from mlflow import MlflowClient
+from omegaconf import OmegaConf
+
+from src import tracking
+
+INTERVAL_ENV = "MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL"
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory) -> dict[str, str]:
+    """One sqlite store for the module (creating one costs seconds)."""
+    root = tmp_path_factory.mktemp("tracking")
+    return {"uri": f"sqlite:///{root / 'mlflow.db'}", "artifacts": str(root / "artifacts"), "root": str(root)}
+
+
+@pytest.fixture(autouse=True)
+def restore_interval(monkeypatch):
+    monkeypatch.setenv(INTERVAL_ENV, "10")  # a test's interval must not leak into other test files
+    monkeypatch.delenv(INTERVAL_ENV)
+
+
+def cfg(store, experiment: str, backend: str = "mlflow", **tracking_overrides):
+    node = {"backend": backend, "experiment": experiment, "uri": store["uri"], "artifacts": store["artifacts"]}
+    node |= {"json_dir": f"{store['root']}/records/{experiment}", "system_metrics_s": 0} | tracking_overrides
+    return OmegaConf.create({"tracking": node, "fit": {"k": 4}})
+
+
+def only_run(store, experiment: str):
+    client = MlflowClient(store["uri"])
+    (run,) = client.search_runs([client.get_experiment_by_name(experiment).experiment_id])
+    return run
+
+
+def record_of(config) -> dict:
+    (path,) = Path(config.tracking.json_dir).glob("*/record.json")
+    return json.loads(path.read_text()) | {"_dir": str(path.parent)}
+
+
+def test_experiment_is_a_model_training_one(store):
+    with tracking.job_run(cfg(store, "kind"), "job", {"job": "fit_eval"}) as run:
+        pass
+    experiment = MlflowClient(store["uri"]).get_experiment_by_name("kind")
+    assert experiment.tags[tracking.EXPERIMENT_KIND_TAG] == "custom_model_development"
+    # MLflow 3.17's UI picks its GenAI / Model-training view from the URL: the printed link asks for the runs table
+    assert f"/#/experiments/{experiment.experiment_id}?workflowType=machine_learning" in run.where()
+
+
+def test_kind_added_to_an_old_experiment_but_a_chosen_kind_stays(store):
+    client = MlflowClient(store["uri"])
+    client.create_experiment("old")  # made before the tag existed
+    client.set_experiment_tag(client.create_experiment("chosen"), tracking.EXPERIMENT_KIND_TAG, "genai_development")
+    tracking.configure(store["uri"], "old", store["artifacts"])
+    tracking.configure(store["uri"], "chosen", store["artifacts"])
+    assert client.get_experiment_by_name("old").tags[tracking.EXPERIMENT_KIND_TAG] == "custom_model_development"
+    assert client.get_experiment_by_name("chosen").tags[tracking.EXPERIMENT_KIND_TAG] == "genai_development"
+
+
+@pytest.mark.parametrize("backend", ["mlflow", "json"])
+def test_run_spans_the_job(store, backend):
+    config = cfg(store, f"span_{backend}", backend)
+    began = time.time() * 1000
+    with tracking.job_run(config, "job", {"job": "fit_eval"}) as run:
+        time.sleep(0.3)
+        run.metrics({"r2_k_heldout": 0.5})
+    ended = time.time() * 1000
+    if backend == "mlflow":
+        info = only_run(store, config.tracking.experiment).info
+        start, end, status = info.start_time, info.end_time, info.status
+    else:
+        record = record_of(config)
+        start, end, status = record["start_time"], record["end_time"], record["status"]
+    assert status == "FINISHED"
+    assert began - 5 <= start and end <= ended + 5 and end - start >= 300
+
+
+@pytest.mark.parametrize("backend", ["mlflow", "json"])
+def test_a_job_that_raises_leaves_a_failed_run(store, backend):
+    config = cfg(store, f"failed_{backend}", backend)
+    with pytest.raises(ValueError, match="boom"):
+        with tracking.job_run(config, "job", {"job": "fit_eval"}) as run:
+            run.metrics({"r2_k_heldout": 0.5})
+            raise ValueError("boom: the pair has no shared tokenizer")
+    if backend == "mlflow":
+        found = only_run(store, config.tracking.experiment)
+        status, tags = found.info.status, found.data.tags
+        text = MlflowClient(store["uri"]).download_artifacts(found.info.run_id, "error.txt", store["root"])
+        text = open(text).read()
+        assert mlflow.active_run() is None
+    else:
+        record = record_of(config)
+        status, tags = record["status"], record["tags"]
+        text = open(f"{record['_dir']}/artifacts/error.txt").read()
+    assert status == "FAILED" and tags["error"] == "ValueError: boom: the pair has no shared tokenizer"
+    assert "Traceback" in text and "raise ValueError" in text
+
+
+def test_system_metrics_cover_the_job(store):
+    config = cfg(store, "system", system_metrics_s=0.1)
+    with tracking.job_run(config, "job", {"job": "fit_eval"}):
+        time.sleep(0.5)
+    found = only_run(store, "system")
+    assert found.data.tags["system_metrics"] == "psutil"
+    assert "system/cpu_utilization_percentage" in found.data.metrics
+
+
+def test_nested_under_the_multirun_parent(store):
+    tracking.configure(store["uri"], "nested", store["artifacts"])
+    with mlflow.start_run(run_name="sweep:nested") as parent:
+        with tracking.job_run(cfg(store, "nested"), "child", {"job": "fit_eval"}):
+            pass
+        assert mlflow.active_run().info.run_id == parent.info.run_id  # the child ended, not the parent
+    client = MlflowClient(store["uri"])
+    runs = {r.info.run_name: r for r in client.search_runs([client.get_experiment_by_name("nested").experiment_id])}
+    assert runs["child"].data.tags["mlflow.parentRunId"] == parent.info.run_id
+
+
+def test_json_record_renamed_then_imported_and_exported_unchanged(store, tmp_path):
+    config = cfg(store, "round_trip", "json")
+    with tracking.job_run(config, "tiny:job", {"job": "fit_eval"}) as run:
+        run.metrics({"r2_k_heldout": 0.25, "nll_transfer": 5.5})
+        run.metrics({"ttft_ms_p50": 3.0}, step=16)
+        run.metrics({"ttft_ms_p50": 4.0}, step=32)
+        run.dict({"items": [1, 0, 1]}, "tasks/item_scores.json")
+        run.tags({"method": "head_local"})
+        run.rename("tiny:head_local:k4")
+    record = record_of(config)
+    assert record["name"] == "tiny:head_local:k4" and record["_dir"].rsplit("/", 1)[1].startswith("tiny_head_local_k4-")
+    assert record["tags"]["method"] == "head_local" and record["params"]["fit.k"] == "4"
+    assert f"{record['_dir']}/record.json" in run.where()
+    assert tracking.import_records(config.tracking.json_dir, store["uri"], store["artifacts"]) == 1
+    imported = only_run(store, "round_trip")
+    assert (imported.info.start_time, imported.info.end_time) == (record["start_time"], record["end_time"])
+    assert imported.info.status == "FINISHED" and imported.info.run_name == "tiny:head_local:k4"
+    assert tracking.export_records("round_trip", tmp_path / "out", store["uri"]) == 1
+    (path,) = (tmp_path / "out").glob("*/record.json")
+    exported = json.loads(path.read_text())
+    for key in ("name", "experiment", "status", "start_time", "end_time", "params"):
+        assert exported[key] == record[key], key
+    assert {k: v for k, v in exported["tags"].items() if k != "imported_from"} == record["tags"]
+    metric = lambda m: (m["key"], m["value"], m["step"] or 0)  # MLflow stores an unstepped metric at step 0
+    assert sorted(map(metric, exported["metrics"])) == sorted(map(metric, record["metrics"]))
+    assert json.loads((path.parent / "artifacts/tasks/item_scores.json").read_text()) == {"items": [1, 0, 1]}
