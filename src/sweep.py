@@ -4,6 +4,8 @@ Each trial copies the composed config, sets `fit.k`, `fit.lam` (absolute or rela
 `fit.lam_relative` says) and, when `sweep.alpha_cap` gives a range, `weighting.alpha_cap`, and runs the same job as
 an MLflow child run of one study run. Traces are cached, so trials refit without re-running the
 models. The study lives in sqlite (`sweep.storage`) and resumes when started again with the same name.
+A study tunes on validation text only: its `objective` must be a `valid.` metric (e.g. `valid.nll_gap_recovered`,
+the NLL on `eval.nll.valid_corpus`); test windows and items are only reported, never optimized.
 """
 
 from __future__ import annotations
@@ -17,6 +19,17 @@ from transformers import AutoConfig
 
 from src import tracking
 from src.support import coefficient_count
+
+VALIDATION = "valid."  # the prefix of metrics computed on validation text / items: the only ones a sweep reads
+
+
+def check_objective(objective: str) -> None:
+    """Refuse to tune on anything but a validation metric."""
+    if not objective.startswith(VALIDATION):
+        raise ValueError(
+            f"objective {objective!r} is not a validation metric: sweeps tune on `{VALIDATION}*` metrics "
+            f"(e.g. objective={VALIDATION}nll_gap_recovered); test windows and items are only reported"
+        )
 
 
 def _coefficients(cfg: DictConfig, k: int) -> int:
@@ -41,6 +54,7 @@ def _source_layers(cfg: DictConfig) -> int:
 def optimize(cfg: DictConfig, job: Callable[[DictConfig], float]) -> float:
     """Run (or resume) the study; returns the best objective value."""
     sweep = cfg.sweep
+    check_objective(cfg.objective)
     if sweep.get("alpha_cap") is not None and cfg.weighting.kind != "attn_repair":
         raise ValueError("sweep.alpha_cap needs weighting=attn_repair (uniform weighting has no α)")
     tracking.configure(cfg.tracking.uri, cfg.tracking.experiment, cfg.tracking.artifacts)

@@ -1,4 +1,5 @@
-"""Native sink, hold-back and native layers around a mapped prefix (src.handoff.spliced_cache, Levers)."""
+"""Native sink, hold-back, native layers and recompute around a mapped prefix (src.handoff.spliced_cache, Levers);
+the recompute mechanics and rules on a cross-model exact pair are in test_recompute.py."""
 
 import pytest
 import torch
@@ -40,6 +41,16 @@ def test_identity_map_with_levers_equals_native(identity, sink, hold, layers):
     assert _max_difference(cache, prefill(model, ids)) < 1e-4  # identity map reproduces the native cache
 
 
+@pytest.mark.parametrize("rule", ["deviation", "attention", "recency"])
+@pytest.mark.parametrize("share", [0.3, 1.0])
+def test_identity_map_with_recompute_equals_native(identity, rule, share):
+    model, transfer, _ = identity
+    ids = calibration_ids(2, 30, seed=3)
+    levers = Levers(native_sink=2, hold_back=3, recompute=share, recompute_rule=rule)
+    cache = spliced_cache(transfer, prefill(model, ids), ids, levers)
+    assert _max_difference(cache, prefill(model, ids)) < 1e-4
+
+
 def test_native_sink_is_exact_and_hold_back_sees_the_mapped_prefix(identity):
     model, _, mapper = identity
     broken = type(mapper)(**{**mapper.tensors(), "manifest": mapper.manifest})
@@ -65,11 +76,20 @@ def test_levers_must_fit(identity):
         spliced_cache(transfer, prefill(model, ids), ids, Levers(6, 5))
 
 
-def test_levers_refuse_negative_values_and_clip_to_the_prefix():
-    with pytest.raises(ValueError, match="≥ 0"):
-        Levers(native_sink=-1)
+def test_levers_refuse_bad_values_and_clip_to_the_prefix():
+    for bad, match in [
+        (dict(native_sink=-1), "≥ 0"),
+        (dict(recompute=1.5), r"\[0, 1\]"),
+        (dict(recompute=-0.1), r"\[0, 1\]"),
+        (dict(recompute_rule="random"), "recompute_rule"),
+        (dict(recompute_layers=0), "recompute_layers"),
+    ]:
+        with pytest.raises(ValueError, match=match):
+            Levers(**bad)
     assert Levers(4, 8, 2).clipped(10) == Levers(4, 6, 2) and Levers(12, 8).clipped(10) == Levers(10, 0)
-    assert not Levers() and Levers(native_layers=1)
+    recompute = Levers(4, 8, recompute=0.5, recompute_rule="recency", recompute_layers=3)
+    assert recompute.clipped(10) == Levers(4, 6, recompute=0.5, recompute_rule="recency", recompute_layers=3)
+    assert not Levers() and Levers(native_layers=1) and Levers(recompute=0.1)
 
 
 def test_prefill_fraction_counts_tokens_and_layers():
@@ -78,6 +98,18 @@ def test_prefill_fraction_counts_tokens_and_layers():
     assert Levers(native_layers=7).prefill_fraction(100, 28) == pytest.approx(0.25)
     assert Levers(4, 16, 7).prefill_fraction(100, 28) == pytest.approx(0.2 + 0.8 * 0.25)
     assert Levers(200).prefill_fraction(100, 28) == 1.0
+
+
+def test_prefill_fraction_charges_each_recompute_rule():
+    assert Levers(recompute=0.25, recompute_rule="recency").prefill_fraction(100, 28) == pytest.approx(0.25)
+    assert Levers(recompute=0.25).prefill_fraction(100, 28) == pytest.approx(0.25 + 1 / 28)  # + its layer-0 prefill
+    deviation = Levers(native_layers=2, recompute=0.25, recompute_layers=4)
+    assert deviation.native_depth(100) == 4 and deviation.prefill_fraction(100, 28) == pytest.approx(0.25 + 4 / 28)
+    attention = Levers(hold_back=10, recompute=0.25, recompute_rule="attention")
+    assert attention.prefill_fraction(100, 28, query_len=5) == pytest.approx((10 + 25 + 10 + 5) / 100)  # + queries
+    assert Levers(recompute=0.004).prefill_fraction(100, 28) == 0.0  # rounds to no token: no rule runs
+    assert Levers(4, 16, recompute=1.0, recompute_rule="recency").recomputed(100) == 80  # at most the mapped span
+    assert Levers(4, 16, recompute=1.0, recompute_rule="recency").prefill_fraction(100, 28) == 1.0
 
 
 @pytest.mark.parametrize("layers", [1, 2])
