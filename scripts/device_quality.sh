@@ -6,6 +6,7 @@
 #   bash scripts/device_quality.sh attribution | domain | capacity | reverse | frontier | tokens    the experiments below
 #   (each ≤ BUDGET_S = 540 s)
 #   bash scripts/device_quality.sh systems    issue-4 timings on random weights (needs only setup)
+#   bash scripts/device_quality.sh routed     routed workloads through the router session (src/routed.py), both directions
 # The GPU image has no hydra/mlflow: hydra comes from the carried wheels, tracking writes JSON records
 # that come back as one tarball in $OUT and are imported here with `python -m src.tracking import DIR`.
 set -euo pipefail
@@ -83,5 +84,16 @@ case $stage in
       eval.handoff.repeats=100 eval.handoff.prefill_repeats=10
     run +experiment=handoff pair=qwen25coder_0p5b_to_1p5b_random "eval.handoff.prefix_lens=[1024,4096,16384,32704]" \
       eval.handoff.repeats=100 eval.handoff.prefill_repeats=10 ;;
+  routed)  # the gate's workloads at the capacity point: escalation 0.5B → 1.5B (few-shot, passage, recompute lever),
+    # then 1.5B → 0.5B, then A→B→A switches (both mappers, cached by then); the order is the priority
+    R=(+experiment=routed "${CAPACITY[@]}" workload.warmup=2)
+    FEW=(+workload=fewshot workload.limit=${FEW_LIMIT:-50})
+    PAS=(+workload=passage workload.limit=${PASSAGE_LIMIT:-100})
+    run "${R[@]}" "${FEW[@]}"
+    run "${R[@]}" "${PAS[@]}"
+    run "${R[@]}" "${PAS[@]}" eval.levers.native_sink=4 eval.levers.recompute=0.25 eval.levers.recompute_rule=deviation,attention,recency
+    run "${R[@]}" "${FEW[@]}" pair=qwen25coder_1p5b_to_0p5b
+    run "${R[@]}" "${PAS[@]}" pair=qwen25coder_1p5b_to_0p5b
+    run "${R[@]}" +workload=switches workload.limit=${SWITCH_LIMIT:-50} ;;
   *) echo "unknown stage $stage" >&2; exit 2 ;;
 esac

@@ -136,6 +136,9 @@ def token_sequences(
     return ids[: count * length].view(count, length)
 
 
+VALIDATION = "valid."  # the prefix of metrics computed on validation text / items: the only ones a sweep reads
+
+
 def heldout_sequences(
     data_root: str | Path, name: str, count: int, length: int, tokenizer, vocab_size: int
 ) -> torch.Tensor:

@@ -4,7 +4,7 @@ fit_eval, top to bottom: load pair → calibration traces (cached) → select + 
 pair → held-out R², horizon NLL, task accuracy vs both native models, fidelity on task prompts, native-swap
 attribution, handoff latency, rollback → MLflow, then print every logged metric. probe: held-out R² of wider
 closed-form maps on the same traces (src/probe.py). Config → objects lives in src/pipeline.py; the systems jobs
-in src/bench.py; the Optuna study in src/sweep.py; the gate in src/gate.py.
+in src/bench.py; the routed-workload job in src/routed.py; the Optuna study in src/sweep.py; the gate in src/gate.py.
 """
 
 from __future__ import annotations
@@ -20,20 +20,30 @@ from omegaconf import DictConfig
 
 from src import bench, tracking
 from src.apply import KVTransfer
+from src.corpus import VALIDATION, heldout_sequences
 from src.eval.accuracy import by_length, compare, score_task, summarize
 from src.eval.diagnose import cache_fidelity, swap_nll
 from src.eval.latency import handoff_latency
 from src.eval.metrics import mapper_r2
 from src.eval.nll import horizon_nll
 from src.eval.rollback import verify_rollback
-from src.gate import check
 from src.handoff import Levers
 from src.models import Pair, describe_kv
-from src.pipeline import build_mapper, calibration, load, make_transfer, native_scores, split_rows, tags, text_ids
+from src.pipeline import (
+    build_mapper,
+    calibration,
+    load,
+    make_transfer,
+    native_scores,
+    split_rows,
+    tags,
+    text_ids,
+    vocab_size,
+)
 from src.probe import probe_features
+from src.routed import routed
 from src.select import layers_for_support
 from src.support import head_assignment
-from src.sweep import optimize
 from src.tasks import load_task
 
 matplotlib.use("Agg")
@@ -80,58 +90,70 @@ def task_prompts(cfg: DictConfig, pair: Pair) -> list[torch.Tensor]:
 
 
 def fit_eval(cfg: DictConfig) -> float:
-    torch.manual_seed(cfg.seed)
-    pair = load(cfg)
-    traces, traces_key = calibration(cfg, pair)
-    mapper = build_mapper(cfg, pair, traces, traces_key, cfg.support)
-    transfer = make_transfer(cfg, pair, mapper)
-    fit_rows, heldout = split_rows(cfg, traces)
-    r2 = mapper_r2(transfer.mapper, heldout.to(transfer.device))
-    manifest = mapper.manifest
-    metrics = {
-        "r2_k_heldout": r2["r2_k"],
-        "r2_v_heldout": r2["r2_v"],
-        "calibration_rows": fit_rows.rows,
-        "heldout_rows": heldout.rows,
-        "coefficient_count": manifest["coefficient_count"],
-        "artifact_bytes": manifest["tensor_bytes"],
-        "construction_seconds": manifest["construction_seconds"],
-        "trace_seconds": traces.meta.get("collect_seconds", float("nan")),
-    }
-    nll, latency = cfg.eval.nll, cfg.eval.latency
-    levers = Levers(**cfg.eval.levers)
-    streams = text_ids(cfg, pair, nll.corpus, nll.streams, nll.prefix_len + nll.horizon)
-    metrics |= horizon_nll(transfer, streams, nll.prefix_len, levers)
-    items = {}
-    if cfg.eval.tasks.names:
-        task_scores, items = task_metrics(cfg, pair, transfer)
-        metrics |= task_scores
-        if cfg.eval.diagnose.fidelity:
-            metrics |= cache_fidelity(transfer, task_prompts(cfg, pair))
-    if cfg.eval.diagnose.swaps:
-        metrics |= swap_nll(transfer, streams, nll.prefix_len)
-    prefix = text_ids(cfg, pair, nll.corpus, 1, latency.prefix_len)
-    metrics |= handoff_latency(transfer, prefix, latency.repeats, latency.warmup, levers)
-    if cfg.eval.rollback:
-        metrics |= verify_rollback(transfer, prefix)
-    if torch.cuda.is_available():
-        metrics["gpu_peak_memory_mb"] = torch.cuda.max_memory_allocated() / 2**20
-    run_name = f"{cfg.pair.name}:{manifest['method']}:k{cfg.fit.k}"
-    if cfg.fit.sequences is not None:
-        run_name += f":n{cfg.fit.sequences}"
-    if levers:
-        run_name += f":sink{levers.native_sink}:hold{levers.hold_back}:layers{levers.native_layers}"
-    run_tags = tags(cfg, pair, "fit_eval") | {"method": manifest["method"], "corpus_hash": traces.meta["corpus_hash"]}
-    with tracking.job_run(cfg, run_name, run_tags) as run:
+    with tracking.job_run(cfg, f"{cfg.pair.name}:fit_eval", {"job": "fit_eval"}) as run:  # spans the whole job
+        torch.manual_seed(cfg.seed)
+        pair = load(cfg)
+        traces, traces_key = calibration(cfg, pair)
+        mapper = build_mapper(cfg, pair, traces, traces_key, cfg.support)
+        transfer = make_transfer(cfg, pair, mapper)
+        manifest, levers = mapper.manifest, Levers(**cfg.eval.levers)
+        run.rename(run_name(cfg, manifest["method"], levers))
+        run.tags(tags(cfg, pair, "fit_eval") | {"method": manifest["method"], "corpus_hash": traces.meta["corpus_hash"]})
+        fit_rows, heldout = split_rows(cfg, traces)
+        r2 = mapper_r2(transfer.mapper, heldout.to(transfer.device))
+        metrics = {
+            "r2_k_heldout": r2["r2_k"],
+            "r2_v_heldout": r2["r2_v"],
+            "calibration_rows": fit_rows.rows,
+            "heldout_rows": heldout.rows,
+            "coefficient_count": manifest["coefficient_count"],
+            "artifact_bytes": manifest["tensor_bytes"],
+            "construction_seconds": manifest["construction_seconds"],
+            "trace_seconds": traces.meta.get("collect_seconds", float("nan")),
+        }
+        nll, latency = cfg.eval.nll, cfg.eval.latency
+        streams = text_ids(cfg, pair, nll.corpus, nll.streams, nll.prefix_len + nll.horizon)  # reported, not tuned on
+        metrics |= horizon_nll(transfer, streams, nll.prefix_len, levers)
+        valid = heldout_sequences(  # the tail of the validation text: disjoint from every calibration budget
+            cfg.paths.data, nll.valid_corpus, nll.streams, nll.prefix_len + nll.horizon, pair.tokenizer, vocab_size(pair)
+        )
+        valid_nll = horizon_nll(transfer, valid, nll.prefix_len, levers)
+        metrics |= {f"{VALIDATION}{name}": value for name, value in valid_nll.items()}  # what sweeps read
+        items = {}
+        if cfg.eval.tasks.names:
+            task_scores, items = task_metrics(cfg, pair, transfer)
+            metrics |= task_scores
+            if cfg.eval.diagnose.fidelity:
+                metrics |= cache_fidelity(transfer, task_prompts(cfg, pair))
+        if cfg.eval.diagnose.swaps:
+            metrics |= swap_nll(transfer, streams, nll.prefix_len)
+        prefix = text_ids(cfg, pair, nll.corpus, 1, latency.prefix_len)
+        metrics |= handoff_latency(transfer, prefix, latency.repeats, latency.warmup, levers)
+        if cfg.eval.rollback:
+            metrics |= verify_rollback(transfer, prefix)
+        if torch.cuda.is_available():
+            metrics["gpu_peak_memory_mb"] = torch.cuda.max_memory_allocated() / 2**20
         run.metrics(metrics)
         run.dict(manifest, "mapper/manifest.json")
         if items:
             run.dict(items, "tasks/item_scores.json")
         run.figure(_plot_layers(r2), "plots/r2_by_layer.png")
-    print(f"\n{run_name}  (weights={pair.weights})")
-    print_metrics(metrics)
-    print(f"  open the tracking UI: mlflow ui --backend-store-uri {cfg.tracking.uri}")
+        print(f"\n{run_name(cfg, manifest['method'], levers)}  (weights={pair.weights})")
+        print_metrics(metrics)
+        print("  " + run.where())
     return float(metrics[cfg.objective])
+
+
+def run_name(cfg: DictConfig, method: str, levers: Levers) -> str:
+    """pair:method:k, then the budget and lever settings that differ from the defaults."""
+    name = f"{cfg.pair.name}:{method}:k{cfg.fit.k}"
+    if cfg.fit.sequences is not None:
+        name += f":n{cfg.fit.sequences}"
+    if levers:
+        name += f":sink{levers.native_sink}:hold{levers.hold_back}:layers{levers.native_layers}"
+        if levers.recompute:
+            name += f":recompute{levers.recompute}:{levers.recompute_rule}"
+    return name
 
 
 def print_metrics(metrics: dict[str, float]) -> None:
@@ -195,8 +217,17 @@ def feature_probe(cfg: DictConfig) -> float:
 
 def gate(cfg: DictConfig) -> None:
     """The promotion gate on `gate.experiment`; the process exits non-zero on FAIL."""
+    from src.gate import check  # MLflow: not on the GPU image, which runs the other jobs with JSON tracking
+
     g = cfg.gate
     sys.exit(check(cfg.tracking.uri, g.experiment, g.parent, g.min_speedup, g.max_loss_points))
+
+
+def optimize(cfg: DictConfig) -> float:
+    """The Optuna study over the fit/eval job (src/sweep.py; MLflow, so imported when asked for)."""
+    from src.sweep import optimize as study
+
+    return study(cfg, fit_eval)
 
 
 JOBS: dict[str, Callable[[DictConfig], float | None]] = {
@@ -206,7 +237,8 @@ JOBS: dict[str, Callable[[DictConfig], float | None]] = {
     "construction": bench.construction,
     "handoff": bench.handoff,
     "gate": gate,
-    "optuna": lambda cfg: optimize(cfg, fit_eval),
+    "optuna": optimize,
+    "routed": routed,
 }
 
 

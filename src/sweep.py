@@ -18,9 +18,8 @@ from omegaconf import DictConfig, OmegaConf
 from transformers import AutoConfig
 
 from src import tracking
+from src.corpus import VALIDATION
 from src.support import coefficient_count
-
-VALIDATION = "valid."  # the prefix of metrics computed on validation text / items: the only ones a sweep reads
 
 
 def check_objective(objective: str) -> None:

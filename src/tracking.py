@@ -123,7 +123,7 @@ class MLflowRecorder:
 
         configure(cfg.tracking.uri, cfg.tracking.experiment, cfg.tracking.artifacts)
         self.mlflow, self.client = mlflow, mlflow.MlflowClient()
-        interval = cfg.tracking.get("system_metrics_s")  # None or absent: MLflow's own interval (10 s); 0: off
+        interval = cfg.tracking.system_metrics_s  # 0: off
         system_metrics = importlib.util.find_spec("psutil") is not None and interval != 0
         if system_metrics and interval:
             mlflow.set_system_metrics_sampling_interval(interval)

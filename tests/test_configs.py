@@ -20,8 +20,8 @@ from src.run import JOBS
 REPO = Path(__file__).resolve().parents[1]
 CONF = REPO / "conf"
 EXPERIMENTS = sorted(p.stem for p in (CONF / "experiment").glob("*.yaml"))
-ADDED = ("experiment", "method")  # groups outside the defaults list, chosen with +group=option
-GROUPS = sorted(p.name for p in CONF.iterdir() if p.is_dir() and p.name not in ADDED)
+ADDED = ("experiment", "method", "workload")  # groups outside the defaults list, chosen with +group=option
+GROUPS = sorted(p.name for p in CONF.iterdir() if p.is_dir() and p.name not in (*ADDED, "hydra"))
 OPTIONS = [(group, p.stem) for group in GROUPS for p in sorted((CONF / group).glob("*.yaml"))]
 PAPER_ROWS = 128_000  # 500 sequences × 1,024 tokens, every 4th token
 
@@ -111,6 +111,13 @@ def test_every_method_composes_and_sets_support_weighting_and_k(method):
     assert cfg["weighting"] == resolved(f"weighting={chosen['weighting']}")["weighting"]
     assert cfg["fit"] == {**resolved()["fit"], "k": choices["fit"]["k"]}
     assert resolved(f"+method={method}", "budget=paper_mix")["budget"]["corpus"].count("+") == 2
+
+
+@pytest.mark.parametrize("workload", sorted(p.stem for p in (CONF / "workload").glob("*.yaml")))
+def test_every_workload_composes_with_the_routed_experiment(workload):
+    cfg = resolved("+experiment=routed", f"+workload={workload}")
+    assert cfg["job"] == "routed" and cfg["workload"]["name"] == workload
+    assert set(cfg["workload"]) == set(resolved("+experiment=routed", "+workload=fewshot")["workload"])
 
 
 def test_options_of_a_group_set_the_same_keys():
@@ -290,7 +297,7 @@ def test_quickstart_is_the_tiny_random_pair_on_cpu():
     assert cfg["pair"]["source"]["seed"] != cfg["pair"]["target"]["seed"]
     assert (cfg["job"], cfg["support"]["kind"], cfg["weighting"]["kind"]) == ("fit_eval", "local", "attn_repair")
     assert cfg["budget"] == resolved("budget=tiny")["budget"]
-    assert cfg["tracking"]["experiment"] == "quickstart" == cfg["gate"]["experiment"]
+    assert cfg["tracking"]["experiment"] == "quickstart"  # the gate judges routed-workload runs (conf/gate)
 
 
 @pytest.mark.parametrize(
@@ -337,5 +344,12 @@ def test_sweep_and_gate_defaults():
     sweep = cfg["sweep"]
     assert 1 <= sweep["k"]["low"] <= sweep["k"]["high"]
     assert 0 < sweep["lam"]["low"] < cfg["fit"]["lam"] < sweep["lam"]["high"]
-    assert sweep["direction"] == "maximize" and cfg["objective"] == "nll_gap_recovered"
-    assert cfg["gate"] == {"experiment": "quickstart", "parent": None, "min_speedup": 2.0, "max_loss_points": 1.0}
+    assert sweep["direction"] == "maximize" and cfg["objective"] == "valid.nll_gap_recovered"
+    assert cfg["gate"] == {
+        "experiment": "routed",
+        "run": None,
+        "parent": None,
+        "min_speedup": 2.0,
+        "max_loss_points": 1.0,
+        "max_ci_half_width": 2.0,
+    }

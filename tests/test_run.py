@@ -189,7 +189,7 @@ def test_fit_eval_metrics(first):
     assert all(math.isfinite(metrics[name]) for name in FIT_EVAL_METRICS)
     assert metrics["rollback_verified"] == 1.0
     assert all(metrics[f"rollback_{case}"] == 1.0 for case in ("nan", "missing_layer", "dtype", "clean_transfers"))
-    assert first.value == pytest.approx(metrics["nll_gap_recovered"])  # what sweeps optimize
+    assert first.value == pytest.approx(metrics["valid.nll_gap_recovered"])  # what sweeps optimize
     assert metrics["handoff_speedup"] == pytest.approx(metrics["prefill_ms_p50"] / metrics["apply_ms_p50"])
     assert 0 < metrics["apply_ms_p50"] <= metrics["apply_ms_p95"]
     assert 0 < metrics["prefill_ms_p50"] <= metrics["prefill_ms_p95"]
@@ -401,10 +401,10 @@ def test_optuna_trials_are_mlflow_child_runs(study, ws):
         assert run.data.tags["job"] == "fit_eval"
         assert run.data.params["fit.k"] == str(trial.params["k"])
         assert float(run.data.params["fit.lam"]) == pytest.approx(trial.params["lam"])
-        assert run.data.metrics["nll_gap_recovered"] == pytest.approx(trial.value)
+        assert run.data.metrics["valid.nll_gap_recovered"] == pytest.approx(trial.value)
     first_parent = parents[0]
     assert first_parent.data.params["best_k"] == str(max(study.after_three, key=lambda t: t.value).params["k"])
-    assert first_parent.data.metrics["best_nll_gap_recovered"] == pytest.approx(study.best)
+    assert first_parent.data.metrics["best_valid.nll_gap_recovered"] == pytest.approx(study.best)
 
 
 def test_resumed_study_explores_new_points(study):

