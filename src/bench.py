@@ -12,9 +12,11 @@ import matplotlib
 import torch
 from omegaconf import DictConfig, OmegaConf
 
+from kernels.fused_fit import make_plan, triton_available
+from kernels.fused_fit import scratch_bytes as fused_scratch_bytes
 from src import tracking
 from src.apply import KVTransfer
-from src.artifact import save_mapper
+from src.artifact import Mapper, save_mapper
 from src.eval.latency import handoff_latency
 from src.eval.ttft import handoff_ttft
 from src.fit import fit_mapper
@@ -123,10 +125,13 @@ def handoff(cfg: DictConfig) -> None:
 
 
 def construction(cfg: DictConfig) -> None:
-    """Fit time vs calibration budget (nested prefixes), generic (materialized) vs streaming statistics.
+    """Fit time vs calibration budget (nested prefixes): generic (materialized, the reference), streaming and
+    `fit.statistics` (fused under +experiment=construction) statistics, each the artifact's max relative difference
+    to generic and its scratch memory (Eq. 22; the fused kernels' int8 panel + float64 Gram).
 
     Times statistics + solve + serialization from traces (excl. trace collection, selection, attention
-    weights, as the paper). Synthetic budgets need no models: shapes come from meta-device builds."""
+    weights, as the paper). Synthetic budgets need no models: shapes come from meta-device builds. On CPU the
+    fused path is the kernels' arithmetic emulated in torch (tagged): its time says nothing about the kernels."""
     if cfg.budget.synthetic:
         meta = [
             build_random_model(spec(s)["config"], 0, torch.bfloat16, "meta") for s in (cfg.pair.source, cfg.pair.target)
@@ -150,16 +155,20 @@ def construction(cfg: DictConfig) -> None:
         run_tags = tags(cfg, pair, "construction")
         layers = layers_for_support(traces, cfg.support.kind, cfg.fit.k, cfg.support.selection, cfg.fit.chunk_rows)[0]
     heads = head_assignment(cfg.support.kind, traces.source_k.shape[1], traces.target_k.shape[1], cfg.support.shift)
+    paths = list(dict.fromkeys(("generic", "streaming", cfg.fit.statistics)))  # generic first: the reference
+    cuda = traces.source_k.is_cuda
+    run_tags["fused_backend"] = "triton" if cuda and triton_available() else "emulate (torch, CPU: not a kernel time)"
     budgets = [b for b in cfg.eval.construction.budgets if b <= cfg.budget.sequences] or [cfg.budget.sequences]
     out = Path(cfg.paths.home) / "mappers" / f"construction-{cfg.pair.name}"
     rows: dict[int, dict[str, float]] = {}
     for budget in budgets:
         subset = traces.select_rows(torch.nonzero(traces.sequence_index < budget)[:, 0])
-        timing: dict[str, list[float]] = {"generic": [], "streaming": []}
-        mappers = {}
-        for path in timing:
+        timing: dict[str, list[float]] = {path: [] for path in paths}
+        mappers, peaks = {}, {}
+        for path in paths:
             for _ in range(cfg.eval.construction.repeats):
                 _synchronize()
+                baseline = _reset_peak() if cuda else 0
                 began = time.perf_counter()
                 mappers[path] = fit_mapper(
                     subset,
@@ -170,32 +179,34 @@ def construction(cfg: DictConfig) -> None:
                     cfg.fit.lam,
                     cfg.fit.lam_relative,
                     cfg.fit.chunk_rows,
-                    reference=path == "generic",
+                    path,
                     alpha_cap=cfg.weighting.alpha_cap,
                 )
                 save_mapper(mappers[path], out / path, cfg.fit.coefficient_dtype)
                 _synchronize()
                 timing[path].append(time.perf_counter() - began)
-        difference = max(
-            float((generic - streaming).abs().max() / generic.abs().max())
-            for generic, streaming in zip(
-                mappers["generic"].tensors().values(), mappers["streaming"].tensors().values(), strict=True
-            )
-            if generic.is_floating_point()
-        )
+                if cuda:
+                    peaks[path] = torch.cuda.max_memory_allocated() - baseline
         rows[budget] = {f"{p}_seconds": float(torch.tensor(t).median()) for p, t in timing.items()}
+        for path in paths[1:]:
+            rows[budget][f"{path}_max_relative_difference"] = _max_relative(mappers["generic"], mappers[path])
         rows[budget] |= {
-            "max_relative_difference": difference,
+            "max_relative_difference": max(rows[budget][f"{p}_max_relative_difference"] for p in paths[1:]),
             "rows": subset.rows,
-            "streaming_scratch_bytes": _scratch_bytes(heads, layers, subset, cfg.fit.chunk_rows),
+            **{f"{p}_scratch_bytes": _scratch_bytes(p, heads, layers, subset, cfg.fit.chunk_rows) for p in paths},
+            **{f"{p}_peak_bytes": value for p, value in peaks.items()},  # CUDA: allocated above the traces
         }
         print(
-            f"{budget:>5} sequences ({subset.rows} rows): generic {rows[budget]['generic_seconds']:.3f} s, "
-            f"streaming {rows[budget]['streaming_seconds']:.3f} s, max rel diff {difference:.2e}"
+            f"{budget:>5} sequences ({subset.rows} rows): "
+            + ", ".join(
+                f"{p} {rows[budget][f'{p}_seconds']:.3f} s"
+                + (f" (max rel diff {rows[budget][f'{p}_max_relative_difference']:.2e})" if p != "generic" else "")
+                for p in paths
+            )
         )
         del subset, mappers
     figure, axis = plt.subplots(figsize=(6, 4))
-    for path in ("generic", "streaming"):
+    for path in paths:
         axis.plot(budgets, [rows[b][f"{path}_seconds"] for b in budgets], "o-", label=path)
     axis.set(xlabel="calibration sequences", ylabel="construction s (median)", yscale="log", title=cfg.pair.name)
     axis.legend()
@@ -205,10 +216,32 @@ def construction(cfg: DictConfig) -> None:
         run.figure(figure, "plots/construction_vs_budget.png")
 
 
-def _scratch_bytes(heads: torch.Tensor, layers: torch.Tensor, traces, chunk_rows: int) -> int:
-    """Eq. 22: float64 panels of one chunk, O(H_t·b·(2p + d_t)) (x, centered x, y)."""
-    width = layers.shape[1] * heads.shape[1] * traces.source_k.shape[-1]
-    return 8 * heads.shape[0] * min(chunk_rows, traces.rows) * (2 * width + traces.target_k.shape[-1])
+def _max_relative(reference: Mapper, other: Mapper) -> float:
+    """max over the artifact's float tensors of max |Δ| / max |reference| (the ≤ 1e-6 construction contract)."""
+    return max(
+        float((want - got).abs().max() / want.abs().max().clamp_min(1e-30))
+        for want, got in zip(reference.tensors().values(), other.tensors().values(), strict=True)
+        if want.is_floating_point()
+    )
+
+
+def _scratch_bytes(path: str, heads: torch.Tensor, layers: torch.Tensor, traces, chunk_rows: int) -> int:
+    """Working memory of one (layer, component) statistics call beside the traces (formula, not a reading):
+    generic: float64 X, its centred and weighted copies and Y, centred [H_t, n, ·]; streaming: Eq. 22's float64
+    panels of one chunk, O(H_t·b·(2p + d_t)); fused: the int8 digit panel + float64 Gram (kernels/fused_fit.py)."""
+    width = layers.shape[1] * heads.shape[1] * traces.source_k.shape[-1]  # p
+    dim = traces.target_k.shape[-1]
+    if path == "generic":
+        return 8 * heads.shape[0] * traces.rows * (3 * width + 2 * dim)
+    if path == "streaming":
+        return 8 * heads.shape[0] * min(chunk_rows, traces.rows) * (2 * width + dim)
+    plan = make_plan(traces.source_k, traces.target_k[0], layers[0], heads, chunk_rows)
+    return fused_scratch_bytes(plan)["total"]
+
+
+def _reset_peak() -> int:
+    torch.cuda.reset_peak_memory_stats()
+    return torch.cuda.memory_allocated()
 
 
 def _synchronize() -> None:

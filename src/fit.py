@@ -2,7 +2,12 @@
 
 The support decides the features (full / local / cyclic gather, or block-PCA of all heads), the
 weighting decides w (uniform, or Attn-Repair with α* per layer × head × component), the statistics
-come from `stats` (streaming by default, a materializing reference for checks).
+come from one of three backends (`fit.statistics`), all feeding the same float64 ridge solve:
+  generic    `stats.reference_moments`: X, Y materialized in float64 — the reference
+  streaming  `stats.streaming_moments`: Eq. 22 chunks of b rows, float64
+  fused      `kernels.fused_fit` (Fused-Fit, §3.4): gathered by a static schedule, exact int8-digit Grams on
+             CUDA; on CPU (or without triton) the same integer arithmetic emulated in torch — the GPU path's
+             numbers at several times the streaming cost, for checks. Gathered supports only (not pca / tokens).
 """
 
 from __future__ import annotations
@@ -11,6 +16,7 @@ import torch
 from tqdm import tqdm
 from transformers import PreTrainedModel
 
+from kernels.fused_fit import fused_moments
 from src.artifact import Mapper
 from src.models import describe_kv, fingerprint
 from src.select import layers_for_support
@@ -26,6 +32,8 @@ from src.support import (
 )
 from src.traces import Traces
 from src.weighting import attn_repair_weights
+
+STATISTICS = ("generic", "streaming", "fused")
 
 
 def _design(
@@ -64,12 +72,19 @@ def fit_mapper(
     lam: float,
     lam_relative: bool,
     chunk_rows: int,
-    reference: bool = False,
+    statistics: str | bool = "streaming",
     alpha_cap: float = 1.0,
     token_features: bool = False,
 ) -> Mapper:
     """Fit K and V maps for every target layer from traces; returns the Mapper (manifest partly filled).
-    token_features=True appends the target's token features (layer-0 content K/V) to every design."""
+    statistics: "generic" | "streaming" | "fused" (module docstring); a bool is the former `reference` flag
+    (True = generic, False = streaming). token_features=True appends the target's token features (layer-0
+    content K/V) to every design."""
+    statistics = {True: "generic", False: "streaming"}.get(statistics, statistics)
+    if statistics not in STATISTICS:
+        raise ValueError(f"unknown statistics {statistics!r}; choose one of {STATISTICS}")
+    if statistics == "fused" and (support == "pca" or token_features):
+        raise ValueError("statistics=fused gathers head blocks only: use streaming for support=pca or token features")
     if weighting == "attn_repair" and traces.attn_k is None:
         raise ValueError("attn_repair weighting needs traces collected with attention_boundaries > 0")
     if token_features and support == "pca":
@@ -99,10 +114,12 @@ def fit_mapper(
                 y[:, span],
                 None if w is None else w[:, span],
             )
-            if reference:
+            if statistics == "generic":
                 moments = reference_moments(*chunk(slice(0, traces.rows)))
-            else:
+            elif statistics == "streaming":
                 moments = streaming_moments(chunk, traces.rows, chunk_rows)
+            else:
+                moments = fused_moments(source_rows, target_rows, weights, layers, head_index, chunk_rows)
             weight, bias = ridge_solve(moments, lam, lam_relative)
             if pca is not None:
                 weight, bias = _fold_pca(weight, bias, layers, pca)
@@ -116,6 +133,7 @@ def fit_mapper(
         "lambda_relative": lam_relative,
         "alpha_cap": alpha_cap,
         "token_features": token_features,
+        "statistics": statistics,
         "alpha": alpha_stats if weighting == "attn_repair" else None,
         "k": int(source_layers.shape[1]),
         "fan_in": int(head_index.shape[1]),
@@ -147,6 +165,7 @@ def fit_transfer(
     chunk_rows: int = 4096,
     alpha_cap: float = 1.0,
     token_features: bool = False,
+    statistics: str = "streaming",
 ) -> Mapper:
     """Select layers and fit a mapper for this model pair; the manifest identifies pair and method."""
     source_kv, target_kv = describe_kv(source), describe_kv(target)
@@ -161,6 +180,7 @@ def fit_transfer(
         lam,
         lam_relative,
         chunk_rows,
+        statistics,
         alpha_cap=alpha_cap,
         token_features=token_features,
     )
