@@ -146,6 +146,7 @@ def build_mapper(cfg: DictConfig, pair: Pair, traces: Traces | None, traces_key:
         chunk_rows=fit.chunk_rows,
         alpha_cap=cfg.weighting.alpha_cap,
         token_features=fit.token_features,
+        statistics=fit.statistics,
     )
     mapper.manifest["construction_seconds"] = time.perf_counter() - began
     mapper.manifest["weights"] = pair.weights

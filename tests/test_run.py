@@ -358,11 +358,12 @@ def test_construction_job(first, ws, monkeypatch, budgets, steps):
     assert all(0 <= m.value <= 1e-6 for m in history)
     assert run.data.tags["job"] == "construction"
     assert "plots/construction_vs_budget.png" in artifact_paths(ws.uri, run.info.run_id)
-    assert len(fitted) == 2 * len(steps)  # generic, streaming per budget
-    for generic, streaming in zip(fitted[::2], fitted[1::2], strict=True):  # every coefficient, not only weight_k
-        for name, tensor in generic.tensors().items():
-            scale = tensor.abs().max().clamp_min(1e-12)
-            assert float((tensor - streaming.tensors()[name]).abs().max() / scale) <= 1e-6, name
+    assert len(fitted) == 3 * len(steps)  # generic, streaming, fused (fit.statistics under +experiment=construction)
+    for generic, *others in zip(fitted[::3], fitted[1::3], fitted[2::3], strict=True):  # every coefficient
+        for other in others:
+            for name, tensor in generic.tensors().items():
+                scale = tensor.abs().max().clamp_min(1e-12)
+                assert float((tensor - other.tensors()[name]).abs().max() / scale) <= 1e-6, name
 
 
 # --- Optuna -------------------------------------------------------------------------------------------------------
