@@ -1,8 +1,10 @@
 """The task protocol (`src.eval.accuracy`), the calibration domains and the diagnostics (`src.eval.diagnose`)
 on tiny random models with a byte-level tokenizer over real task text: lm-eval's pair encoding, native
-scoring equal to a stock full forward, a self-transfer identity map with native sink / hold-back equal to
-native scoring with the prefill fraction it spent, hand-computed comparison metrics, the task-format
-calibration text free of evaluated items, and diagnostics that read perfect on an identity map."""
+scoring equal to a stock full forward, the exact map of tests/exact_pair.py with native sink / hold-back /
+layers equal to native target scoring with the prefill fraction it spent (a wrong map and the source's own
+scores differ, so native target state leaking into the transfer condition shows), hand-computed comparison
+metrics, the task-format calibration text free of evaluated items, and diagnostics that read perfect on the
+exact map and not on the wrong one."""
 
 import functools
 from pathlib import Path
@@ -18,13 +20,12 @@ from src.corpus import dev_text, token_sequences
 from src.eval.accuracy import TaskScores, by_length, compare, encode_pair, score_task, summarize
 from src.eval.diagnose import cache_fidelity, swap_nll
 from src.eval.nll import continuation_nll
-from src.fit import fit_transfer
 from src.forward import prefill
 from src.handoff import Levers
 from src.models import Pair, tokenizer_hash
 from src.tasks import load_task
-from src.traces import collect_traces
 from tests.conftest import calibration_ids, tiny
+from tests.exact_pair import exact_pair
 
 DATA = Path(__file__).resolve().parents[2] / "shared/data"
 needs_data = pytest.mark.skipif(not DATA.is_dir(), reason=f"shared data not found at {DATA}")
@@ -43,13 +44,17 @@ def _tokenizer() -> PreTrainedTokenizerFast:
 
 
 @functools.cache
-def _identity() -> tuple[Pair, KVTransfer]:
-    model, tokenizer = tiny("llama", seed=0, vocab_size=VOCAB), _tokenizer()
-    hashed = tokenizer_hash(tokenizer)
-    traces = collect_traces(model, model, calibration_ids(4, 48, vocab=VOCAB, seed=1), stride=1, batch_size=4)
-    mapper = fit_transfer(model, model, traces, hashed, support="local", k=1, selection="identity", lam=1e-6)
-    pair = Pair(source=model, target=model, tokenizer=tokenizer, tokenizer_hash=hashed, weights="random")
-    return pair, KVTransfer(mapper, model, model, hashed)
+def _exact() -> tuple[Pair, KVTransfer, KVTransfer]:
+    """The exact-map pair (tests/exact_pair.py) at the byte vocabulary, with its exact and its wrong transfer."""
+    tokenizer = _tokenizer()
+    source, target, hashed, exact, wrong = exact_pair(vocab_size=VOCAB, tokenizer_hash=tokenizer_hash(tokenizer))
+    pair = Pair(source=source, target=target, tokenizer=tokenizer, tokenizer_hash=hashed, weights="random")
+    return pair, KVTransfer(exact, source, target, hashed), KVTransfer(wrong, source, target, hashed)
+
+
+@functools.cache
+def _native(task: str, items: int, mode: str = "native_target") -> TaskScores:
+    return score_task(mode, _exact()[0], _items(task, items))
 
 
 @functools.cache
@@ -103,12 +108,12 @@ def test_native_scores_equal_a_full_forward():
 @needs_data
 @pytest.mark.parametrize("task", ["arc_easy", "winogrande", "lambada"])
 @pytest.mark.parametrize(("sink", "hold", "layers"), [(0, 0, 0), (4, 0, 0), (2, 8, 0), (500, 0, 0), (2, 8, 1)])
-def test_identity_transfer_with_levers_equals_native(task, sink, hold, layers):
-    pair, transfer = _identity()
+def test_exact_transfer_with_levers_equals_native(task, sink, hold, layers):
+    pair, transfer, _ = _exact()
     items = _items(task, 2)
-    native = score_task("native_target", pair, items)
+    native = _native(task, 2)
     mapped = score_task("transfer", pair, items, transfer, Levers(sink, hold, layers))
-    np.testing.assert_allclose(mapped.loglikelihoods, native.loglikelihoods, atol=1e-3)
+    np.testing.assert_allclose(mapped.loglikelihoods, native.loglikelihoods, atol=1e-4)
     assert mapped.greedy == native.greedy
     for item, fraction in zip(items, mapped.prefill_fraction, strict=True):
         prefixes = [
@@ -116,9 +121,25 @@ def test_identity_transfer_with_levers_equals_native(task, sink, hold, layers):
             for c, x in zip(item.contexts, item.continuations, strict=True)
         ]
         prefixes = prefixes[:1] if item.shared_context else prefixes
-        native = [min(sink, p) + min(hold, p - min(sink, p)) for p in prefixes]
-        spent = sum(n + (p - n) * layers / 3 for n, p in zip(native, prefixes, strict=True))  # 3 target layers
+        native_tokens = [min(sink, p) + min(hold, p - min(sink, p)) for p in prefixes]
+        spent = sum(n + (p - n) * layers / 3 for n, p in zip(native_tokens, prefixes, strict=True))  # 3 layers
         assert fraction == pytest.approx(spent / sum(prefixes))
+
+
+@needs_data
+@pytest.mark.parametrize(("sink", "hold", "layers"), [(0, 0, 0), (2, 8, 1), (500, 0, 0)])
+def test_wrong_map_with_levers_differs_from_native(sink, hold, layers):
+    """The exact-map equality above reads the source through the map: a wrong map differs wherever a token is
+    mapped, and equals native only when the levers leave nothing mapped (a 500-token sink)."""
+    pair, _, wrong = _exact()
+    items = _items("arc_easy", 1)
+    native = np.array(_native("arc_easy", 1).loglikelihoods)
+    mapped = np.array(score_task("transfer", pair, items, wrong, Levers(sink, hold, layers)).loglikelihoods)
+    if sink >= 500:
+        np.testing.assert_allclose(mapped, native, atol=1e-4)
+    else:
+        assert np.abs(mapped - native).max() > 1e-2
+    assert np.abs(np.array(_native("arc_easy", 1, "native_source").loglikelihoods) - native).max() > 1e-1
 
 
 def _planted(correct: list[bool], task: str = "arc_easy") -> TaskScores:
@@ -186,8 +207,8 @@ def test_corpus_mixture_alternates_and_keeps_each_corpus_order():
 
 
 @needs_data
-def test_diagnostics_read_perfect_on_an_identity_map():
-    pair, transfer = _identity()
+def test_diagnostics_read_perfect_on_the_exact_map_only():
+    pair, transfer, wrong = _exact()
     prompts = [torch.tensor(pair.tokenizer.encode(item.contexts[0])) for item in _items("arc_easy", 2)]
     fidelity = cache_fidelity(transfer, prompts)
     assert fidelity["prompt_r2_k"] == pytest.approx(1, abs=1e-4) and fidelity["prompt_r2_v"] == pytest.approx(
@@ -196,8 +217,13 @@ def test_diagnostics_read_perfect_on_an_identity_map():
     assert max(v for k, v in fidelity.items() if k.startswith("relative_error")) < 1e-3
     assert {f"relative_error_{where}_{c}" for where in ("position0", "rest") for c in "kv"} <= set(fidelity)
     assert fidelity["attention_output_cosine"] == pytest.approx(1, abs=1e-4)
+    off = cache_fidelity(wrong, prompts[:1])
+    assert off["prompt_r2_k"] < 0.999 and off["prompt_r2_v"] < 0.999 and off["attention_output_cosine"] < 0.9999
+    assert min(v for k, v in off.items() if k.startswith("relative_error")) > 1e-2
     streams = calibration_ids(2, 40, vocab=VOCAB, seed=5)
     native = float(continuation_nll(pair.target, prefill(pair.target, streams[:, :23]), streams, 24).mean())
     swaps = swap_nll(transfer, streams, 24)
     assert set(swaps) == {"nll_swap_k", "nll_swap_v", *(f"nll_swap_layer_{i}" for i in range(3))}
-    assert all(value == pytest.approx(native, abs=1e-3) for value in swaps.values())
+    assert all(value == pytest.approx(native, abs=1e-4) for value in swaps.values())
+    wrong_swaps = swap_nll(wrong, streams, 24)  # keeps wrong V (the tiny models' near-uniform attention hides K)
+    assert all(abs(value - native) > 1e-3 for name, value in wrong_swaps.items() if name != "nll_swap_v"), wrong_swaps

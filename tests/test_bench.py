@@ -1,17 +1,24 @@
-"""Systems jobs at synthetic shapes (tiny pair, CPU), the JSON tracking backend and its MLflow import."""
+"""Systems jobs at synthetic shapes (tiny pair, CPU), the JSON tracking backend and its MLflow import; the
+handoff TTFT paths on the exact-map pair (tests/exact_pair.py): the three paths give the same next token
+through the exact map (and not through a wrong one), and the map runs inside the timed transfer path."""
 
 import json
 
+import pytest
 import torch
 from transformers import DynamicCache
 
 import src.bench
-from src.eval.ttft import transport
+import src.eval.latency
+from src.apply import KVTransfer
+from src.eval.ttft import handoff_paths, handoff_ttft, transport
+from src.forward import prefill
 from src.models import describe_kv
 from src.support import coefficient_count
 from src.synthetic import synthetic_mapper, synthetic_traces
 from src.tracking import import_records
-from tests.conftest import tiny
+from tests.conftest import CountingTransfer, calibration_ids, tiny
+from tests.exact_pair import exact_pair
 from tests.test_run import config, runs, ws  # noqa: F401  (ws is a fixture)
 
 SYNTHETIC = [
@@ -73,3 +80,57 @@ def test_transport_counts_the_source_cache_bytes():
             torch.zeros(1, 2, 5, 4, dtype=torch.bfloat16), torch.zeros(1, 2, 5, 4, dtype=torch.bfloat16), layer
         )
     assert transport(cache, repeats=1, warmup=0, device=torch.device("cpu")) == {"cache_bytes": 3 * 2 * 40 * 2.0}
+
+
+def _prefix_turn() -> tuple[torch.Tensor, torch.Tensor]:
+    ids = calibration_ids(1, 24, seed=11)  # [1, 24]
+    return ids[:, :20], ids[:, 20:]  # prefix [1, 20], new turn [1, 4]
+
+
+@torch.no_grad()
+def test_ttft_paths_agree_only_through_the_exact_map():
+    source, target, token_hash, exact, wrong = exact_pair()
+    prefix, turn = _prefix_turn()
+    source_cache = prefill(source, prefix)
+    logits = {}
+    for name, mapper in (("exact", exact), ("wrong", wrong)):
+        paths = handoff_paths(KVTransfer(mapper, source, target, token_hash), source_cache, prefix, turn)
+        logits[name] = {path: run() for path, run in paths.items()}  # [1, V] each
+        assert torch.equal(paths["cache_hit"](), logits[name]["cache_hit"])  # the hit path restores its cache
+    exact_logits, reference = logits["exact"], logits["exact"]["prefill"]
+    for path in ("transfer", "cache_hit"):
+        torch.testing.assert_close(exact_logits[path], reference, atol=1e-4, rtol=0)
+        assert torch.equal(exact_logits[path].argmax(-1), reference.argmax(-1))  # the same first token
+    assert (logits["wrong"]["transfer"] - reference).abs().max() > 1e-2  # the transfer path reads the map
+    source_logits = source(torch.cat([prefix, turn], 1)).logits[:, -1]
+    assert (source_logits - reference).abs().max() > 1e-1  # the target is not the source
+
+
+class _ClockedTransfer(CountingTransfer):
+    """A KVTransfer whose every handoff advances a fake clock by one second; each read of it by 1 µs."""
+
+    def __init__(self, transfer):
+        super().__init__(transfer)
+        self.device, self.now = transfer.device, 0.0
+
+    def perf_counter(self) -> float:
+        self.now += 1e-6
+        return self.now
+
+    def __call__(self, cache, **kwargs):
+        self.now += 1.0
+        return super().__call__(cache, **kwargs)
+
+
+def test_ttft_times_the_map_inside_the_transfer_path(monkeypatch):
+    source, target, token_hash, exact, _ = exact_pair()
+    prefix, turn = _prefix_turn()
+    clocked = _ClockedTransfer(KVTransfer(exact, source, target, token_hash))
+    monkeypatch.setattr(src.eval.latency, "time", clocked)  # time_ms reads the fake clock
+    metrics = handoff_ttft(clocked, prefix, turn, repeats=2, prefill_repeats=1, warmup=1)
+    second = pytest.approx(1e3, abs=0.01)
+    for name in ("ttft_transfer_ms_p50", "ttft_transfer_ms_p95", "map_ms_p50"):
+        assert metrics[name] == second, name  # one map per timed call
+    assert metrics["ttft_cache_hit_ms_p95"] < 0.01 and metrics["ttft_prefill_ms_p95"] < 0.01  # no map there
+    assert metrics["ttft_speedup_vs_prefill"] < 1e-5
+    assert clocked.calls == (1 + 2) * 2 + 1  # (warm-up + timed) × (transfer path, map) + one peak-memory call

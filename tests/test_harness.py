@@ -1,7 +1,8 @@
 """The lm-eval adapter (`src.eval.harness`): in native_target mode `KVRelayLM` equals lm-eval's own `HFLM`
 on the same tiny model and tokenizer — loglikelihood (1e-4, is_greedy per request), rolling perplexity and
-greedy generation — a self-transfer identity mapper reproduces it (1e-3), each context is mapped once, and
-the module imports without lm-eval. Tests that need lm-eval skip when it is not installed.
+greedy generation — the exact map of tests/exact_pair.py reproduces it (1e-4) while a wrong map and the source's
+own scores do not (so native target state leaking into the transfer condition shows), each context is mapped
+once, and the module imports without lm-eval. Tests that need lm-eval skip when it is not installed.
 """
 
 import functools
@@ -16,10 +17,10 @@ from tokenizers.models import WordLevel
 from transformers import PreTrainedTokenizerFast
 
 from src.apply import KVTransfer
-from src.fit import fit_transfer
+from src.handoff import NO_LEVERS, Levers
 from src.models import Pair, tokenizer_hash
-from src.traces import collect_traces
-from tests.conftest import TINY, CountingTransfer, calibration_ids, tiny
+from tests.conftest import TINY, CountingTransfer, tiny
+from tests.exact_pair import exact_pair
 
 WORDS = [f"w{index}" for index in range(2, TINY["vocab_size"])]
 CONTEXT = "w5 w17 w3 w40"
@@ -44,13 +45,12 @@ def _pair() -> Pair:
 
 
 @functools.cache
-def _self_transfer() -> tuple[Pair, KVTransfer]:
-    model, tokenizer = tiny("llama", seed=0), _tokenizer()
-    token_hash = tokenizer_hash(tokenizer)
-    traces = collect_traces(model, model, calibration_ids(4, 48, seed=1), stride=1, batch_size=4)
-    mapper = fit_transfer(model, model, traces, token_hash, support="local", k=1, selection="identity", lam=1e-6)
-    pair = Pair(source=model, target=model, tokenizer=tokenizer, tokenizer_hash=token_hash, weights="random")
-    return pair, KVTransfer(mapper, model, model, token_hash)
+def _exact() -> tuple[Pair, KVTransfer, KVTransfer]:
+    """The exact-map pair (tests/exact_pair.py) with the word-level tokenizer, its exact and its wrong transfer."""
+    tokenizer = _tokenizer()
+    source, target, token_hash, exact, wrong = exact_pair(tokenizer_hash=tokenizer_hash(tokenizer))
+    pair = Pair(source=source, target=target, tokenizer=tokenizer, tokenizer_hash=token_hash, weights="random")
+    return pair, KVTransfer(exact, source, target, token_hash), KVTransfer(wrong, source, target, token_hash)
 
 
 @pytest.fixture(scope="module")
@@ -94,10 +94,10 @@ def _loglikelihood_requests() -> list[tuple[str, str]]:
     ]
 
 
-def _kvrelay(pair, mode, transfer=None):
+def _kvrelay(pair, mode, transfer=None, levers=NO_LEVERS):
     from src.eval.harness import KVRelayLM
 
-    return KVRelayLM(pair, mode, transfer)
+    return KVRelayLM(pair, mode, transfer, levers)
 
 
 def test_loglikelihood_equals_hflm(hflm):
@@ -111,18 +111,26 @@ def test_loglikelihood_equals_hflm(hflm):
     assert ours[2][1] and not ours[0][1]
 
 
-def test_loglikelihood_self_transfer_equals_native(lm_eval):
-    pair, transfer = _self_transfer()
+def test_loglikelihood_transfer_equals_native_only_through_the_exact_map(lm_eval):
+    pair, exact, wrong = _exact()
     requests = _instances("loglikelihood", _loglikelihood_requests())
     native = _kvrelay(pair, "native_target").loglikelihood(requests)
-    mapped = _kvrelay(pair, "transfer", transfer).loglikelihood(requests)
-    for (value, greedy), (expected, expected_greedy) in zip(mapped, native, strict=True):
-        assert value == pytest.approx(expected, abs=1e-3)
-        assert greedy == expected_greedy
+    mapped = _kvrelay(pair, "transfer", exact).loglikelihood(requests)
+    short = requests[:-1]  # all but LONG, for the checks below
+    spliced = _kvrelay(pair, "transfer", exact, Levers(native_sink=1, hold_back=1, native_layers=1)).loglikelihood(
+        short
+    )
+    for ours in (mapped, spliced):
+        for (value, greedy), (expected, expected_greedy) in zip(ours, native, strict=False):
+            assert value == pytest.approx(expected, abs=1e-4)
+            assert greedy == expected_greedy
+    gap = lambda scores: max(abs(value - expected) for (value, _), (expected, _) in zip(scores, native, strict=False))
+    assert gap(_kvrelay(pair, "transfer", wrong).loglikelihood(short)) > 1e-2
+    assert gap(_kvrelay(pair, "native_source").loglikelihood(short)) > 1e-1
 
 
 def test_loglikelihood_maps_each_context_once(lm_eval):
-    pair, transfer = _self_transfer()
+    pair, transfer, _ = _exact()
     counting = CountingTransfer(transfer)
     _kvrelay(pair, "transfer", counting).loglikelihood(_instances("loglikelihood", _loglikelihood_requests()))
     # contexts of ≥ 2 tokens: CONTEXT (4 requests, the trailing-space one included), "w20 w21", LONG
@@ -155,24 +163,20 @@ def test_generate_until_equals_hflm(hflm):
     assert ours[0] == text[: text.index(stop)]
 
 
-def test_generate_until_self_transfer_equals_native(lm_eval):
-    pair, transfer = _self_transfer()
+def test_generate_until_transfer_equals_native_only_through_the_exact_map(lm_eval):
+    pair, exact, wrong = _exact()
     requests = _instances("generate_until", [(CONTEXT, {"until": [], "max_gen_toks": 8})])
-    assert _kvrelay(pair, "transfer", transfer).generate_until(requests) == _kvrelay(
-        pair, "native_target"
-    ).generate_until(requests)
+    native = _kvrelay(pair, "native_target").generate_until(requests)
+    assert _kvrelay(pair, "transfer", exact).generate_until(requests) == native
+    assert _kvrelay(pair, "transfer", wrong).generate_until(requests) != native
 
 
-def test_registered_and_built_in_python_only(lm_eval):
+def test_registered_and_refusals(lm_eval):
     from lm_eval.api.registry import get_model
 
     from src.eval.harness import KVRelayLM
 
-    assert get_model("kvrelay") is KVRelayLM
-    with pytest.raises(TypeError, match="Construct it in Python"):
-        KVRelayLM.create_from_arg_string("pretrained=/models/large")
-    with pytest.raises(TypeError, match="Construct it in Python"):
-        KVRelayLM.create_from_arg_obj({"pretrained": "/models/large"})
+    assert get_model("kvrelay") is KVRelayLM  # construction from model_args: tests/test_lm_eval_cli.py
     with pytest.raises(ValueError, match="needs a tokenizer"):
         KVRelayLM(Pair(_pair().source, _pair().target, None, "h", "random"), "native_target")
     with pytest.raises(ValueError, match="greedily"):

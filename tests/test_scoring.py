@@ -1,7 +1,8 @@
 """Choice scoring on a context cache (`src.eval.scoring`): the native modes equal a plain full forward over
 context + continuation (1e-4), batching over continuations of different lengths equals scoring them one at a
-time, a self-transfer identity mapper reproduces native scoring (1e-3, see tests/test_apply.py for why), and
-the source prefill + map run once per context whatever the number of continuations.
+time, the exact map of tests/exact_pair.py reproduces the target's native scoring (1e-4) while a wrong map
+and the source's own cache do not (a leak of the target's native cache would pass the first but not the
+second), and the source prefill + map run once per context whatever the number of continuations.
 """
 
 import functools
@@ -16,13 +17,11 @@ from src.eval.scoring import (
     greedy_decode,
     shared_continuation_loglikelihoods,
 )
-from src.fit import fit_transfer
 from src.models import Pair, vocabulary_hash
-from src.traces import collect_traces
 from tests.conftest import CountingTransfer, calibration_ids, tiny
+from tests.exact_pair import exact_pair, max_cache_diff
 
 NATIVE_TOL = 1e-4
-TRANSFER_TOL = 1e-3
 
 
 @functools.cache
@@ -32,13 +31,11 @@ def _pair() -> Pair:
 
 
 @functools.cache
-def _self_transfer() -> tuple[Pair, KVTransfer]:
-    model = tiny("llama", seed=2)
-    token_hash = vocabulary_hash(model)
-    traces = collect_traces(model, model, calibration_ids(4, 48, seed=1), stride=1, batch_size=4)
-    mapper = fit_transfer(model, model, traces, token_hash, support="local", k=1, selection="identity", lam=1e-6)
-    pair = Pair(source=model, target=model, tokenizer=None, tokenizer_hash=token_hash, weights="random")
-    return pair, KVTransfer(mapper, model, model, token_hash)
+def _exact() -> tuple[Pair, KVTransfer, KVTransfer]:
+    """The exact-map pair (tests/exact_pair.py) with its exact and its wrong transfer."""
+    source, target, token_hash, exact, wrong = exact_pair()
+    pair = Pair(source=source, target=target, tokenizer=None, tokenizer_hash=token_hash, weights="random")
+    return pair, KVTransfer(exact, source, target, token_hash), KVTransfer(wrong, source, target, token_hash)
 
 
 @torch.no_grad()
@@ -93,29 +90,49 @@ def test_batched_equals_one_at_a_time():
     _assert_scores_close(batched, alone, 1e-5)
 
 
-def test_self_transfer_equals_native():
-    pair, transfer = _self_transfer()
+def _largest_gap(ours, theirs) -> float:
+    return max(abs(value - expected) for (value, _), (expected, _) in zip(ours, theirs, strict=True))
+
+
+def test_transfer_equals_native_only_through_the_exact_map():
+    pair, exact, wrong = _exact()
     for context_len in (1, 9, 30):
         context = calibration_ids(1, context_len, seed=context_len)[0]
         continuations = _continuations(pair.target, context)
         native = choice_loglikelihoods("native_target", pair, context, continuations)
-        mapped = choice_loglikelihoods("transfer", pair, context, continuations, transfer)
-        _assert_scores_close(mapped, native, TRANSFER_TOL)
+        mapped = choice_loglikelihoods("transfer", pair, context, continuations, exact)
+        _assert_scores_close(mapped, native, NATIVE_TOL)
+        if context_len > 1:  # a one-token context has no prefix to map
+            assert _largest_gap(choice_loglikelihoods("transfer", pair, context, continuations, wrong), native) > 1e-2
+            assert _largest_gap(choice_loglikelihoods("native_source", pair, context, continuations), native) > 1e-1
+
+
+def test_transfer_cache_equals_the_targets_own_only_through_the_exact_map():
+    pair, exact, wrong = _exact()
+    context = calibration_ids(1, 20, seed=12)[0]
+    own = context_cache("native_target", pair, context)
+    assert max_cache_diff(context_cache("transfer", pair, context, exact), own) < 1e-4
+    assert max_cache_diff(context_cache("transfer", pair, context, wrong), own) > 1e-2
+    assert max_cache_diff(context_cache("native_source", pair, context), own) > 1e-1  # S's cache is not T's
 
 
 def test_transfer_prefills_and_maps_once_per_context():
-    pair, transfer = _self_transfer()
+    pair, transfer, _ = _exact()
     counting = CountingTransfer(transfer)
     context = calibration_ids(1, 10, seed=6)[0]
     continuations = _continuations(pair.target, context)
-    forwards = []
-    hook = pair.source.register_forward_pre_hook(lambda module, args, kwargs: forwards.append(1), with_kwargs=True)
+    forwards = {"source": 0, "target": 0}
+    hooks = [
+        model.register_forward_pre_hook(lambda *_, role=role: forwards.__setitem__(role, forwards[role] + 1))
+        for role, model in (("source", pair.source), ("target", pair.target))
+    ]
     try:
         choice_loglikelihoods("transfer", pair, context, continuations, counting)
     finally:
-        hook.remove()
+        for hook in hooks:
+            hook.remove()
     assert counting.calls == 1
-    assert len(forwards) == 2  # one source prefill + one batched read of all five continuations (S = T here)
+    assert forwards == {"source": 1, "target": 1}  # one source prefill, one batched read of all five continuations
 
 
 def test_shared_continuation_loops_contexts():
@@ -137,7 +154,7 @@ def test_greedy_decode_from_cache():
 
 
 def test_refusals():
-    pair, transfer = _self_transfer()
+    pair, transfer, _ = _exact()
     context, continuation = calibration_ids(1, 4)[0], calibration_ids(1, 2)[0]
     with pytest.raises(ValueError, match="mode must be one of"):
         choice_loglikelihoods("prefill", pair, context, [continuation])

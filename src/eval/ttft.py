@@ -11,6 +11,8 @@ there is one, else within the one GPU, labelled by `d2d_peer`).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from src.apply import KVTransfer
@@ -55,33 +57,42 @@ def transport(source_cache, repeats: int, warmup: int, device: torch.device) -> 
     return metrics
 
 
+def handoff_paths(
+    transfer: KVTransfer, source_cache, prefix: torch.Tensor, turn: torch.Tensor
+) -> dict[str, Callable[[], torch.Tensor]]:
+    """The three paths for prefix ids [1, P] (S's cache of them given) and new-turn ids [1, N], each a call that
+    returns T's next-token logits [1, V]; T's own prefix cache (cache_hit) is built here, untimed."""
+    target = transfer.target
+    own_cache = prefill(target, prefix)
+    last_logits = lambda cache, ids: target(ids, past_key_values=cache, logits_to_keep=1).logits[:, -1]
+
+    def via_cache_hit() -> torch.Tensor:
+        logits = last_logits(own_cache, turn)
+        own_cache.crop(-turn.shape[1])  # back to the prefix for the next repetition
+        return logits
+
+    return {
+        "transfer": lambda: last_logits(transfer(source_cache, input_ids=prefix), turn),  # the map is timed
+        "prefill": lambda: target(torch.cat([prefix, turn], dim=1), logits_to_keep=1).logits[:, -1],
+        "cache_hit": via_cache_hit,
+    }
+
+
 @torch.no_grad()
 def handoff_ttft(
     transfer: KVTransfer, prefix: torch.Tensor, turn: torch.Tensor, repeats: int, prefill_repeats: int, warmup: int
 ) -> dict[str, float]:
     """TTFT p50/p95 (ms) of the three paths for prefix ids [1, P] and new-turn ids [1, N], and the speedups."""
-    target, device = transfer.target, transfer.device
+    device = transfer.device
     prefix, turn = prefix.to(device), turn.to(device)
     source_cache = prefill(transfer.source, prefix)  # S's cache exists before the switch: not timed
-    own_cache = prefill(target, prefix)
-    first_token = lambda cache, ids: target(ids, past_key_values=cache, logits_to_keep=1).logits[:, -1].argmax(-1)
-
-    def via_transfer():
-        return first_token(transfer(source_cache, input_ids=prefix), turn)
-
-    def via_prefill():
-        return target(torch.cat([prefix, turn], dim=1), logits_to_keep=1).logits[:, -1].argmax(-1)
-
-    def via_cache_hit():
-        token = first_token(own_cache, turn)
-        own_cache.crop(-turn.shape[1])  # back to the prefix for the next repetition
-        return token
-
-    metrics = percentiles(time_ms(via_transfer, repeats, warmup, device), "ttft_transfer")
-    metrics |= percentiles(time_ms(via_prefill, prefill_repeats, min(warmup, 1), device), "ttft_prefill")
-    metrics |= percentiles(time_ms(via_cache_hit, repeats, warmup, device), "ttft_cache_hit")
+    paths = handoff_paths(transfer, source_cache, prefix, turn)
+    first_token = {name: (lambda path=path: path().argmax(-1)) for name, path in paths.items()}  # [1] each
+    metrics = percentiles(time_ms(first_token["transfer"], repeats, warmup, device), "ttft_transfer")
+    metrics |= percentiles(time_ms(first_token["prefill"], prefill_repeats, min(warmup, 1), device), "ttft_prefill")
+    metrics |= percentiles(time_ms(first_token["cache_hit"], repeats, warmup, device), "ttft_cache_hit")
     metrics |= percentiles(time_ms(lambda: transfer(source_cache, input_ids=prefix), repeats, warmup, device), "map")
     metrics["ttft_speedup_vs_prefill"] = metrics["ttft_prefill_ms_p50"] / metrics["ttft_transfer_ms_p50"]
-    for name, path in (("transfer", via_transfer), ("prefill", via_prefill), ("cache_hit", via_cache_hit)):
+    for name, path in first_token.items():
         metrics[f"gpu_peak_mb_{name}"] = _peak_mb(path, device)
     return metrics | transport(source_cache, repeats, warmup, device)
