@@ -20,7 +20,7 @@ FLOORS = [
     {"src.fit", "src.probe", "src.synthetic", "kernels.apply_map"},
     {"src.apply"},
     {"src.handoff", "src.recompute"},
-    {"src.session"},
+    {"src.session", "src.routing"},
     {"src.eval"},  # the package: every src.eval.* module
     {"src.pipeline", "src.workloads"},
     {"src.bench", "src.routed", "src.routed_runs", "src.sweep", "src.gate", "src.distributed"},
