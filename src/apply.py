@@ -1,11 +1,14 @@
 """Apply a mapper: the source's cache → a decode-ready target `DynamicCache`.
 
 `KVTransfer` is built once per (mapper, source model, target model) — it verifies the artifact
-against both models and puts the coefficients on the target's device — and is then called per
-handoff. Per target layer: gather the selected source blocks, one head-batched matmul, re-apply the
-target's RoPE at the same positions. A mapper with token features (src/support.py) also needs the prefix's
-token ids: a layer-0 target prefill gives its features and, exactly, target layer 0. `handoff` wraps it with
-deterministic rollback to plain prefill (src/handoff.py).
+against both models, checks everything the mapper carries (src/maps.py `check_mapper`) and puts the
+coefficients on the target's device — and is then called per handoff. Per target layer: gather the
+selected source blocks, one head-batched matmul, re-apply the target's RoPE at the same positions. A
+mapper with token features (src/support.py) also needs the prefix's token ids: a layer-0 target prefill
+gives its features and, exactly, target layer 0. Every input a call cannot map (cache type, layout,
+sparsity, shapes, dtype, device, positions, token ids, non-finite values) is refused with a `TransferError`
+naming it — and any other failure inside a call is turned into one too — so `handoff` (src/handoff.py)
+always rolls back to plain prefill.
 """
 
 from __future__ import annotations
@@ -18,12 +21,20 @@ from transformers import DynamicCache, PreTrainedModel
 from kernels.apply_map import map_cache
 from src.artifact import Mapper
 from src.forward import prefill_layers
-from src.maps import TransferError, cache_layers, layer_groups, map_layers, shares_heads
-from src.models import KVInterface, describe_kv, fingerprint
+from src.maps import (
+    TransferError,
+    cache_layers,
+    check_mapper,
+    dropped_tokens,
+    layer_groups,
+    map_layers,
+    shares_heads,
+)
+from src.models import IncompatiblePairError, KVInterface, check_model, describe_kv, fingerprint
 from src.rope import apply_rope, remove_rope, rope_cos_sin
-from src.support import token_width
 
 BACKENDS = ("torch", "auto", "triton")  # apply paths: torch grouped GEMMs, or kernels/apply_map.py
+UNEXPECTED = "unexpected failure while mapping (a bug: please report it)"  # prefix of a refusal no check foresaw
 
 
 class KVTransfer:
@@ -38,6 +49,12 @@ class KVTransfer:
         compute_dtype: torch.dtype = torch.float32,
         backend: str = "torch",
     ):
+        if backend not in BACKENDS:
+            raise ValueError(f"apply backend must be one of {BACKENDS}, not {backend!r}")
+        if not (isinstance(compute_dtype, torch.dtype) and compute_dtype.is_floating_point):
+            raise ValueError(f"compute_dtype must be a floating-point torch.dtype, not {compute_dtype!r}")
+        if not isinstance(mapper, Mapper) or not isinstance(mapper.manifest, dict):
+            raise TransferError(f"mapper is a {type(mapper).__name__} without a manifest dict, not a Mapper")
         manifest = mapper.manifest
         for what, recorded, actual in (
             ("source fingerprint", manifest.get("source_fingerprint"), fingerprint(source)),
@@ -49,29 +66,28 @@ class KVTransfer:
         self.source, self.target = source, target
         self.source_kv: KVInterface = describe_kv(source)
         self.target_kv: KVInterface = describe_kv(target)
-        expected = (self.target_kv.num_layers, self.target_kv.num_kv_heads)
-        if tuple(mapper.weight_k.shape[:2]) != expected or mapper.weight_k.shape[-1] != self.target_kv.head_dim:
-            raise TransferError(f"mapper shape {tuple(mapper.weight_k.shape)} does not fit the target's KV interface")
+        for role, model, kv in (("source", source, self.source_kv), ("target", target, self.target_kv)):
+            try:  # what load_pair checks, minus the sliding-window opt-in (decided there), and the rotary module
+                check_model(kv, role, allow_sliding_window=True)
+                rope_cos_sin(model.model.rotary_emb, torch.arange(1))
+            except (IncompatiblePairError, ValueError) as error:
+                raise TransferError(f"{role} model cannot be mapped: {error}") from error
+        check_mapper(mapper, self.source_kv, self.target_kv)
         self.token_features = mapper.token_features
-        width = mapper.source_layers.shape[1] * mapper.head_index.shape[1] * self.source_kv.head_dim
-        width += token_width(self.target_kv.num_kv_heads, self.target_kv.head_dim) if self.token_features else 0
-        for name in ("weight_k", "weight_v"):
-            if getattr(mapper, name).shape[2] != width:
-                raise TransferError(
-                    f"mapper {name} reads {getattr(mapper, name).shape[2]} features, its layers, heads and token "
-                    f"features make {width}"
-                )
         self.device = next(target.parameters()).device
         self.dtype = next(target.parameters()).dtype
-        if backend not in BACKENDS:
-            raise ValueError(f"apply backend must be one of {BACKENDS}, not {backend!r}")
+        self.vocab_size = target.get_input_embeddings().num_embeddings
         if backend == "triton" and self.token_features:
             raise ValueError("the Triton apply does not read token features; use apply_backend torch or auto")
         self.backend = backend
-        self.mapper = mapper.to(self.device, compute_dtype)
+        bound = mapper.to(self.device, compute_dtype)
+        bound.source_layers, bound.head_index = bound.source_layers.long(), bound.head_index.long()
+        self.mapper = bound
         self.shared_heads = shares_heads(mapper)
 
     def _check(self, layers: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> tuple[int, int]:
+        """(batch, seq) of a source cache whose every layer is a dense [B, H_s, T, d_s] tensor pair of the source
+        model's dtype and device, all finite; else TransferError."""
         kv = self.source_kv
         if len(layers) != kv.num_layers:
             raise TransferError(f"source cache has {len(layers)} layers, the source model {kv.num_layers}")
@@ -80,6 +96,11 @@ class KVTransfer:
         shape = None
         for index, (key, value) in enumerate(layers):
             for name, t in (("keys", key), ("values", value)):
+                if not isinstance(t, torch.Tensor):
+                    raise TransferError(f"source cache layer {index} {name} is a {type(t).__name__}, not a tensor")
+                if t.is_nested or t.layout != torch.strided:
+                    layout = "nested" if t.is_nested else str(t.layout)
+                    raise TransferError(f"source cache layer {index} {name} is {layout}: only dense tensors map")
                 if t.dim() != 4 or t.shape[1] != kv.num_kv_heads or t.shape[3] != kv.head_dim:
                     raise TransferError(
                         f"source cache layer {index} {name} has shape {tuple(t.shape)}, "
@@ -96,6 +117,8 @@ class KVTransfer:
                         f"source cache layer {index} {name} is on {t.device}, the source on {source_device}"
                     )
                 shape = t.shape
+        if shape[0] == 0 or shape[2] == 0:
+            raise TransferError(f"source cache is empty: shape {tuple(shape)}")
         finite = torch.stack([torch.isfinite(k).all() & torch.isfinite(v).all() for k, v in layers])
         if not bool(finite.all()):  # one device sync; the slow path names the layer
             index = int((~finite).nonzero()[0])
@@ -103,10 +126,51 @@ class KVTransfer:
             raise TransferError(f"source cache layer {index} {name} contains NaN or Inf")
         return shape[0], shape[2]
 
-    def _layer0(self, input_ids: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-        """Target layer 0's content K and V [B, H_t, T, d_t] for the prefix ids [B, T] (a stopped prefill)."""
+    @staticmethod
+    def _positions(positions, seq: int, dropped: int) -> torch.Tensor:
+        """The cached tokens' positions [T]: given (integers ≥ 0, one per token) or 0..T−1 — which a sliding-window
+        cache that has dropped tokens cannot assume."""
+        if positions is None:
+            if dropped:
+                raise TransferError(
+                    f"source cache is a sliding window holding the last {seq} of {seq + dropped} tokens: pass their "
+                    f"positions ({dropped}..{dropped + seq - 1}); the mapped cache then holds only those tokens"
+                )
+            return torch.arange(seq)
+        if not isinstance(positions, torch.Tensor):
+            raise TransferError(f"positions is a {type(positions).__name__}, expected an integer tensor [{seq}]")
+        if positions.dtype.is_floating_point or positions.dtype.is_complex or positions.dtype == torch.bool:
+            raise TransferError(f"positions are {positions.dtype}, expected integers")
+        if positions.is_nested or positions.layout != torch.strided or positions.device.type == "meta":
+            raise TransferError("positions must be a dense tensor with data")
+        if positions.dim() != 1:
+            raise TransferError(f"positions have shape {tuple(positions.shape)}, expected [{seq}]")
+        if positions.shape[-1] != seq:
+            raise TransferError(f"{positions.shape[-1]} positions given for a {seq}-token cache")
+        if int(positions.min()) < 0:
+            raise TransferError(f"positions must be ≥ 0, the smallest is {int(positions.min())}")
+        return positions
+
+    def _check_ids(self, input_ids, batch: int, seq: int) -> None:
+        """input_ids: None (unless the mapper reads token features) or integer ids [B, T] inside the vocabulary."""
         if input_ids is None:
-            raise TransferError("this mapper reads the target's token features: pass the prefix's input_ids")
+            if self.token_features:
+                raise TransferError("this mapper reads the target's token features: pass the prefix's input_ids")
+            return
+        if not isinstance(input_ids, torch.Tensor):
+            raise TransferError(f"input_ids is a {type(input_ids).__name__}, expected an integer tensor")
+        if input_ids.dtype.is_floating_point or input_ids.dtype.is_complex or input_ids.dtype == torch.bool:
+            raise TransferError(f"input_ids are {input_ids.dtype}, expected integer token ids")
+        if input_ids.is_nested or input_ids.layout != torch.strided or input_ids.device.type == "meta":
+            raise TransferError("input_ids must be a dense tensor with data")
+        if tuple(input_ids.shape) != (batch, seq):
+            raise TransferError(f"input_ids shape {tuple(input_ids.shape)} ≠ the source cache's ({batch}, {seq})")
+        low, high = int(input_ids.min()), int(input_ids.max())
+        if low < 0 or high >= self.vocab_size:
+            raise TransferError(f"input_ids hold ids {low}..{high}, outside the vocabulary [0, {self.vocab_size})")
+
+    def _layer0(self, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Target layer 0's content K and V [B, H_t, T, d_t] for the prefix ids [B, T] (a stopped prefill)."""
         layer = prefill_layers(self.target, input_ids, 1).layers[0]
         positions = torch.arange(input_ids.shape[1], device=self.device)
         cos, sin = rope_cos_sin(self.target.model.rotary_emb, positions)
@@ -116,17 +180,25 @@ class KVTransfer:
     def __call__(
         self, source_cache, positions: torch.Tensor | None = None, input_ids: torch.Tensor | None = None
     ) -> DynamicCache:
-        """source_cache: DynamicCache or [(keys, values)] with [B, H_s, T, d_s]; positions [T] (default 0..T−1);
-        input_ids [B, T] of those tokens (needed by a token-feature mapper, checked against the cache otherwise)."""
-        layers = cache_layers(source_cache)
-        batch, seq = self._check(layers)
-        positions = torch.arange(seq) if positions is None else positions
-        if positions.shape[-1] != seq:
-            raise TransferError(f"{positions.shape[-1]} positions given for a {seq}-token cache")
-        if input_ids is not None and tuple(input_ids.shape) != (batch, seq):
-            raise TransferError(f"input_ids shape {tuple(input_ids.shape)} ≠ the source cache's ({batch}, {seq})")
-        if self.backend != "torch" and not self.token_features:
-            return self._fused(layers, positions)
+        """source_cache: DynamicCache or [(keys, values)] with [B, H_s, T, d_s]; positions [T] (default 0..T−1;
+        required for a sliding-window cache that has dropped tokens); input_ids [B, T] of those tokens (needed by a
+        token-feature mapper, checked against the cache otherwise). Raises TransferError and nothing else."""
+        try:
+            layers = cache_layers(source_cache)
+            batch, seq = self._check(layers)
+            positions = self._positions(positions, seq, dropped_tokens(source_cache))
+            self._check_ids(input_ids, batch, seq)
+            if self.backend != "torch" and not self.token_features:
+                return self._fused(layers, positions)
+            return self._map(layers, positions, input_ids, batch, seq)
+        except TransferError:
+            raise
+        except ZeroDivisionError as error:  # PLANTED no check foresaw it: still a refusal, so a handoff rolls back
+            raise TransferError(f"{UNEXPECTED}: {type(error).__name__}: {error}") from error
+
+    def _map(
+        self, layers: list[tuple[torch.Tensor, torch.Tensor]], positions: torch.Tensor, input_ids, batch: int, seq: int
+    ) -> DynamicCache:
         token_rows = layer0 = None
         if self.token_features:
             layer0 = self._layer0(input_ids)  # content K, V [B, H_t, T, d_t]
@@ -162,20 +234,23 @@ class KVTransfer:
         source_cos, source_sin = rope_cos_sin(self.source.model.rotary_emb, positions)
         target_cos, target_sin = rope_cos_sin(self.target.model.rotary_emb, positions)
         flags = torch.zeros(self.target_kv.num_layers, dtype=torch.int32, device=self.device)  # [L_t]
-        keys, values = map_cache(
-            [k.to(self.device) for k, _ in layers],
-            [v.to(self.device) for _, v in layers],
-            self.mapper,
-            source_cos,
-            source_sin,
-            target_cos,
-            target_sin,
-            self.source_kv.rope_layout,
-            self.target_kv.rope_layout,
-            self.dtype,
-            nonfinite=flags,
-            backend=self.backend,
-        )  # [L_t, B, H_t, T, d_t] each
+        try:
+            keys, values = map_cache(
+                [k.to(self.device) for k, _ in layers],
+                [v.to(self.device) for _, v in layers],
+                self.mapper,
+                source_cos,
+                source_sin,
+                target_cos,
+                target_sin,
+                self.source_kv.rope_layout,
+                self.target_kv.rope_layout,
+                self.dtype,
+                nonfinite=flags,
+                backend=self.backend,
+            )  # [L_t, B, H_t, T, d_t] each
+        except ValueError as refusal:  # map_cache refuses inputs its backend cannot run (e.g. Triton on CPU)
+            raise TransferError(str(refusal)) from refusal
         if bool(flags.any()):  # one device sync per handoff
             raise TransferError(f"mapped target layer {int(flags.nonzero()[0])} is not finite (corrupt coefficients?)")
         cache = DynamicCache(config=self.target.config)

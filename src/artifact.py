@@ -1,25 +1,49 @@
 """The mapper artifact: safetensors coefficients + a JSON manifest that says exactly what they are.
 
-Loading verifies the schema, the tensor file's sha256, every tensor's shape against the manifest, and
-(when models are given) the source/target fingerprints and the tokenizer hash. Anything that differs
-is refused with a message that names it.
+On disk, one directory per artifact:
+
+    versions/<id>/mapper.json, versions/<id>/mapper.safetensors   one complete save each: manifest and tensors
+                                                                  (<id>: sha256 of the manifest bytes, which hold
+                                                                  the tensors' sha256)
+    current -> versions/<id>                                      the pointer, replaced atomically by each save
+    manifest.json -> current/mapper.json,                         stable names (`artifact_exists`)
+    mapper.safetensors -> current/mapper.safetensors
+    .lock                                                         writers publish under an exclusive flock
+
+A save writes and fsyncs a private staging directory, then — under the lock — renames it to its version, swaps
+the pointer and removes the other versions: the last writer wins, two writers never mix, and a save killed at
+any point leaves the previous artifact loadable. Loading resolves the pointer once, reads each file's bytes once,
+verifies the tensor bytes against the manifest's sha256 and deserializes those same bytes; then the schema, the
+source/target fingerprints, the tokenizer hash and every tensor's name, dtype and shape. Anything that differs is
+refused with a message that names it. A directory of the older flat layout (the two files only) still loads.
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import json
+import os
 import platform
+import shutil
+import socket
+import tempfile
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import safetensors
+import safetensors.torch
 import torch
 import transformers
-from safetensors.torch import load_file, save_file
 
 SCHEMA_VERSION = 1
 TENSOR_FILE, MANIFEST_FILE = "mapper.safetensors", "manifest.json"
+VERSION_MANIFEST = "mapper.json"  # a version's manifest: named apart, so a scan for manifest.json finds each one once
+POINTER, VERSIONS, LOCK = "current", "versions", ".lock"
+STAGING = ".staging-"  # + host-pid-random: a save in progress (or killed: swept by the next save)
+LOAD_ATTEMPTS = 20  # a load retries while concurrent saves replace the version it was reading
 COEFFICIENT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
@@ -45,7 +69,7 @@ class Mapper:
         return bool(self.manifest.get("token_features", False))
 
     def tensors(self) -> dict[str, torch.Tensor]:
-        return {name: getattr(self, name) for name in ("source_layers", "head_index", *_COEFFICIENTS)}
+        return {name: getattr(self, name) for name in ("source_layers", "head_index", *COEFFICIENTS)}
 
     def to(self, device: str | torch.device, dtype: torch.dtype) -> Mapper:
         cast = lambda t: t.to(device=device, dtype=dtype)
@@ -60,7 +84,8 @@ class Mapper:
         )
 
 
-_COEFFICIENTS = ("weight_k", "bias_k", "weight_v", "bias_v")
+INDICES = ("source_layers", "head_index")
+COEFFICIENTS = ("weight_k", "bias_k", "weight_v", "bias_v")
 
 
 def library_versions() -> dict:
@@ -73,39 +98,62 @@ def library_versions() -> dict:
     }
 
 
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as handle:
-        for block in iter(lambda: handle.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
+def artifact_exists(directory: str | Path) -> bool:
+    """True when `directory` holds a saved mapper (either layout); `load_mapper` still verifies it."""
+    return (Path(directory) / MANIFEST_FILE).is_file()
 
 
 def save_mapper(mapper: Mapper, directory: str | Path, coefficient_dtype: str = "float32") -> Path:
-    """Write mapper.safetensors (coefficients in `coefficient_dtype`) and manifest.json; returns the dir."""
+    """Save the mapper (coefficients in `coefficient_dtype`) as the artifact at `directory`; returns the dir."""
     if coefficient_dtype not in COEFFICIENT_DTYPES:
         raise ValueError(f"coefficient_dtype must be one of {sorted(COEFFICIENT_DTYPES)}")
-    directory = Path(directory)
-    directory.mkdir(parents=True, exist_ok=True)
-    tensors = {
-        name: t.detach().cpu().contiguous().to(COEFFICIENT_DTYPES[coefficient_dtype])
-        if name in _COEFFICIENTS
-        else t.detach().cpu().contiguous().to(torch.int64)
-        for name, t in mapper.tensors().items()
-    }
-    save_file(tensors, directory / TENSOR_FILE)
+    dtype = lambda name: COEFFICIENT_DTYPES[coefficient_dtype] if name in COEFFICIENTS else torch.int64
+    tensors = {name: t.detach().cpu().contiguous().to(dtype(name)) for name, t in mapper.tensors().items()}
+    data = safetensors.torch.save(tensors)
     manifest = dict(
         mapper.manifest,
         schema_version=SCHEMA_VERSION,
         coefficient_dtype=coefficient_dtype,
         shapes={name: list(t.shape) for name, t in tensors.items()},
-        tensor_sha256=_sha256(directory / TENSOR_FILE),
-        tensor_bytes=(directory / TENSOR_FILE).stat().st_size,
+        tensor_sha256=hashlib.sha256(data).hexdigest(),
+        tensor_bytes=len(data),
         libraries=library_versions(),
     )
-    (directory / MANIFEST_FILE).write_text(json.dumps(manifest, indent=2, sort_keys=True, default=str))
+    publish(directory, json.dumps(manifest, indent=2, sort_keys=True, default=str).encode(), data)
     mapper.manifest = manifest
-    return directory
+    return Path(directory)
+
+
+def publish(directory: str | Path, manifest: bytes, tensors: bytes) -> Path:
+    """Make these manifest and tensor bytes the artifact at `directory`, atomically (module docstring);
+    returns the version directory."""
+    directory = Path(directory)
+    versions = directory / VERSIONS
+    versions.mkdir(parents=True, exist_ok=True)
+    version = versions / hashlib.sha256(manifest).hexdigest()
+    staging = Path(tempfile.mkdtemp(prefix=_staging_prefix(), dir=versions))
+    try:
+        for name, data in ((TENSOR_FILE, tensors), (VERSION_MANIFEST, manifest)):
+            with (staging / name).open("wb") as handle:
+                handle.write(data)
+                handle.flush()
+                os.fsync(handle.fileno())
+        _fsync_directory(staging)
+        with _locked(directory):
+            if version.exists() and not _holds(version, manifest, tensors):
+                shutil.rmtree(version)  # a damaged copy of this very content: replace it
+            if not version.exists():
+                os.rename(staging, version)
+                _fsync_directory(versions)
+            _link(directory / POINTER, f"{VERSIONS}/{version.name}")
+            for name, target in ((MANIFEST_FILE, VERSION_MANIFEST), (TENSOR_FILE, TENSOR_FILE)):
+                _link(directory / name, f"{POINTER}/{target}")
+            _fsync_directory(directory)
+            _sweep(versions, keep=version.name)
+            _sweep(directory, keep=None)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)  # still there when this content was already saved
+    return version
 
 
 def load_mapper(
@@ -116,22 +164,21 @@ def load_mapper(
 ) -> Mapper:
     """Read and verify an artifact; pass the fingerprints of the models it will serve to check the pair."""
     directory = Path(directory)
-    manifest_path, tensor_path = directory / MANIFEST_FILE, directory / TENSOR_FILE
-    for path in (manifest_path, tensor_path):
-        if not path.is_file():
-            raise ArtifactError(f"mapper artifact incomplete: {path} is missing")
+    manifest_path, manifest_bytes, tensor_bytes = _read(directory)
+    tensor_path = manifest_path.parent / TENSOR_FILE
     try:
-        manifest = json.loads(manifest_path.read_text())
-    except json.JSONDecodeError as error:
+        manifest = json.loads(manifest_bytes)
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
         raise ArtifactError(f"{manifest_path} is not valid JSON ({error})") from error
     if not isinstance(manifest, dict):
         raise ArtifactError(f"{manifest_path} holds a JSON {type(manifest).__name__}, not a manifest object")
     if manifest.get("schema_version") != SCHEMA_VERSION:
         raise ArtifactError(f"schema_version {manifest.get('schema_version')} ≠ supported {SCHEMA_VERSION}")
-    actual = _sha256(tensor_path)
+    actual = hashlib.sha256(tensor_bytes).hexdigest()
     if actual != manifest.get("tensor_sha256"):
         raise ArtifactError(
-            f"{tensor_path} is corrupt or was replaced: sha256 {actual[:12]} ≠ manifest {str(manifest.get('tensor_sha256'))[:12]}"
+            f"{tensor_path} is corrupt or was replaced: sha256 {actual[:12]} ≠ manifest "
+            f"{str(manifest.get('tensor_sha256'))[:12]}"
         )
     expected = {
         "source fingerprint": (manifest.get("source_fingerprint"), source_fingerprint),
@@ -144,15 +191,114 @@ def load_mapper(
                 f"mapper was fitted for another model pair: {what} {str(recorded)[:12]} ≠ this pair's {given[:12]}"
             )
     shapes = manifest.get("shapes")
-    expected_names = {"source_layers", "head_index", *_COEFFICIENTS}
+    expected_names = {*INDICES, *COEFFICIENTS}
     if not isinstance(shapes, dict) or set(shapes) != expected_names:
-        listed = set(shapes or {})
+        listed = set(shapes) if isinstance(shapes, dict) else set()
         raise ArtifactError(
             f"manifest shapes do not list exactly the mapper tensors: missing {sorted(expected_names - listed)}, "
             f"unexpected {sorted(listed - expected_names)}"
         )
-    tensors = load_file(tensor_path)
+    coefficient_dtype = COEFFICIENT_DTYPES.get(manifest.get("coefficient_dtype"))
+    if coefficient_dtype is None:
+        raise ArtifactError(
+            f"coefficient_dtype {manifest.get('coefficient_dtype')!r} is not one of {sorted(COEFFICIENT_DTYPES)}"
+        )
+    try:
+        tensors = safetensors.torch.load(tensor_bytes)  # the very bytes that were hashed
+    except Exception as error:  # safetensors raises its own error types for malformed headers
+        raise ArtifactError(f"{tensor_path} is not a readable safetensors file ({error})") from error
     for name, shape in shapes.items():
         if name not in tensors or list(tensors[name].shape) != shape:
             raise ArtifactError(f"tensor {name!r} missing or of the wrong shape (manifest says {shape})")
+        dtype = coefficient_dtype if name in COEFFICIENTS else torch.int64
+        if tensors[name].dtype != dtype:
+            raise ArtifactError(f"tensor {name!r} is {tensors[name].dtype}, the manifest implies {dtype}")
     return Mapper(**{name: tensors[name] for name in shapes}, manifest=manifest)
+
+
+# --------------------------------------------------------------------------- reading and publishing
+
+
+def _manifest_path(directory: Path) -> Path:
+    """The manifest of one complete save: where `manifest.json` leads now (through the pointer into a version; in
+    the flat layout, or a copy that followed the links, the file itself). The tensors lie beside it."""
+    return Path(os.path.realpath(directory / MANIFEST_FILE))
+
+
+def _read(directory: Path) -> tuple[Path, bytes, bytes]:
+    """(manifest path, manifest bytes, tensor bytes), each file read once, both from one save."""
+    for _ in range(LOAD_ATTEMPTS):
+        manifest = _manifest_path(directory)
+        try:
+            return manifest, manifest.read_bytes(), (manifest.parent / TENSOR_FILE).read_bytes()
+        except FileNotFoundError as missing:
+            if _manifest_path(directory) == manifest:  # no save replaced it meanwhile: it is really missing
+                raise ArtifactError(f"mapper artifact incomplete: {missing.filename} is missing") from None
+    raise ArtifactError(f"{directory} was replaced {LOAD_ATTEMPTS} times while loading it (concurrent saves)")
+
+
+def _holds(version: Path, manifest: bytes, tensors: bytes) -> bool:
+    """True when `version` already holds exactly these bytes."""
+    try:
+        return (version / VERSION_MANIFEST).read_bytes() == manifest and (version / TENSOR_FILE).read_bytes() == tensors
+    except OSError:
+        return False
+
+
+def _staging_prefix() -> str:
+    return f"{STAGING}{socket.gethostname()}-{os.getpid()}-"
+
+
+def _abandoned(name: str) -> bool:
+    """A staging entry whose writer (on this host) is gone."""
+    parts = name[len(STAGING) :].rsplit("-", 2)
+    if len(parts) != 3 or parts[0] != socket.gethostname() or not parts[1].isdigit():
+        return False
+    try:
+        os.kill(int(parts[1]), 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:
+        return False
+    return False
+
+
+def _sweep(folder: Path, keep: str | None) -> None:
+    """Remove abandoned staging entries of `folder`, and, when `keep` is given, every version but `keep`."""
+    for entry in folder.iterdir():
+        staging = entry.name.startswith(STAGING)
+        if (staging and _abandoned(entry.name)) or (keep is not None and not staging and entry.name != keep):
+            if entry.is_dir() and not entry.is_symlink():
+                shutil.rmtree(entry, ignore_errors=True)
+            else:
+                entry.unlink(missing_ok=True)
+
+
+def _link(path: Path, target: str) -> None:
+    """Point the symlink `path` at `target`, atomically (a new link renamed over the old one)."""
+    if path.is_symlink() and os.readlink(path) == target:
+        return
+    if path.is_dir() and not path.is_symlink():  # a copy that followed the links: the pointer became a directory
+        shutil.rmtree(path)
+    temporary = path.with_name(f"{_staging_prefix()}{os.urandom(6).hex()}")
+    os.symlink(target, temporary)
+    os.replace(temporary, path)
+
+
+def _fsync_directory(directory: Path) -> None:
+    descriptor = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(descriptor)
+    finally:
+        os.close(descriptor)
+
+
+@contextlib.contextmanager
+def _locked(directory: Path) -> Iterator[None]:
+    """An exclusive flock on `directory/.lock` (released by the kernel if the holder dies)."""
+    with (directory / LOCK).open("a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)

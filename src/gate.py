@@ -1,14 +1,19 @@
-"""Promotion gate: read the MLflow DB and judge each transfer direction.
+"""Promotion gate: judge ONE routed-workload run (src/routed.py) per workload and direction, everything measured in
+that run on that workload:
+  routed    the run is a routed workload run (tags job=routed, workload)
+  latency   ttft_speedup = end-to-end TTFT of the run's own handoffs, re-prefill / routed (median of paired ratios) ≥ 2
+  quality   every task's loss against the all-re-prefill session (the native target) ≤ 1 absolute point, printed with
+            its paired 95% CI; UNDERPOWERED (not a pass) when a CI's half-width exceeds 2 points — more items are
+            needed before PASS can be claimed; real pretrained weights only (random weights carry no quality evidence)
+  prefill   the prefill fraction the handoffs actually spent, printed (a run that re-prefills everything cannot
+            show the speedup)
+  rollback  rollback_verified = 1: every refusal kind replayed on the workload's items fell back to a bit-identical
+            re-prefill
+A criterion with no logged measurement is MISSING and fails: nothing passes by default. The run judged is the one
+given (--run), else the latest finished routed run of each (workload, direction) — never the best of several. The exit
+status is non-zero unless every judged run passes.
 
-A run (one operating point) passes when, all measured in that run:
-  latency   handoff_speedup = re-prefill p50 / apply p50 ≥ 2
-  quality   every task's loss against the native target ≤ 1 absolute point (`task.<name>.loss_points`),
-            measured on real pretrained weights (random-weight runs carry no quality evidence)
-  rollback  rollback_verified = 1 (unsafe caches fell back to a bit-identical target prefill)
-A criterion with no logged measurement is MISSING and fails: nothing passes by default. A direction
-passes when one of its runs passes every criterion; the exit status is non-zero otherwise.
-
-    python -m src.gate --experiment NAME [--parent RUN_ID] [--uri sqlite:///mlruns/mlflow.db]
+    python -m src.gate --experiment routed [--run RUN_ID] [--parent RUN_ID] [--uri sqlite:///mlruns/mlflow.db]
 """
 
 from __future__ import annotations
@@ -19,9 +24,10 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-import mlflow
 from omegaconf import OmegaConf
 
+CONF = Path(__file__).resolve().parents[1] / "conf"
+DEFAULTS = OmegaConf.load(CONF / "gate/default.yaml")  # the one home of every threshold's default
 TASK_PREFIX, TASK_SUFFIX = "task.", ".loss_points"
 
 
@@ -30,46 +36,88 @@ class Verdict:
     criterion: str
     measured: str
     threshold: str
-    status: str  # PASS, FAIL or MISSING
+    status: str  # PASS, FAIL, MISSING, UNDERPOWERED, or REPORTED (printed, not a criterion of its own)
+
+    @property
+    def passed(self) -> bool:
+        return self.status in ("PASS", "REPORTED")
 
 
-def judge_run(metrics: dict[str, float], tags: dict[str, str], min_speedup: float, max_loss: float) -> list[Verdict]:
-    """The three criteria for one run's metrics and tags."""
-    verdicts = []
-    speedup = metrics.get("handoff_speedup")
+def _losses(metrics: dict[str, float]) -> dict[str, tuple[float, float | None, float | None]]:
+    """task → (loss points, CI low, CI high) for every `task.<name>.loss_points` but the task mean."""
+    return {
+        key[len(TASK_PREFIX) : -len(TASK_SUFFIX)]: (
+            value,
+            metrics.get(key + "_low"),
+            metrics.get(key + "_high"),
+        )
+        for key, value in metrics.items()
+        if key.startswith(TASK_PREFIX) and key.endswith(TASK_SUFFIX) and key != "task.mean.loss_points"
+    }
+
+
+def _quality(metrics: dict[str, float], tags: dict[str, str], max_loss: float, max_half_width: float) -> Verdict:
+    criterion, threshold = "quality: loss vs all-re-prefill", f"≤ {max_loss} pt every task, CI ± ≤ {max_half_width}"
+    losses = _losses(metrics)
+    if tags.get("weights") != "real":
+        return Verdict(criterion, "random weights: no quality evidence", threshold, "MISSING")
+    if not losses:
+        return Verdict(criterion, "no task measured", threshold, "MISSING")
+    lines, failed, missing, wide = [], False, False, False
+    for task, (loss, low, high) in sorted(losses.items()):
+        if low is None or high is None:
+            missing = True
+            lines.append(f"{task} {loss:+.2f} (no CI)")
+            continue
+        finite = all(math.isfinite(x) for x in (loss, low, high))
+        failed |= not finite or loss > max_loss
+        wide |= finite and (high - low) / 2 > max_half_width
+        lines.append(f"{task} {loss:+.2f} [{low:+.2f}, {high:+.2f}]")
+    mean = [metrics.get(f"task.mean.loss_points{end}") for end in ("", "_low", "_high")]
+    if None not in mean:
+        lines.append("mean {:+.2f} [{:+.2f}, {:+.2f}]".format(*mean))
+    status = "FAIL" if failed else "MISSING" if missing else "UNDERPOWERED" if wide else "PASS"
+    return Verdict(criterion, "; ".join(lines), threshold, status)
+
+
+def judge_run(
+    metrics: dict[str, float],
+    tags: dict[str, str],
+    min_speedup: float | None = None,
+    max_loss: float | None = None,
+    max_half_width: float | None = None,
+) -> list[Verdict]:
+    """The criteria for one run's metrics and tags (thresholds default to conf/gate/default.yaml)."""
+    min_speedup = DEFAULTS.min_speedup if min_speedup is None else min_speedup
+    max_loss = DEFAULTS.max_loss_points if max_loss is None else max_loss
+    max_half_width = DEFAULTS.max_ci_half_width if max_half_width is None else max_half_width
+    routed = tags.get("job") == "routed" and bool(tags.get("workload"))
+    verdicts = [
+        Verdict(
+            "routed workload run",
+            f"job={tags.get('job')}, workload={tags.get('workload')}",
+            "job=routed",
+            "PASS" if routed else "MISSING",
+        )
+    ]
+    speedup = metrics.get("ttft_speedup")
+    status = "MISSING" if speedup is None else "PASS" if speedup >= min_speedup else "FAIL"  # nan fails
+    measured = "—" if speedup is None else f"{speedup:.2f}× (p50 {metrics.get('ttft.routed_ms_p50', math.nan):.1f} ms)"
+    verdicts.append(Verdict("latency: end-to-end TTFT speedup", measured, f"≥ {min_speedup}×", status))
+    verdicts.append(_quality(metrics, tags, max_loss, max_half_width))
+    fraction = metrics.get("prefill_fraction")
     verdicts.append(
         Verdict(
-            "latency: re-prefill / handoff",
-            "—" if speedup is None else f"{speedup:.2f}×",
-            f"≥ {min_speedup}×",
-            "MISSING" if speedup is None else ("PASS" if speedup >= min_speedup else "FAIL"),
+            "prefill fraction spent",
+            "—" if fraction is None else f"{fraction:.3f}",
+            "printed",
+            "MISSING" if fraction is None else "REPORTED",
         )
     )
-    losses = {
-        k[len(TASK_PREFIX) : -len(TASK_SUFFIX)]: v
-        for k, v in metrics.items()
-        if k.startswith(TASK_PREFIX) and k.endswith(TASK_SUFFIX)
-    }
-    if tags.get("weights") != "real" or not losses:
-        why = "random weights: no quality evidence" if tags.get("weights") != "real" else "no task measured"
-        verdicts.append(Verdict("quality: loss vs native target", why, f"≤ {max_loss} pt every task", "MISSING"))
-    elif not all(math.isfinite(v) for v in losses.values()):
-        broken = sorted(name for name, v in losses.items() if not math.isfinite(v))
-        verdicts.append(Verdict("quality: loss vs native target", f"non-finite: {broken}", f"≤ {max_loss} pt", "FAIL"))
-    else:
-        worst_task = max(losses, key=losses.get)
-        verdicts.append(
-            Verdict(
-                "quality: loss vs native target",
-                f"worst {worst_task} {losses[worst_task]:+.2f} pt",
-                f"≤ {max_loss} pt every task",
-                "PASS" if losses[worst_task] <= max_loss else "FAIL",
-            )
-        )
     rollback = metrics.get("rollback_verified")
     verdicts.append(
         Verdict(
-            "rollback to prefill",
+            "rollback on this workload",
             "—" if rollback is None else ("verified" if rollback == 1.0 else "broken"),
             "verified",
             "MISSING" if rollback is None else ("PASS" if rollback == 1.0 else "FAIL"),
@@ -78,50 +126,77 @@ def judge_run(metrics: dict[str, float], tags: dict[str, str], min_speedup: floa
     return verdicts
 
 
-def check(uri: str, experiment: str, parent: str | None, min_speedup: float, max_loss: float) -> int:
-    """Print each direction's best run against the gate; 0 when every direction passes, else 1."""
+def check(
+    uri: str,
+    experiment: str,
+    parent: str | None = None,
+    min_speedup: float | None = None,
+    max_loss: float | None = None,
+    max_half_width: float | None = None,
+    run: str | None = None,
+) -> int:
+    """Print the verdict of each judged run; 0 when every one passes, else 1."""
+    import mlflow
+
     mlflow.set_tracking_uri(uri)
     if mlflow.get_experiment_by_name(experiment) is None:
         print(f"gate: FAIL — no MLflow experiment {experiment!r} at {uri}")
         return 1
-    query = "tags.job = 'fit_eval'" + (f" and tags.mlflow.parentRunId = '{parent}'" if parent else "")
-    runs = mlflow.search_runs(experiment_names=[experiment], filter_string=query, output_format="list")
-    runs = [run for run in runs if run.info.status == "FINISHED"]
+    query = "tags.job = 'routed'" + (f" and tags.mlflow.parentRunId = '{parent}'" if parent else "")
+    runs = mlflow.search_runs(
+        experiment_names=[experiment],
+        filter_string=query,
+        output_format="list",
+        order_by=["attributes.start_time DESC"],
+    )
+    runs = [r for r in runs if r.info.status == "FINISHED" and (run is None or r.info.run_id == run)]
     if not runs:
-        print(f"gate: FAIL — no finished fit_eval runs in {experiment!r}" + (f" under {parent}" if parent else ""))
+        where = f" under {parent}" if parent else ""
+        print(f"gate: FAIL — no finished routed run{f' {run}' if run else 's'} in {experiment!r}{where}")
         return 1
-    by_direction: dict[str, list] = {}
-    for run in runs:
-        by_direction.setdefault(run.data.tags.get("direction", "unknown"), []).append(run)
+    groups: dict[tuple[str, str], list] = {}
+    for candidate in runs:  # newest first
+        key = (candidate.data.tags.get("workload", "unknown"), candidate.data.tags.get("direction", "unknown"))
+        groups.setdefault(key, []).append(candidate)
     failed = False
-    for direction, candidates in sorted(by_direction.items()):
-        judged = [(judge_run(r.data.metrics, r.data.tags, min_speedup, max_loss), r) for r in candidates]
-        verdicts, best = max(
-            judged, key=lambda j: (sum(v.status == "PASS" for v in j[0]), j[1].data.metrics.get("handoff_speedup", 0.0))
-        )
-        passed = all(v.status == "PASS" for v in verdicts)
+    for (workload, direction), candidates in sorted(groups.items()):
+        judged = candidates[0]
+        verdicts = judge_run(judged.data.metrics, judged.data.tags, min_speedup, max_loss, max_half_width)
+        passed = all(v.passed for v in verdicts)
         failed |= not passed
         print(
-            f"\n{direction}: {'PASS' if passed else 'FAIL'} — best of {len(candidates)} run(s): "
-            f"{best.info.run_name} ({best.info.run_id[:8]}, weights={best.data.tags.get('weights')})"
+            f"\n{workload} · {direction}: {'PASS' if passed else 'FAIL'} — run {judged.info.run_name} "
+            f"({judged.info.run_id[:8]}, weights={judged.data.tags.get('weights')}; latest of {len(candidates)}, "
+            "not the best)"
         )
         for v in verdicts:
-            print(f"  {v.status:<8} {v.criterion:<34} measured {v.measured:<38} threshold {v.threshold}")
+            print(f"  {v.status:<12} {v.criterion:<34} measured {v.measured}  (threshold {v.threshold})")
     print(f"\ngate: {'FAIL' if failed else 'PASS'}")
     return int(failed)
 
 
 def main() -> None:
-    conf = Path(__file__).resolve().parents[1] / "conf"
-    gate, tracking = OmegaConf.load(conf / "gate/default.yaml"), OmegaConf.load(conf / "tracking/mlflow.yaml")
+    tracking = OmegaConf.load(CONF / "tracking/mlflow.yaml")
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--experiment", required=True)
-    parser.add_argument("--parent", default=None, help="judge only the children of this (multirun) parent run")
+    parser.add_argument("--experiment", default=DEFAULTS.experiment)
+    parser.add_argument("--run", default=DEFAULTS.run, help="judge this run only")
+    parser.add_argument("--parent", default=DEFAULTS.parent, help="judge only the children of this (multirun) run")
     parser.add_argument("--uri", default=tracking.uri)
-    parser.add_argument("--min-speedup", type=float, default=gate.min_speedup)
-    parser.add_argument("--max-loss-points", type=float, default=gate.max_loss_points)
+    parser.add_argument("--min-speedup", type=float, default=DEFAULTS.min_speedup)
+    parser.add_argument("--max-loss-points", type=float, default=DEFAULTS.max_loss_points)
+    parser.add_argument("--max-ci-half-width", type=float, default=DEFAULTS.max_ci_half_width)
     args = parser.parse_args()
-    sys.exit(check(args.uri, args.experiment, args.parent, args.min_speedup, args.max_loss_points))
+    sys.exit(
+        check(
+            args.uri,
+            args.experiment,
+            args.parent,
+            args.min_speedup,
+            args.max_loss_points,
+            args.max_ci_half_width,
+            args.run,
+        )
+    )
 
 
 if __name__ == "__main__":

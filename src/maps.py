@@ -1,19 +1,25 @@
 """The map arithmetic every apply path shares (torch here, Triton in kernels/apply_map.py): which target
-layers go together, how one group of target layers is computed from the source's content rows, and the
-refusal type. Below both `src/apply.py` and `kernels/`, so neither imports the other's internals.
+layers go together, how one group of target layers is computed from the source's content rows; the refusal
+type, the cache types a map can read, and the check of everything a mapper carries. Below both `src/apply.py`
+and `kernels/`, so neither imports the other's internals.
 """
 
 from __future__ import annotations
 
 import torch
 from transformers import DynamicCache
+from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 
-from src.artifact import Mapper
-from src.support import gather_features, with_token_kv
+from src.artifact import COEFFICIENTS, Mapper
+from src.models import KVInterface
+from src.support import gather_features, token_width, with_token_kv
 
 
 class TransferError(ValueError):
     """This source cache cannot be mapped safely; the message names why. Callers roll back to prefill."""
+
+
+MAPPABLE_LAYERS = (DynamicLayer, DynamicSlidingWindowLayer)  # cache layer types whose (keys, values) are the cache
 
 
 def shares_heads(mapper: Mapper) -> bool:
@@ -42,7 +48,8 @@ def map_layers(
     layers = mapper.source_layers[group]  # [g, k]
     mapped = []
     for component, rows in (("k", source_k), ("v", source_v)):
-        x = with_token_kv(gather_features(rows, layers, heads), token_rows).to(mapper.weight_k.dtype)  # [g, H_t or 1, n, p]
+        x = with_token_kv(gather_features(rows, layers, heads), token_rows)  # [g, H_t or 1, n, p]
+        x = x.to(mapper.weight_k.dtype)
         weight = getattr(mapper, f"weight_{component}")[group]  # [g, H_t, p, d_t]
         bias = getattr(mapper, f"bias_{component}")[group]  # [g, H_t, d_t]
         if shared:
@@ -80,7 +87,85 @@ def map_rows(
 
 
 def cache_layers(cache) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """(K, V) per layer of a DynamicCache or legacy tuple cache, each [batch, kv_heads, seq, head_dim]."""
+    """(K, V) per layer of a DynamicCache (full or sliding-window layers) or of a list / tuple of (keys, values)
+    pairs, each [batch, kv_heads, seq, head_dim]. Any other cache type is refused (TransferError naming it): a
+    StaticCache pads to its maximum length, quantized and offloaded layers hold other data."""
     if isinstance(cache, DynamicCache):
+        for index, layer in enumerate(cache.layers):
+            if type(layer) not in MAPPABLE_LAYERS:
+                raise TransferError(
+                    f"source cache layer {index} is a {type(layer).__name__}; only "
+                    f"{' / '.join(kind.__name__ for kind in MAPPABLE_LAYERS)} layers can be mapped"
+                )
         return [(layer.keys, layer.values) for layer in cache.layers]
+    if not isinstance(cache, list | tuple):
+        raise TransferError(
+            f"source cache is a {type(cache).__name__}: pass a DynamicCache or a list of (keys, values) per layer"
+        )
+    for index, pair in enumerate(cache):
+        if not isinstance(pair, list | tuple) or len(pair) != 2:
+            raise TransferError(f"source cache layer {index} is a {type(pair).__name__}, not a (keys, values) pair")
     return [tuple(pair) for pair in cache]
+
+
+def dropped_tokens(cache) -> int:
+    """Tokens a sliding-window DynamicCache has already dropped (it holds the last ones only, so its first held
+    token sits at this position); 0 for a list of (keys, values), whose positions are the caller's to give."""
+    if not isinstance(cache, DynamicCache):
+        return 0
+    return max(
+        (
+            layer.cumulative_length - layer.keys.shape[-2]
+            for layer in cache.layers
+            if isinstance(layer, DynamicSlidingWindowLayer) and layer.is_initialized
+        ),
+        default=0,
+    )
+
+
+def check_mapper(mapper: Mapper, source: KVInterface, target: KVInterface) -> None:
+    """Refuse a mapper whose contents this pair cannot use: index dtypes, shapes and ranges, coefficient dtypes,
+    shapes and finiteness. The message names the field."""
+    if not isinstance(mapper, Mapper):
+        raise TransferError(f"mapper is a {type(mapper).__name__}, not a src.artifact.Mapper")
+    if not isinstance(mapper.manifest, dict):
+        raise TransferError(f"mapper manifest is a {type(mapper.manifest).__name__}, not a dict")
+    for name, t in mapper.tensors().items():
+        if not isinstance(t, torch.Tensor):
+            raise TransferError(f"mapper {name} is a {type(t).__name__}, not a tensor")
+        if t.layout != torch.strided or t.is_nested or t.device.type == "meta":
+            raise TransferError(f"mapper {name} is not a dense tensor with data ({t.layout}, {t.device})")
+    bounds = {
+        "source_layers": (target.num_layers, source.num_layers),
+        "head_index": (target.num_kv_heads, source.num_kv_heads),
+    }
+    for name, (rows, bound) in bounds.items():
+        t = getattr(mapper, name)
+        if t.dtype.is_floating_point or t.dtype.is_complex or t.dtype == torch.bool:
+            raise TransferError(f"mapper {name} is {t.dtype}: indices must be integers")
+        if t.dim() != 2 or t.shape[0] != rows or t.shape[1] == 0:
+            raise TransferError(f"mapper {name} has shape {tuple(t.shape)}, expected [{rows}, ≥ 1]")
+        low, high = int(t.min()), int(t.max())
+        if low < 0 or high >= bound:
+            raise TransferError(f"mapper {name} holds indices {low}..{high}, outside [0, {bound})")
+    expected = (target.num_layers, target.num_kv_heads)
+    weight_k = mapper.weight_k
+    if weight_k.dim() != 4 or tuple(weight_k.shape[:2]) != expected or weight_k.shape[-1] != target.head_dim:
+        raise TransferError(f"mapper shape {tuple(mapper.weight_k.shape)} does not fit the target's KV interface")
+    width = mapper.source_layers.shape[1] * mapper.head_index.shape[1] * source.head_dim
+    width += token_width(target.num_kv_heads, target.head_dim) if mapper.token_features else 0
+    for name in COEFFICIENTS:
+        t = getattr(mapper, name)
+        if not t.dtype.is_floating_point:
+            raise TransferError(f"mapper {name} is {t.dtype}: coefficients must be floating point")
+        if name.startswith("weight") and t.dim() == 4 and t.shape[2] != width:
+            raise TransferError(
+                f"mapper {name} reads {t.shape[2]} features, its layers, heads and token features make {width}"
+            )
+        shape = (*expected, width, target.head_dim) if name.startswith("weight") else (*expected, target.head_dim)
+        if tuple(t.shape) != shape:
+            raise TransferError(f"mapper {name} has shape {tuple(t.shape)}, expected {shape}")
+        finite = torch.isfinite(t)
+        if not bool(finite.all()):
+            where = tuple(int(i) for i in (~finite).nonzero()[0])
+            raise TransferError(f"mapper {name} contains NaN or Inf (first at {where})")

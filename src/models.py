@@ -5,6 +5,7 @@ Every other stage reads model differences from `KVInterface`, never from a model
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -146,14 +147,63 @@ def weight_hash(model: PreTrainedModel) -> str:
         return hashlib.sha256(b"".join(pool.map(_tensor_digest, items))).hexdigest()
 
 
+CHECKSUM_WORDS = 1 << 12  # int32 words per row of the checksum matrix
+
+
+@functools.cache
+def _odd_words(count: int, seed: int, device: torch.device) -> torch.Tensor:
+    """`count` fixed pseudo-random odd int32 weights on `device` (odd: invertible mod 2³²)."""
+    generator = torch.Generator().manual_seed(seed)
+    return (torch.randint(-(2**31), 2**31 - 1, (count,), dtype=torch.int32, generator=generator) | 1).to(device)
+
+
+def _row_hash(words: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """words [R, C] int32 · weights [C] → [R], wrapping mod 2³². CPU: one int32 GEMV; elsewhere (no integer
+    GEMV on CUDA) a product and a sum per block of 4,096 rows (64 MiB of temporaries at most)."""
+    if words.device.type == "cpu":
+        return words @ weights
+    return torch.cat([(block * weights).sum(-1, dtype=torch.int32) for block in words.split(1 << 12)])
+
+
+def content_checksum(tensor: torch.Tensor) -> torch.Tensor:
+    """A random linear hash mod 2³² of the tensor's bytes, computed on its own device: Σᵢⱼ xᵢⱼ·rⱼ·sᵢ over its
+    bytes read as int32 words x [R, C] (odd fixed weights r, s). Any change of one word always changes it; any
+    other change is missed with probability ≈ 2⁻³². Returns a 0-dim int32 tensor (no device sync)."""
+    data = tensor.detach().contiguous().reshape(-1).view(torch.uint8)  # [bytes]
+    if data.storage_offset() % 4:
+        data = data.clone()
+    block = 4 * CHECKSUM_WORDS
+    full = data.numel() // block * block
+    rows = [data[:full].view(torch.int32).view(-1, CHECKSUM_WORDS)]  # [R, C]
+    if full < data.numel():  # the tail, zero-padded to one row (the shape is part of the probe)
+        tail = torch.zeros(block, dtype=torch.uint8, device=data.device)
+        tail[: data.numel() - full] = data[full:]
+        rows.append(tail.view(torch.int32)[None])
+    words = _odd_words(CHECKSUM_WORDS, 0, data.device)
+    per_row = torch.cat([_row_hash(r, words) for r in rows])  # [R]
+    count = 1 << max(per_row.numel() - 1, 0).bit_length()  # row weights cached per power of two
+    return _row_hash(per_row[None], _odd_words(count, 1, data.device)[: per_row.numel()])[0]
+
+
+def _probe(model: PreTrainedModel) -> tuple:
+    """What the cached fingerprint is valid for: the config hash and every state tensor's name, dtype, shape,
+    device and content checksum (one device sync for all of them)."""
+    state = model.state_dict()
+    sums = torch.stack([content_checksum(t).cpu() for t in state.values()]).tolist() if state else []
+    described = [(name, str(t.dtype), tuple(t.shape), str(t.device)) for name, t in state.items()]
+    return config_hash(model), tuple(zip(described, sums, strict=True))
+
+
 def fingerprint(model: PreTrainedModel) -> str:
-    """Identity of a model = hash(config) + hash(weights). Cached on the model and recomputed when the
-    config or any tensor's in-place version counter changes."""
-    state = (config_hash(model), tuple(t._version for t in model.state_dict().values()))
+    """Identity of a model = sha256(config hash + weight hash). The full hash is cached on the model and reused
+    only while a content checksum of every tensor (`content_checksum`, read on each call, on the tensor's device)
+    is unchanged, so weights replaced or edited in any way (`load_state_dict`, `p.data = …`, `p.data.copy_(…)`,
+    writes through numpy views) are noticed."""
+    probe = _probe(model)
     cached = getattr(model, "_kvrelay_fingerprint", None)
-    if cached is None or cached[0] != state:
-        digest = hashlib.sha256((state[0] + weight_hash(model)).encode()).hexdigest()
-        model._kvrelay_fingerprint = cached = (state, digest)
+    if cached is None or cached[0] != probe:
+        digest = hashlib.sha256((probe[0] + weight_hash(model)).encode()).hexdigest()
+        model._kvrelay_fingerprint = cached = (probe, digest)
     return cached[1]
 
 
@@ -172,6 +222,29 @@ def vocabulary_hash(model: PreTrainedModel) -> str:
     return hashlib.sha256(f"vocab_size={model.config.get_text_config().vocab_size}".encode()).hexdigest()
 
 
+def check_model(kv: KVInterface, role: str, allow_sliding_window: bool = False) -> None:
+    """Refuse a model whose cache cannot be mapped token by token (family, MLA, hybrid layers, sliding window
+    unless allowed, unknown RoPE layout); `role` ("source" / "target") names it in the message."""
+    if kv.family not in SUPPORTED_FAMILIES:
+        raise IncompatiblePairError(
+            f"{role} model family {kv.family!r} is not supported (supported: {', '.join(SUPPORTED_FAMILIES)})"
+        )
+    if kv.kv_lora_rank is not None:
+        raise IncompatiblePairError(f"{role} model uses latent (MLA) attention; its cache is not per-head K/V")
+    kinds = set(kv.layer_types)
+    if len(kinds) > 1:
+        raise IncompatiblePairError(
+            f"{role} model is hybrid ({sorted(kinds)}): per-layer cache kinds differ; not supported"
+        )
+    if (kinds != {"full_attention"} or kv.sliding_window is not None) and not allow_sliding_window:
+        raise IncompatiblePairError(
+            f"{role} model uses sliding-window attention (window {kv.sliding_window}): refused by default; "
+            "set allow_sliding_window=true to map it (the target cache then keeps only the window)"
+        )
+    if kv.rope_layout not in ("half", "interleaved"):
+        raise IncompatiblePairError(f"{role} model RoPE layout {kv.rope_layout!r} is unknown")
+
+
 def check_compatible(
     source: KVInterface,
     target: KVInterface,
@@ -185,26 +258,8 @@ def check_compatible(
             f"tokenizers differ (source {source_tokenizer_hash[:12]} vs target {target_tokenizer_hash[:12]}): "
             "cross-model transfer needs identical token ids for the shared prefix"
         )
-    for role, kv in (("source", source), ("target", target)):
-        if kv.family not in SUPPORTED_FAMILIES:
-            raise IncompatiblePairError(
-                f"{role} model family {kv.family!r} is not supported (supported: {', '.join(SUPPORTED_FAMILIES)})"
-            )
-        if kv.kv_lora_rank is not None:
-            raise IncompatiblePairError(f"{role} model uses latent (MLA) attention; its cache is not per-head K/V")
-        kinds = set(kv.layer_types)
-        if len(kinds) > 1:
-            raise IncompatiblePairError(
-                f"{role} model is hybrid ({sorted(kinds)}): per-layer cache kinds differ; not supported"
-            )
-        if kinds != {"full_attention"} or kv.sliding_window is not None:
-            if not allow_sliding_window:
-                raise IncompatiblePairError(
-                    f"{role} model uses sliding-window attention (window {kv.sliding_window}): refused by default; "
-                    "set allow_sliding_window=true to map it (the target cache then keeps only the window)"
-                )
-        if kv.rope_layout not in ("half", "interleaved"):
-            raise IncompatiblePairError(f"{role} model RoPE layout {kv.rope_layout!r} is unknown")
+    check_model(source, "source", allow_sliding_window)
+    check_model(target, "target", allow_sliding_window)
 
 
 @dataclass

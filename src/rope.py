@@ -12,9 +12,15 @@ import torch
 
 def rope_cos_sin(rotary_emb: torch.nn.Module, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """cos, sin: [B, 1, T, rope_dim] in float32 for positions [B, T] (or [T]), attention_scaling included."""
+    inv_freq = getattr(rotary_emb, "inv_freq", None)
+    if not isinstance(inv_freq, torch.Tensor):  # Gemma 3: `{layer_type}_inv_freq`, forward(x, positions, layer_type)
+        raise ValueError(
+            f"{type(rotary_emb).__name__} has no single `inv_freq` table (one per layer type, Gemma-3 style): "
+            "per-layer-type RoPE is not supported (load_pair, KVTransfer and collect_traces refuse such models)"
+        )
     if positions.dim() == 1:
         positions = positions[None]
-    anchor = torch.empty(0, dtype=torch.float32, device=rotary_emb.inv_freq.device)
+    anchor = torch.empty(0, dtype=torch.float32, device=inv_freq.device)
     cos, sin = rotary_emb(anchor, positions.to(anchor.device))  # [B, T, rope_dim]
     return cos[:, None].float(), sin[:, None].float()
 

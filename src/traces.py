@@ -17,9 +17,9 @@ import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
 from tqdm import tqdm
-from transformers import PreTrainedModel
+from transformers import DynamicCache, PreTrainedModel
 
-from src.models import KVInterface, describe_kv
+from src.models import KVInterface, check_model, describe_kv
 from src.rope import apply_rope, remove_rope, rope_cos_sin
 
 
@@ -145,13 +145,14 @@ def attention_sensitivity(
     boundaries: list[int],
     eligible: torch.Tensor,
     softmax_scale: float,
+    window: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Raw Attn-Repair weights for one target layer, r^K and r^V: [B, H_kv, T].
 
     query [B, H_q, T, d] and key [B, H_kv, T, d] carry RoPE; value [B, H_kv, T, d]; eligible [T] bool
     marks sampled positions. At each boundary c the first future query (position c) attends causally
-    to 0..c; sensitivities of eligible prefix positions i < c get unit mass per (head, component,
-    boundary), and boundaries are summed with equal mass.
+    to 0..c (to c−window+1..c with a sliding `window`, as the model does); sensitivities of eligible prefix
+    positions i < c get unit mass per (head, component, boundary), and boundaries are summed with equal mass.
     """
     batch, q_heads, _, head_dim = query.shape
     kv_heads = key.shape[1]
@@ -162,6 +163,8 @@ def attention_sensitivity(
     v = value.float().repeat_interleave(group, dim=1)  # [B, H_q, T, d]
     positions = torch.arange(key.shape[2], device=query.device)
     causal = positions[None, :] <= c[:, None]  # [C, T]
+    if window is not None:
+        causal &= positions[None, :] > c[:, None] - window
     scores = (q @ k.transpose(-1, -2)) * softmax_scale  # [B, H_q, C, T]
     a = scores.masked_fill(~causal, float("-inf")).softmax(dim=-1)  # [B, H_q, C, T]
     o = a @ v  # [B, H_q, C, d]
@@ -188,9 +191,14 @@ def collect_traces(
 ) -> Traces:
     """Run calibration ids [N, T] through both models and keep every `stride`-th position's K/V.
 
-    attention_boundaries > 0 also computes the target's raw Attn-Repair sensitivities.
+    attention_boundaries > 0 also computes the target's raw Attn-Repair sensitivities. Sliding-window models (the
+    `allow_sliding_window` opt-in) work at any length: the forward keeps every position's K/V (a full cache; the
+    attention mask stays the model's own) and the sensitivities use the window. Models no map can serve (hybrid
+    layers, MLA, per-layer-type RoPE, unsupported families) are refused up front (IncompatiblePairError).
     """
     source_kv, target_kv = describe_kv(source), describe_kv(target)
+    check_model(source_kv, "source", allow_sliding_window=True)
+    check_model(target_kv, "target", allow_sliding_window=True)
     num_sequences, seq_len = sequences.shape
     sampled = torch.arange(0, seq_len, stride)
     eligible = torch.zeros(seq_len, dtype=torch.bool)
@@ -205,7 +213,9 @@ def collect_traces(
             roles = ((source, source_kv, ("sk", "sv"), False), (target, target_kv, ("tk", "tv"), True))
             for model, kv, keys, is_target in roles:  # source and target may be one model (self-transfer)
                 device = next(model.parameters()).device
-                cache = model(ids.to(device), use_cache=True).past_key_values
+                # a cache of full layers keeps all T positions even for a sliding-window model (its own cache
+                # would keep the last window − 1 only); the attention itself is unchanged
+                cache = model(ids.to(device), use_cache=True, past_key_values=DynamicCache()).past_key_values
                 layers = content_kv(model, kv, cache, positions.to(device))
                 for name, index in zip(keys, (0, 1), strict=True):
                     rows = torch.stack([layer[index][:, :, sampled.to(device)] for layer in layers])  # [L, B, H, t, d]
@@ -220,6 +230,7 @@ def collect_traces(
                             boundaries,
                             eligible.to(device),
                             kv.attention_softmax_scale,
+                            kv.sliding_window,
                         )
                         for layer_idx, layer in enumerate(cache.layers)
                     ]

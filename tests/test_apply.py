@@ -16,10 +16,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from transformers import DynamicCache, EncoderDecoderCache, StaticCache
 
 from src.apply import KVTransfer
 from src.fit import fit_transfer
-from src.forward import prefill
+from src.forward import prefill, prefill_layers
 from src.handoff import Levers, handoff, spent
 from src.maps import TransferError
 from src.models import load_model, load_tokenizer, tokenizer_hash, vocabulary_hash
@@ -133,10 +134,10 @@ def test_relocated_positions_self_transfer(family):
 
 
 @functools.cache
-def _twisted_transfer(family: str) -> KVTransfer:
+def _twisted_transfer(family: str, **overrides) -> KVTransfer:
     """S → T where T is S with its last layer's content keys linearly mixed per head (k ↦ M_h k, M_h not a
     rotation, so it does not commute with RoPE): an exact affine pair whose map depends on positions."""
-    source, target = tiny(family), tiny(family)
+    source, target = tiny(family, **overrides), tiny(family, **overrides)
     generator = torch.Generator().manual_seed(4)
     attention = target.model.layers[-1].self_attn
     with torch.no_grad():
@@ -339,26 +340,38 @@ def _corrupt(mapper, name, index, value):
 
 
 @pytest.mark.parametrize(
-    "name,index,value,layer",
+    "name,index,value",
     [
-        ("weight_k", (1, 0, 3, 5), float("nan"), 1),
-        ("weight_v", (2, 1, 0, 0), float("nan"), 2),
-        ("bias_k", (0, 1, 7), float("nan"), 0),
-        ("bias_v", (1, 0, 2), float("inf"), 1),
+        ("weight_k", (1, 0, 3, 5), float("nan")),
+        ("weight_v", (2, 1, 0, 0), float("nan")),
+        ("bias_k", (0, 1, 7), float("nan")),
+        ("bias_v", (1, 0, 2), float("inf")),
     ],
 )
-def test_corrupt_mapper_coefficient_is_refused(name, index, value, layer):
+def test_corrupt_mapper_coefficient_is_refused_at_construction(name, index, value):
     good = _self_transfer("llama")
     model = good.target
-    token_hash = vocabulary_hash(model)
     corrupt = _corrupt(good.mapper, name, index, value)
     assert torch.isfinite(getattr(good.mapper, name)).all()  # the shared mapper is untouched
-    transfer = KVTransfer(corrupt, model, model, token_hash)
+    with pytest.raises(TransferError, match=re.escape(f"mapper {name} contains NaN or Inf (first at {index})")):
+        KVTransfer(corrupt, model, model, vocabulary_hash(model))
+
+
+def _overflowing(mapper):
+    """Finite coefficients whose map overflows float32 in target layer 1 (caught per call, not at construction)."""
+    return _corrupt(mapper, "weight_v", (1,), 3e38)
+
+
+@pytest.mark.parametrize("backend", ["torch", "auto"])
+def test_non_finite_mapped_layer_is_refused_and_rolled_back(backend):
+    good = _self_transfer("llama")
+    model = good.target
+    transfer = KVTransfer(_overflowing(good.mapper), model, model, vocabulary_hash(model), backend=backend)
     prefix = _prompt()[:, :-1]
-    with pytest.raises(TransferError, match=rf"mapped target layer {layer} is not finite"):
+    with pytest.raises(TransferError, match=r"mapped target layer 1 is not finite"):
         transfer(prefill(model, prefix))
     result = handoff(transfer, prefill(model, prefix), prefix)
-    assert result.mode == "prefill" and f"mapped target layer {layer}" in result.reason
+    assert result.mode == "prefill" and "mapped target layer 1" in result.reason
     _assert_cache_equal(result.cache, prefill(model, prefix))
 
 
@@ -408,7 +421,7 @@ def test_fused_backend_matches_the_torch_path_or_refuses(backend):
     fused = KVTransfer(torch_path.mapper, model, model, vocabulary_hash(model), backend=backend)
     source = prefill(model, _prompt(batch=2))
     if backend == "triton" and fused.device.type == "cpu":
-        with pytest.raises(ValueError, match="Triton path unavailable"):
+        with pytest.raises(TransferError, match="Triton path unavailable"):  # a refusal: handoff rolls back
             fused(source)
         return
     _assert_cache_close(fused(source), torch_path(source), tol=1e-6)
@@ -417,14 +430,9 @@ def test_fused_backend_matches_the_torch_path_or_refuses(backend):
     )
 
 
-def test_fused_backend_refuses_non_finite_coefficients_and_unknown_backends():
+def test_fused_backend_refuses_unknown_backends():
     torch_path = _self_transfer("llama")
     model = torch_path.target
-    broken = replace(torch_path.mapper, weight_v=torch_path.mapper.weight_v.clone())
-    broken.weight_v[1, 0, 0, 0] = float("nan")
-    fused = KVTransfer(broken, model, model, vocabulary_hash(model), backend="auto")
-    with pytest.raises(TransferError, match="mapped target layer 1 is not finite"):
-        fused(prefill(model, _prompt()))
     with pytest.raises(ValueError, match="apply backend must be one of"):
         KVTransfer(torch_path.mapper, model, model, vocabulary_hash(model), backend="cuda")
 
@@ -447,3 +455,245 @@ def test_real_smollm2_self_transfer_reproduces_greedy_decoding():
     native_tokens, _ = _greedy(model, prefill(model, prompt[:, :-1]), prompt[:, -1:])
     mapped_tokens, _ = _greedy(model, transfer(prefill(model, prompt[:, :-1])), prompt[:, -1:])
     assert mapped_tokens.tolist() == native_tokens.tolist()
+
+
+# --------------------------------------------------------------------------- inputs the map cannot read (issue 11)
+
+
+def _refused_and_rolled_back(transfer: KVTransfer, cache, prefix: torch.Tensor, message: str, **kwargs) -> None:
+    with pytest.raises(TransferError, match=message):
+        transfer(cache, **kwargs)
+    result = handoff(transfer, cache, prefix)
+    assert result.mode == "prefill" and re.search(message, result.reason), result.reason
+    _assert_cache_equal(result.cache, prefill(transfer.target, prefix))
+
+
+def _foreign_caches(model, prefix):
+    static = StaticCache(config=model.config, max_cache_len=32)
+    with torch.no_grad():
+        model(prefix, past_key_values=static, use_cache=True)
+    native = prefill(model, prefix)
+    layers = _source_layers(native)
+    return {
+        "static": (static, "source cache is a StaticCache"),
+        "encoder_decoder": (EncoderDecoderCache(prefill(model, prefix), DynamicCache()), "is a EncoderDecoderCache"),
+        "none": (None, "source cache is a NoneType"),
+        "stacked_tensor": (torch.stack([torch.stack(pair) for pair in layers]), "source cache is a Tensor"),
+        "not_a_pair": ([k for k, _ in layers], r"source cache layer 0 is a Tensor, not a \(keys, values\) pair"),
+        "empty_later_layers": (prefill_layers(model, prefix, 1), "layer 1 keys is a NoneType, not a tensor"),
+        "sparse": ([(k.to_sparse(), v) for k, v in layers], "layer 0 keys is torch.sparse_coo: only dense"),
+        "empty": ([(k[:, :, :0], v[:, :, :0]) for k, v in layers], r"source cache is empty: shape \(1, 2, 0, 16\)"),
+        "meta": ([(k.to("meta"), v.to("meta")) for k, v in layers], "layer 0 keys is on meta"),
+    }
+
+
+@pytest.mark.parametrize(
+    "case",
+    [
+        "static",
+        "encoder_decoder",
+        "none",
+        "stacked_tensor",
+        "not_a_pair",
+        "empty_later_layers",
+        "sparse",
+        "empty",
+        "meta",
+    ],
+)
+def test_foreign_cache_types_and_layouts_are_refused(case):
+    transfer = _self_transfer("llama")
+    prefix = _prompt()[:, :-1]
+    cache, message = _foreign_caches(transfer.source, prefix)[case]
+    _refused_and_rolled_back(transfer, cache, prefix, message)
+
+
+def test_odd_strides_map_like_contiguous_caches():
+    """Non-contiguous views (head-major storage, a broadcast batch) are read, not refused, and map exactly
+    like their contiguous copies."""
+    transfer = _self_transfer("qwen2")
+    layers = _source_layers(prefill(transfer.source, _prompt()))
+    strided = [
+        (k.transpose(1, 2).contiguous().transpose(1, 2), v.transpose(1, 2).contiguous().transpose(1, 2))
+        for k, v in layers
+    ]
+    assert not strided[0][0].is_contiguous()
+    _assert_cache_equal(transfer(strided), transfer(layers))
+    broadcast = [(k.expand(3, -1, -1, -1), v.expand(3, -1, -1, -1)) for k, v in layers]  # stride 0 over the batch
+    mapped, single = transfer(broadcast), transfer(layers)
+    for a, b in zip(mapped.layers, single.layers, strict=True):
+        assert torch.equal(a.keys, b.keys.expand(3, -1, -1, -1)) and torch.equal(
+            a.values, b.values.expand(3, -1, -1, -1)
+        )
+
+
+@pytest.mark.parametrize(
+    "positions,message",
+    [
+        (torch.arange(19.0), r"positions are torch\.float32, expected integers"),
+        (torch.arange(-1, 18), "positions must be ≥ 0, the smallest is -1"),
+        (torch.arange(19)[None], r"positions have shape \(1, 19\), expected \[19\]"),
+        (list(range(19)), "positions is a list"),
+        (torch.arange(19) > 3, "positions are torch.bool"),
+    ],
+)
+def test_bad_positions_are_refused(positions, message):
+    transfer = _self_transfer("llama")
+    with pytest.raises(TransferError, match=message):
+        transfer(prefill(transfer.source, _prompt()[:, :-1]), positions=positions)
+
+
+@pytest.mark.parametrize(
+    "ids,message",
+    [
+        (lambda p: p.float(), r"input_ids are torch\.float32"),
+        (lambda p: p + 96, r"input_ids hold ids \d+\.\.\d+, outside the vocabulary \[0, 96\)"),
+        (lambda p: p - 200, "outside the vocabulary"),
+        (lambda p: p[:, 1:], r"input_ids shape \(1, 18\) ≠ the source cache's \(1, 19\)"),
+        (lambda p: p.repeat(2, 1), r"input_ids shape \(2, 19\)"),  # wrong batch
+    ],
+)
+def test_bad_input_ids_are_refused(ids, message):
+    transfer = _self_transfer("llama")
+    prefix = _prompt()[:, :-1]
+    with pytest.raises(TransferError, match=message):
+        transfer(prefill(transfer.source, prefix), input_ids=ids(prefix))
+
+
+def _with(mapper, **fields):
+    return replace(mapper, **fields)
+
+
+MAPPER_FIELDS = {
+    "negative_layer": (
+        lambda m: _with(m, source_layers=m.source_layers - 1),
+        r"source_layers holds indices -1\.\.1, outside \[0, 3\)",
+    ),
+    "layer_out_of_range": (
+        lambda m: _with(m, source_layers=m.source_layers + 1),
+        r"source_layers holds indices 1\.\.3, outside \[0, 3\)",
+    ),
+    "negative_head": (
+        lambda m: _with(m, head_index=m.head_index - 2),
+        r"head_index holds indices -2\.\.-1, outside \[0, 2\)",
+    ),
+    "head_out_of_range": (
+        lambda m: _with(m, head_index=m.head_index + 1),
+        r"head_index holds indices 1\.\.2, outside \[0, 2\)",
+    ),
+    "float_layers": (
+        lambda m: _with(m, source_layers=m.source_layers.float()),
+        "source_layers is torch.float32: indices must be integers",
+    ),
+    "bool_heads": (
+        lambda m: _with(m, head_index=m.head_index.bool()),
+        "head_index is torch.bool: indices must be integers",
+    ),
+    "layer_rows": (
+        lambda m: _with(m, source_layers=m.source_layers[:2]),
+        r"source_layers has shape \(2, 1\), expected \[3, ≥ 1\]",
+    ),
+    "head_rows": (lambda m: _with(m, head_index=m.head_index[:, :0]), r"head_index has shape \(2, 0\)"),
+    "int_weights": (
+        lambda m: _with(m, weight_v=m.weight_v.long()),
+        "weight_v is torch.int64: coefficients must be floating point",
+    ),
+    "bias_shape": (
+        lambda m: _with(m, bias_k=m.bias_k[..., :8]),
+        r"bias_k has shape \(3, 2, 8\), expected \(3, 2, 16\)",
+    ),
+    "sparse_weights": (lambda m: _with(m, weight_k=m.weight_k.to_sparse()), "weight_k is not a dense tensor"),
+    "list_bias": (lambda m: _with(m, bias_v=m.bias_v.tolist()), "bias_v is a list, not a tensor"),
+    "inf_bias": (
+        lambda m: _with(m, bias_v=m.bias_v.clone().fill_(float("inf"))),
+        r"bias_v contains NaN or Inf \(first at \(0, 0, 0\)\)",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", sorted(MAPPER_FIELDS))
+def test_bad_mapper_fields_are_refused_at_construction(case):
+    good = _self_transfer("llama")
+    model = good.target
+    edit, message = MAPPER_FIELDS[case]
+    with pytest.raises(TransferError, match=message):
+        KVTransfer(edit(good.mapper), model, model, vocabulary_hash(model))
+
+
+def test_narrow_index_and_wide_coefficient_dtypes_map_like_the_originals():
+    good = _self_transfer("llama")
+    model = good.target
+    other = replace(
+        good.mapper, source_layers=good.mapper.source_layers.int(), head_index=good.mapper.head_index.to(torch.uint8)
+    )
+    cache = prefill(model, _prompt())
+    _assert_cache_equal(KVTransfer(other, model, model, vocabulary_hash(model))(cache), good(cache))
+    wide = replace(good.mapper, weight_k=good.mapper.weight_k.double(), weight_v=good.mapper.weight_v.double())
+    _assert_cache_equal(KVTransfer(wide, model, model, vocabulary_hash(model))(cache), good(cache))
+
+
+def test_sliding_window_opt_in_traces_and_window_positions():
+    """A sliding-window pair (window 8) calibrated on 48-token sequences (longer than the window: the opt-in path
+    of issue 11); a source cache that has dropped tokens is refused without its positions and mapped exactly at
+    them; a prefix inside the window maps to the target's own (windowed) cache."""
+    transfer = _twisted_transfer("mistral", sliding_window=8)
+    prompt = _prompt()  # 20 tokens: the sliding cache keeps the last 7
+    source = prefill(transfer.source, prompt)
+    own = prefill(transfer.target, prompt)
+    assert source.layers[0].keys.shape[2] == 7 and source.layers[0].cumulative_length == 20
+    _refused_and_rolled_back(
+        transfer, source, prompt, r"sliding window holding the last 7 of 20 tokens: pass .* \(13\.\.19\)"
+    )
+    mapped = transfer(source, positions=torch.arange(13, 20))
+    for a, b in zip(mapped.layers, own.layers, strict=True):
+        torch.testing.assert_close(a.keys, b.keys, rtol=0, atol=CACHE_TOL)
+        torch.testing.assert_close(a.values, b.values, rtol=0, atol=CACHE_TOL)
+    wrong = transfer(_source_layers(source))  # a plain list carries no window: positions 0..6 are assumed
+    assert float((wrong.layers[-1].keys - own.layers[-1].keys).abs().max()) > 1e-2
+    short = _prompt(length=6)
+    _assert_cache_close(transfer(prefill(transfer.source, short)), prefill(transfer.target, short))
+
+
+class _PerTypeRotary(torch.nn.Module):
+    """A Gemma-3-style rotary module: one frequency table per layer type, no `inv_freq`."""
+
+    def __init__(self, rotary):
+        super().__init__()
+        self.register_buffer("full_attention_inv_freq", rotary.inv_freq.clone(), persistent=False)
+        self.full_attention_attention_scaling = rotary.attention_scaling
+
+    def forward(self, x, position_ids, layer_type):
+        raise AssertionError("never called: refused before")
+
+
+def test_per_layer_type_rotary_refused_up_front():
+    good = _self_transfer("qwen2")
+    model = tiny("qwen2")  # same weights (fingerprint) as good's model, own modules
+    model.model.rotary_emb = _PerTypeRotary(model.model.rotary_emb)
+    with pytest.raises(TransferError, match="source model cannot be mapped: _PerTypeRotary has no single `inv_freq`"):
+        KVTransfer(good.mapper, model, model, vocabulary_hash(model))
+
+
+def test_a_failure_no_check_foresaw_is_still_a_refusal(monkeypatch):
+    """Whatever raises inside the apply path surfaces as a TransferError (named as unexpected), so handoff rolls
+    back instead of raising."""
+    import src.apply
+
+    transfer = _self_transfer("llama")
+    prefix = _prompt()[:, :-1]
+
+    def broken(*args, **kwargs):
+        raise IndexError("index 7 is out of bounds")
+
+    monkeypatch.setattr(src.apply, "map_layers", broken)
+    with pytest.raises(TransferError, match=r"unexpected failure while mapping .*IndexError: index 7") as refusal:
+        transfer(prefill(transfer.source, prefix))
+    assert str(refusal.value).startswith(src.apply.UNEXPECTED)
+    _refused_and_rolled_back(transfer, prefill(transfer.source, prefix), prefix, "IndexError")
+
+
+@pytest.mark.parametrize("layers", [0, -1, 4])
+def test_prefill_layers_refuses_a_depth_the_model_does_not_have(layers):
+    model = _self_transfer("llama").target  # 3 layers
+    with pytest.raises(ValueError, match=rf"1 ≤ layers ≤ 3, got {layers}"):
+        prefill_layers(model, _prompt(), layers)

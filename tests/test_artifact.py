@@ -9,16 +9,20 @@ import safetensors
 import torch
 import transformers
 from conftest import calibration_ids, tiny
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save
 
 from src.apply import KVTransfer
 from src.artifact import (
     MANIFEST_FILE,
+    POINTER,
     SCHEMA_VERSION,
     TENSOR_FILE,
+    VERSION_MANIFEST,
     ArtifactError,
     Mapper,
+    artifact_exists,
     load_mapper,
+    publish,
     save_mapper,
 )
 from src.fit import fit_transfer
@@ -50,7 +54,7 @@ def saved(pair, tmp_path_factory):
 @pytest.fixture
 def artifact(saved, tmp_path):
     """A private copy of the saved artifact that a test may damage."""
-    return shutil.copytree(saved, tmp_path / "artifact")
+    return shutil.copytree(saved, tmp_path / "artifact", symlinks=True)
 
 
 def _manifest(directory) -> dict:
@@ -192,8 +196,8 @@ def _edit_shape(directory):
 
 
 CORRUPTIONS = {
-    "missing manifest": (lambda d: (d / MANIFEST_FILE).unlink(), "incomplete: .*manifest.json is missing"),
-    "missing tensors": (lambda d: (d / TENSOR_FILE).unlink(), "incomplete: .*mapper.safetensors is missing"),
+    "missing manifest": (lambda d: (d / POINTER / VERSION_MANIFEST).unlink(), "incomplete: .*mapper.json is missing"),
+    "missing tensors": (lambda d: (d / POINTER / TENSOR_FILE).unlink(), "incomplete: .*mapper.safetensors is missing"),
     "manifest not json": (lambda d: (d / MANIFEST_FILE).write_text('{"schema_version": 1,'), "not valid JSON"),
     "wrong schema": (_edit_manifest(schema_version=SCHEMA_VERSION + 1), f"schema_version {SCHEMA_VERSION + 1}"),
     "no schema": (_edit_manifest(schema_version=None), "schema_version None"),
@@ -286,3 +290,70 @@ def test_transfer_binds_only_its_pair(pair, saved):
     for layer, expected in zip(mapped.layers, reference.layers, strict=True):
         assert layer.keys.shape == (1, 2, 12, 16)
         assert torch.equal(layer.keys, expected.keys) and torch.equal(layer.values, expected.values)
+
+
+# ---------------------------------------------------------------- layout (issue 11)
+
+
+def _rewrite_version(directory, manifest: dict, tensor_bytes: bytes) -> None:
+    """A consistent artifact of other contents (the manifest records the new bytes' sha256)."""
+    manifest = dict(manifest, tensor_sha256=hashlib.sha256(tensor_bytes).hexdigest(), tensor_bytes=len(tensor_bytes))
+    publish(directory, json.dumps(manifest).encode(), tensor_bytes)
+
+
+def test_flat_layout_of_older_artifacts_still_loads(pair, saved, tmp_path):
+    for name in (MANIFEST_FILE, TENSOR_FILE):
+        shutil.copyfile(saved / name, tmp_path / name)  # the two files only, no pointer
+    assert artifact_exists(tmp_path) and not (tmp_path / POINTER).exists()
+    loaded = _load(tmp_path, pair)
+    assert all(torch.equal(getattr(loaded, name), pair["originals"][name]) for name in NAMES)
+    save_mapper(loaded, tmp_path)  # a re-save converts it in place
+    assert (tmp_path / POINTER).is_symlink() and (tmp_path / MANIFEST_FILE).is_symlink()
+    assert _load(tmp_path, pair).manifest == loaded.manifest
+
+
+def test_copied_artifact_loads(pair, saved, tmp_path):
+    """shutil.copytree follows the symlinks by default: the copy is plain files and still loads."""
+    copy = shutil.copytree(saved, tmp_path / "copy")
+    assert not (copy / POINTER).is_symlink() and not (copy / MANIFEST_FILE).is_symlink()
+    assert _load(copy, pair).manifest == _manifest(saved)
+    _write_manifest(copy, dict(_manifest(copy), source_fingerprint="0" * 64))  # what a load reads is what is shown
+    with pytest.raises(ArtifactError, match="source fingerprint 000000000000"):
+        _load(copy, pair)
+    mapper = _load(saved, pair)
+    save_mapper(mapper, copy)  # and a save over the copy restores the layout
+    assert (copy / POINTER).is_symlink() and _load(copy, pair).manifest == mapper.manifest
+
+
+def test_same_content_saved_again_and_a_damaged_version_replaced(pair, artifact):
+    version = (artifact / POINTER).resolve()
+    mapper = _load(artifact, pair)
+    _flip_byte(artifact)
+    with pytest.raises(ArtifactError, match="corrupt or was replaced"):
+        _load(artifact, pair)
+    manifest = mapper.manifest
+    save_mapper(mapper, artifact)  # same bytes → same version id: the damaged copy is replaced
+    assert (artifact / POINTER).resolve() == version and mapper.manifest == manifest
+    assert torch.equal(_load(artifact, pair).weight_v, pair["originals"]["weight_v"])
+
+
+def test_tensor_dtype_other_than_the_manifest_says_refused(pair, artifact):
+    tensors = {name: t.contiguous() for name, t in pair["originals"].items()}
+    tensors["head_index"] = tensors["head_index"].to(torch.int32)
+    _rewrite_version(artifact, _manifest(artifact), save(tensors))
+    with pytest.raises(ArtifactError, match=r"tensor 'head_index' is torch\.int32, the manifest implies torch\.int64"):
+        _load(artifact, pair)
+
+
+def test_unknown_coefficient_dtype_in_manifest_refused(pair, artifact):
+    _rewrite_version(
+        artifact, dict(_manifest(artifact), coefficient_dtype="float16"), (artifact / TENSOR_FILE).read_bytes()
+    )
+    with pytest.raises(ArtifactError, match="coefficient_dtype 'float16' is not one of"):
+        _load(artifact, pair)
+
+
+def test_bytes_that_are_not_safetensors_refused(pair, artifact):
+    _rewrite_version(artifact, _manifest(artifact), b"\xff" * 64)  # hash matches, contents unreadable
+    with pytest.raises(ArtifactError, match="is not a readable safetensors file"):
+        _load(artifact, pair)

@@ -1,0 +1,222 @@
+"""The routed job: `python -m src.run +experiment=routed workload=fewshot|passage|multiturn|switches pair=…`.
+
+Top to bottom: the pair → the mapper of each direction the workload needs (the reverse one through the swapped pair,
+pipeline.calibration / build_mapper), bound once (session.bind) → the workload's items (src/workloads.py) → for each,
+the routed session (workload.policy) beside the all-re-prefill session (the native target) and the source alone, on
+the same token ids → per task accuracy and loss in points with paired bootstrap CIs (and on the task mean), NLL of the
+reference answers, TTFT p50/p95 per path (map + new turn + first token; re-prefill of the whole conversation;
+same-model prefix hit), prefill fraction spent, handoff frequency, refusals by context length and direction, GPU
+memory, throughput, rollback replayed on the workload's own items → tracking (metrics, per-item JSON, plots).
+Random weights: timing and plumbing only (tagged), never quality. The runners live in src/routed_runs.py.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import replace
+
+import matplotlib
+import numpy as np
+import torch
+from omegaconf import DictConfig
+
+from src import tracking
+from src.eval.accuracy import compare, summarize
+from src.eval.latency import percentiles
+from src.eval.metrics import Interval
+from src.handoff import Levers
+from src.models import Pair
+from src.pipeline import build_mapper, calibration, load, tags, vocab_size
+from src.routed_runs import LENGTH_EDGES, Run, bucket, multiturn, rollback, single_turn, switches, task_scores
+from src.routing import Policy, Route, bind
+from src.tasks import METRICS
+from src.workloads import Bytes, calibration_files, fewshot, passage
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+NEEDS_REVERSE = ("multiturn", "switches")  # the conversation comes back to the source
+
+
+def routes(cfg: DictConfig, pair: Pair, reverse: bool) -> tuple[dict[tuple[str, str], Route], dict]:
+    """Source → target (and target → source) mappers of the configured fit, bound to the pair once."""
+    directions = {("source", "target"): pair}
+    if reverse:
+        directions[("target", "source")] = replace(pair, source=pair.target, target=pair.source)
+    bound, mappers = {}, {}
+    for key, oriented in directions.items():
+        traces, traces_key = calibration(cfg, oriented)
+        mappers[key] = build_mapper(cfg, oriented, traces, traces_key, cfg.support)
+        compute = getattr(torch, cfg.pair.compute_dtype)
+        bound[key] = bind(
+            oriented.source, oriented.target, mappers[key], pair.tokenizer_hash, compute, cfg.pair.apply_backend
+        )
+    return bound, mappers
+
+
+def examples(cfg: DictConfig, name: str) -> list:
+    """The fewshot / passage items of every task of the workload."""
+    w, data = cfg.workload, cfg.paths.data
+    if name == "fewshot":
+        seen = calibration_files(cfg.budget.corpus) if not cfg.budget.synthetic else frozenset()
+        return [ex for task in w.tasks for ex in fewshot(data, task, w.limit, w.shots[task], cfg.seed, seen)]
+    if name == "passage":
+        return [ex for task in w.tasks for ex in passage(data, task, w.limit)]
+    raise ValueError(f"unknown example workload {name!r}: fewshot or passage")
+
+
+def quality(items: list[dict], n_boot: int, seed: int, prefix: str = "task") -> dict[str, float]:
+    """Per task (`<prefix>.<task>.*`) and task mean: accuracy of the routed session vs the native target (the
+    all-re-prefill session) and the source alone, loss in points with a paired bootstrap CI, NLL of the reference
+    answers; the mean's CI resamples items within each task (stratified)."""
+    metrics, per_task, pairs = {}, {}, {}
+    for task in sorted({item["task"] for item in items}):
+        rows = [item for item in items if item["task"] == task]
+        scores = {mode: task_scores(rows, mode) for mode in ("routed", "native_target", "native_source")}
+        per_task[task] = compare(task, scores["native_source"], scores["native_target"], scores["routed"], n_boot)
+        correct = {mode: s.correct(METRICS[task][0]) for mode, s in scores.items()}
+        pairs[task] = (correct["native_target"], correct["routed"])
+        for mode in scores:
+            per_task[task][f"nll_{mode}"] = float(np.mean([row["nll"][mode] for row in rows]))
+        metrics |= {f"{prefix}.{task}.{key}": value for key, value in per_task[task].items()}
+    mean = summarize(per_task)
+    interval = _mean_loss_ci(pairs, n_boot, seed)
+    mean |= {"loss_points_low": 100 * interval.low, "loss_points_high": 100 * interval.high}
+    for mode in ("routed", "native_target", "native_source"):
+        mean[f"nll_{mode}"] = float(np.mean([row[f"nll_{mode}"] for row in per_task.values()]))
+    return metrics | {f"{prefix}.mean.{key}": value for key, value in mean.items()}
+
+
+def _mean_loss_ci(pairs: dict[str, tuple[np.ndarray, np.ndarray]], n_boot: int, seed: int) -> Interval:
+    """Mean over tasks of acc(target) − acc(routed), percentile CI from resampling items within each task."""
+    rng = np.random.default_rng(seed)
+    differences = [t.astype(np.float64) - r.astype(np.float64) for t, r in pairs.values()]  # per task [N_t]
+    boot = np.mean([d[rng.integers(0, d.size, (n_boot, d.size))].mean(1) for d in differences], axis=0)  # [n_boot]
+    low, high = np.quantile(boot, [0.025, 0.975])
+    return Interval(float(np.mean([d.mean() for d in differences])), float(low), float(high))
+
+
+def timing(items: list[dict]) -> dict[str, float]:
+    """TTFT p50/p95 per path, overall and by prefix length, and the end-to-end speedup of the run's own handoffs:
+    the median over handoffs of re-prefill TTFT / routed TTFT (paired), and the ratio of the p50s."""
+    metrics: dict[str, float] = {}
+    timed = [item for item in items if item["ttft"]]
+    for path in ("routed", "reprefill", "hit"):
+        values = [item["ttft"][path] for item in timed if path in item["ttft"]]
+        if values:
+            metrics |= percentiles(values, f"ttft.{path}")
+        for label in sorted({bucket(item["history_tokens"], LENGTH_EDGES) for item in timed}):
+            chosen = [
+                i["ttft"][path]
+                for i in timed
+                if path in i["ttft"] and bucket(i["history_tokens"], LENGTH_EDGES) == label
+            ]
+            if chosen:
+                metrics |= percentiles(chosen, f"ttft.{path}.{label}")
+    for path in ("routed", "reprefill", "hit"):
+        peaks = [item["gpu_peak_mb"][path] for item in timed if path in item.get("gpu_peak_mb", {})]
+        if peaks and max(peaks) > 0:
+            metrics[f"gpu_peak_mb.{path}"] = float(max(peaks))
+    paired = [i["ttft"]["reprefill"] / i["ttft"]["routed"] for i in timed if {"routed", "reprefill"} <= set(i["ttft"])]
+    if paired:
+        metrics["ttft_speedup"] = float(np.median(paired))
+        metrics["ttft_speedup_of_p50"] = metrics["ttft.reprefill_ms_p50"] / metrics["ttft.routed_ms_p50"]
+    return metrics
+
+
+def handoffs(records: list[dict], turns: int) -> dict[str, float]:
+    """Handoff statuses and paths, frequency per turn, prefill fraction spent (token-weighted), bytes, and
+    refusals (fallback or unsupported) by direction and context-length bucket."""
+    moves = [r for r in records if r["sender"] is not None and r["sender"] != r["receiver"]]
+    metrics = {f"handoffs.{status}": float(n) for status, n in Counter(r["status"] for r in moves).items()}
+    metrics |= {f"handoffs.path.{path}": float(n) for path, n in Counter(r["path"] for r in moves).items()}
+    metrics["handoff_frequency"] = len(moves) / max(turns, 1)
+    unseen = sum(r["context"] - r["hit"] for r in moves)
+    if unseen:
+        metrics["prefill_fraction"] = sum(r["prefill_fraction"] * (r["context"] - r["hit"]) for r in moves) / unseen
+    metrics["mapped_bytes_per_handoff"] = float(np.mean([r["bytes"] for r in moves])) if moves else 0.0
+    for r in moves:
+        key = f"{r['sender']}_to_{r['receiver']}.{bucket(r['context'], LENGTH_EDGES)}"
+        metrics[f"handoffs.{key}"] = metrics.get(f"handoffs.{key}", 0.0) + 1
+        if r["status"] != "applied":
+            metrics[f"refusals.{key}"] = metrics.get(f"refusals.{key}", 0.0) + 1
+    return metrics
+
+
+def _plots(items: list[dict], curve: dict[int, dict[str, float]]) -> dict[str, plt.Figure]:
+    figures = {}
+    figure, axis = plt.subplots(figsize=(6, 4))
+    for path, marker in (("reprefill", "s"), ("routed", "o"), ("hit", "^")):
+        points = [(i["history_tokens"], i["ttft"][path]) for i in items if path in i["ttft"]]
+        if points:
+            axis.scatter(*zip(*points, strict=True), marker=marker, s=12, label=path)
+    axis.set(xlabel="prefix tokens", ylabel="TTFT (ms)", xscale="log", yscale="log", title="TTFT vs prefix length")
+    axis.legend()
+    figures["plots/ttft_vs_prefix.png"] = figure
+    figure, axis = plt.subplots(figsize=(6, 4))
+    for task in sorted({i["task"] for i in items}):
+        rows = [i for i in items if i["task"] == task]
+        correct = task_scores(rows, "routed").correct(METRICS[task][0])
+        fraction = [i["handoff"]["prefill_fraction"] if i["handoff"] else 1.0 for i in rows]
+        axis.scatter(np.mean(fraction), correct.mean(), label=task)
+    axis.set(xlabel="prefill fraction spent", ylabel="accuracy (routed)", title="accuracy vs prefill fraction")
+    axis.legend(fontsize=7)
+    figures["plots/accuracy_vs_prefill_fraction.png"] = figure
+    if curve:
+        figure, axis = plt.subplots(figsize=(6, 4))
+        counts = sorted(curve)
+        loss = [curve[s]["loss_points"] for s in counts]
+        error = [[curve[s]["loss_points"] - curve[s]["loss_points_low"] for s in counts],
+                 [curve[s]["loss_points_high"] - curve[s]["loss_points"] for s in counts]]  # fmt: skip
+        axis.errorbar(counts, loss, yerr=error, fmt="o-", capsize=3)
+        axis.set(
+            xlabel="model switches", ylabel="loss vs all-native (points)", xscale="log", title="quality vs switches"
+        )
+        figures["plots/quality_vs_switches.png"] = figure
+    return figures
+
+
+def routed(cfg: DictConfig) -> float:
+    """Run the configured workload through the router session; returns the routed task-mean accuracy."""
+    torch.manual_seed(cfg.seed)
+    w = cfg.workload
+    pair = load(cfg)
+    bound, mappers = routes(cfg, pair, w.name in NEEDS_REVERSE)
+    tokenizer = pair.tokenizer if pair.tokenizer is not None else Bytes(vocab_size(pair))
+    policy = Policy(w.policy, Levers(**cfg.eval.levers), w.max_length_factor, w.guard_max_abs)
+    run = Run({"source": pair.source, "target": pair.target}, bound, policy, tokenizer, w.warmup)
+    method = mappers[("source", "target")].manifest.get("method", "mapper")
+    run_name = f"{cfg.pair.name}:routed:{w.name}:{method}:{w.policy}"
+    run_tags = tags(cfg, pair, "routed") | {"workload": w.name, "method": method, "policy": w.policy}
+    with tracking.job_run(cfg, run_name, run_tags) as tracked:
+        curve: dict[int, dict[str, float]] = {}
+        if w.name == "multiturn":
+            items, records, turns, replays = multiturn(run, cfg.paths.data, w.tasks, w.limit, w.turns, w.escalation)
+        else:
+            chosen = examples(cfg, w.base if w.name == "switches" else w.name)
+            if w.name == "switches":
+                items, records, per_count = switches(run, chosen, w.switch_counts)
+                for count, rows in per_count.items():
+                    scores = quality(rows, cfg.eval.tasks.n_boot, cfg.seed, f"switches.s{count}")
+                    tracked.metrics(scores)
+                    curve[count] = {k.rsplit(".", 1)[-1]: v for k, v in scores.items() if ".mean." in k}
+            else:
+                items, records = single_turn(run, chosen)
+            turns = len(items)
+            replays = [(run.encode(ex.history), run.groups(ex.item)[0][0]) for ex in chosen]
+        metrics = quality(items, cfg.eval.tasks.n_boot, cfg.seed) | timing(items) | handoffs(records, turns)
+        bind_args = (pair.tokenizer_hash, getattr(torch, cfg.pair.compute_dtype), cfg.pair.apply_backend)
+        mapper = mappers[("source", "target")]
+        metrics |= rollback(run, mapper, replays[: w.rollback_items], w.rollback_tokens, bind_args)
+        metrics |= run.throughput()
+        peaks = [value for key, value in metrics.items() if key.startswith("gpu_peak_mb.")]
+        if peaks:  # per-path peaks (each timed switch resets the counter)
+            metrics["gpu_peak_memory_mb"] = max(peaks)
+        tracked.metrics(metrics)
+        tracked.dict({"items": items, "handoffs": records, "policy": repr(policy)}, "routed/items.json")
+        for path, figure in _plots(items, curve).items():
+            tracked.figure(figure, path)
+    print(f"\n{run_name}  (weights={pair.weights}, {len(items)} scored turns, {len(records)} switches)")
+    for name, value in sorted(metrics.items()):
+        print(f"  {name:<48} {value:12.4f}")
+    return float(metrics["task.mean.acc"])

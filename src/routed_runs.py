@@ -1,0 +1,321 @@
+"""Runners of the routed workloads (src/routed.py). Each item goes through the routed session, the all-re-prefill
+session (the native target: what a router does today) and the source alone, on the same token ids; each yields
+per-choice scores, TTFT per path and the handoff records. `rollback` replays every refusal kind on the workload's own
+items and checks the greedy outputs and caches against a session that never tried a transfer.
+
+TTFT, from "switch to the target" to its first token (argmax of the new turn's last logits), synchronized on CUDA:
+routed = map (or re-prefill, by policy) + new turn; reprefill = the target reads the whole conversation; hit = the
+target already holds its own history and reads the new turn.
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+from dataclasses import asdict, dataclass, field, replace
+
+import torch
+from transformers import DynamicCache, PreTrainedModel
+
+from src.artifact import Mapper
+from src.eval.accuracy import TaskScores, encode_pair
+from src.eval.scoring import score_continuations
+from src.routing import CostModel, Policy, Route, bind
+from src.session import Session
+from src.tasks import METRICS, Item, choice_lengths
+from src.workloads import Chat, Example, chunks, conversations
+
+LENGTH_EDGES = (512, 2048, 8192, 32768)  # context-length buckets of refusals and TTFT (tokens)
+MODES = ("routed", "native_target", "native_source")
+
+
+def bucket(tokens: int, edges=LENGTH_EDGES) -> str:
+    """`le_<edge>` for the first edge ≥ tokens, else `gt_<last edge>`."""
+    return next((f"le_{edge}" for edge in edges if tokens <= edge), f"gt_{edges[-1]}")
+
+
+def _clock(model: PreTrainedModel) -> float:
+    device = next(model.parameters()).device
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+    return time.perf_counter()
+
+
+def _peak_mb(model: PreTrainedModel) -> float:
+    device = next(model.parameters()).device
+    return torch.cuda.max_memory_allocated(device) / 2**20 if device.type == "cuda" else 0.0
+
+
+@dataclass
+class Run:
+    """What every runner shares: the models ("source", "target"), their bound routes, the routed policy, the
+    tokenizer, untimed warm-up items, one cost model (every session's measurements), and throughput counters."""
+
+    models: dict[str, PreTrainedModel]
+    routes: dict[tuple[str, str], Route]
+    policy: Policy
+    tokenizer: object
+    warmup: int
+    costs: CostModel = field(default_factory=CostModel)
+    seconds: dict[str, float] = field(default_factory=lambda: {"routed": 0.0, "reprefill": 0.0})
+    tokens: int = 0
+    items: int = 0
+
+    def session(self, kind: str) -> Session:
+        """`routed`: the workload's policy; `reprefill`: a session that never tries a transfer."""
+        if kind == "routed":
+            return Session(self.models, self.routes, self.policy, self.costs)
+        return Session(self.models, {}, Policy(mode="reprefill"), self.costs)
+
+    def encode(self, text: str) -> torch.Tensor:
+        return torch.tensor(self.tokenizer.encode(text, add_special_tokens=False), dtype=torch.long)
+
+    def groups(self, item: Item) -> list[tuple[torch.Tensor, list[tuple[int, torch.Tensor]]]]:
+        """(new-turn ids, [(choice, continuation ids)]) per distinct context, lm-eval's split (encode_pair)."""
+        groups: dict[tuple[int, ...], list[tuple[int, torch.Tensor]]] = {}
+        for j, (context, continuation) in enumerate(zip(item.contexts, item.continuations, strict=True)):
+            ids, more = encode_pair(self.tokenizer, context, continuation)
+            groups.setdefault(tuple(ids), []).append((j, torch.tensor(more, dtype=torch.long)))
+        return [(torch.tensor(ids, dtype=torch.long), choices) for ids, choices in groups.items()]
+
+    def throughput(self) -> dict[str, float]:
+        return {
+            f"throughput.{kind}_{unit}": count / seconds
+            for kind, seconds in self.seconds.items()
+            if seconds
+            for unit, count in (("items_per_s", self.items), ("tokens_per_s", self.tokens))
+        }
+
+
+@torch.no_grad()
+def _score(model: PreTrainedModel, cache: DynamicCache | None, drop: int, groups) -> list[list[float]]:
+    """[ll, greedy] per choice: on a copy of the cache less its last `drop` tokens, each group's turn is read (but
+    its last token) and its continuations scored after that token (src.eval.scoring)."""
+    base = copy.deepcopy(cache) if cache is not None else DynamicCache(config=model.config)
+    if drop:
+        base.crop(-drop)
+    device = next(model.parameters()).device
+    scores: dict[int, list[float]] = {}
+    for turn, choices in groups:
+        own = copy.deepcopy(base)
+        if turn.numel() > 1:
+            model(turn[None, :-1].to(device), past_key_values=own, use_cache=True, logits_to_keep=1)
+        results = score_continuations(model, own, int(turn[-1]), [ids for _, ids in choices])
+        scores |= {j: [ll, float(greedy)] for (j, _), (ll, greedy) in zip(choices, results, strict=True)}
+    return [scores[j] for j in sorted(scores)]
+
+
+def _first_token(session: Session, receiver: str, turn: torch.Tensor):
+    """Switch to the receiver with the new turn and take its first token: (record, TTFT ms, GPU peak MB)."""
+    model = session.readers[receiver].model
+    began = _clock(model)
+    record = session.switch_to(receiver, turn)
+    if session.logits is not None:  # no new turn (a confidence escalation): its token is read in scoring
+        int(session.logits.argmax())  # the first token (a device sync)
+    return record, (time.perf_counter() - began) * 1e3, _peak_mb(model)
+
+
+def _row(item: Item, history: int, turn: int, groups, scores: dict, ttft: dict, peaks: dict, record) -> dict:
+    gold = next(ids for _, choices in groups for j, ids in choices if j == item.label)
+    return {
+        "task": item.task,
+        "index": item.index,
+        "label": item.label,
+        "lengths": choice_lengths(item),
+        "history_tokens": history,
+        "turn_tokens": turn,
+        "scores": scores,
+        "nll": {mode: -s[item.label][0] / gold.numel() for mode, s in scores.items()},
+        "ttft": ttft,
+        "gpu_peak_mb": peaks,
+        "handoff": asdict(record) if record is not None else None,
+    }
+
+
+def task_scores(rows: list[dict], mode: str) -> TaskScores:
+    """One mode's scores of the rows (one task) in the protocol's format (src.eval.accuracy)."""
+    routed = mode == "routed"
+    return TaskScores(
+        rows[0]["task"],
+        [[s[0] for s in row["scores"][mode]] for row in rows],
+        [[bool(s[1]) for s in row["scores"][mode]] for row in rows],
+        [row["label"] for row in rows],
+        [row["lengths"] for row in rows],
+        [row["history_tokens"] + row["turn_tokens"] for row in rows],
+        [row["handoff"]["prefill_fraction"] if routed and row["handoff"] else 1.0 for row in rows],
+    )
+
+
+def _natives(run: Run, history: torch.Tensor, groups) -> tuple[dict, dict, dict]:
+    """The all-re-prefill session and the source alone on the same ids: scores, TTFT (reprefill, hit), peaks."""
+    target, turn = run.models["target"], groups[0][0]
+    began = time.perf_counter()
+    native = run.session("reprefill")
+    native.append("source", history)
+    _, ttft, peak = _first_token(native, "target", turn)
+    scores = {"native_target": _score(target, native.cache("target"), turn.numel(), groups)}
+    run.seconds["reprefill"] += time.perf_counter() - began
+    cache = copy.deepcopy(native.cache("target"))
+    cache.crop(-turn.numel())  # the target holds its own history: a same-model prefix hit
+    hit_began = _clock(target)
+    int(target(turn[None].to(target.device), past_key_values=cache, logits_to_keep=1).logits.argmax())
+    times = {"reprefill": ttft, "hit": (time.perf_counter() - hit_began) * 1e3}
+    scores["native_source"] = _score(run.models["source"], native.cache("source"), 0, groups)
+    return scores, times, {"reprefill": peak, "hit": _peak_mb(target)}
+
+
+def single_turn(run: Run, examples: list[Example]) -> tuple[list[dict], list[dict]]:
+    """fewshot / passage: the source reads the history, the router switches to the target with the question."""
+    rows, records = [], []
+    for n, example in enumerate(examples[: run.warmup] + examples):
+        history, groups = run.encode(example.history), run.groups(example.item)
+        scores, ttft, peaks = _natives(run, history, groups)
+        began = time.perf_counter()
+        routed = run.session("routed")
+        routed.append("source", history)
+        record, ttft["routed"], peaks["routed"] = _first_token(routed, "target", groups[0][0])
+        scores["routed"] = _score(run.models["target"], routed.cache("target"), groups[0][0].numel(), groups)
+        if n < run.warmup:  # untimed: kernels, allocator
+            run.seconds = dict.fromkeys(run.seconds, 0.0)
+            continue
+        run.seconds["routed"] += time.perf_counter() - began
+        run.items, run.tokens = run.items + 1, run.tokens + history.numel() + groups[0][0].numel()
+        row = _row(example.item, history.numel(), groups[0][0].numel(), groups, scores, ttft, peaks, record)
+        rows.append(row | {"shots": list(example.shots)})
+        records.append(asdict(record))
+    return rows, records
+
+
+def switches(run: Run, examples: list[Example], counts) -> tuple[list[dict], list[dict], dict[int, list[dict]]]:
+    """A→B→A…: the history cut into `s` chunks read by alternating models so that the target reads the question
+    after `s` handoffs. Rows per switch count (the last count's are the run's headline rows)."""
+    per_count: dict[int, list[dict]] = {s: [] for s in counts}
+    records = []
+    for n, example in enumerate(examples[: run.warmup] + examples):
+        history, groups = run.encode(example.history), run.groups(example.item)
+        turn = groups[0][0]
+        natives, ttft, peaks = _natives(run, history, groups)
+        for count in counts:
+            if count > history.numel():
+                continue
+            routed = run.session("routed")
+            for i, chunk in enumerate(chunks(history, count)):
+                routed.switch_to("target" if (count - i) % 2 == 0 else "source", chunk)
+            record, ttft["routed"], peaks["routed"] = _first_token(routed, "target", turn)
+            scores = natives | {"routed": _score(run.models["target"], routed.cache("target"), turn.numel(), groups)}
+            if n >= run.warmup:
+                row = _row(example.item, history.numel(), turn.numel(), groups, scores, dict(ttft), dict(peaks), record)
+                per_count[count].append(row | {"switches": count})
+                records += [asdict(r) for r in routed.records]
+    return per_count[max(counts)], records, per_count
+
+
+def _pick(scores: list[list[float]], item: Item) -> tuple[int, float]:
+    """The model's answer under the task's metric (acc_norm: per character) and its softmax confidence in it."""
+    weights = torch.tensor([s[0] for s in scores], dtype=torch.float64)
+    if METRICS[item.task][0] == "acc_norm":
+        weights = weights / torch.tensor(choice_lengths(item), dtype=torch.float64)
+    return int(weights.argmax()), float(weights.softmax(0).max())
+
+
+def _converse(run: Run, session: Session, items: list[Item], escalation, escalate: bool) -> list[dict]:
+    """One conversation: per turn the answering model (the source, or the target when escalated: every
+    `escalation.every`-th turn, or when the source's confidence in its pick is below `escalation.threshold`)
+    reads the user turn, its choices are scored, its pick joins the history as its answer."""
+    chat, turns = Chat(run.tokenizer), []
+    for i, item in enumerate(items):
+        user = run.encode(chat.user(item.contexts[0]))
+        answers = [chat.answer(c.removeprefix(" "), commit=False) for c in item.continuations]
+        groups = [(user, [(j, run.encode(text)) for j, (text, _) in enumerate(answers)])]
+        context = session.ids.numel()
+        scheduled = escalate and escalation.policy == "schedule" and (i + 1) % escalation.every == 0
+        reader = "target" if scheduled else "source"
+        record, ttft, _ = _first_token(session, reader, user)
+        scores = _score(session.readers[reader].model, session.cache(reader), 1, groups)
+        pick, confidence = _pick(scores, item)
+        if escalate and escalation.policy == "confidence" and confidence < escalation.threshold:
+            reader = "target"
+            record, ttft, _ = _first_token(session, reader, [])
+            scores = _score(session.readers[reader].model, session.cache(reader), 1, groups)
+            pick, _ = _pick(scores, item)
+        text, tail = chat.answer(item.continuations[pick].removeprefix(" "))
+        session.append(reader, torch.cat([run.encode(text), run.encode(tail)]))
+        handoff = record.sender is not None and record.sender != record.receiver
+        turns.append({"item": item, "reader": reader, "context": context, "turn": user.numel(), "groups": groups,
+                      "scores": scores, "ttft": ttft, "handoff": handoff, "record": record})  # fmt: skip
+    return turns
+
+
+def multiturn(run: Run, data_root, tasks, limit, turns: int, escalation) -> tuple[list[dict], list[dict], int, list]:
+    """Conversations chained from each task's items: the routed session, the all-re-prefill session (same
+    escalation policy) and the source answering alone. Returns rows, routed records, turn count, and
+    (history, turn) ids of the first escalations (for the rollback replay)."""
+    rows, records, replays = [], [], []
+    for task in tasks:
+        for n, items in enumerate(conversations(data_root, task, limit, turns)):
+            began = time.perf_counter()
+            routed = run.session("routed")
+            mine = _converse(run, routed, items, escalation, True)
+            run.seconds["routed"] += time.perf_counter() - began
+            began = time.perf_counter()
+            native = _converse(run, run.session("reprefill"), items, escalation, True)
+            run.seconds["reprefill"] += time.perf_counter() - began
+            alone = _converse(run, run.session("reprefill"), items, escalation, False)
+            records += [asdict(r) for r in routed.records]
+            run.items, run.tokens = run.items + len(items), run.tokens + routed.ids.numel()
+            for r, t, s in zip(mine, native, alone, strict=True):
+                scores = {"routed": r["scores"], "native_target": t["scores"], "native_source": s["scores"]}
+                ttft = {"routed": r["ttft"]} if r["handoff"] else {}
+                ttft |= {"reprefill": t["ttft"]} if t["handoff"] else {"hit": t["ttft"]} if t["context"] else {}
+                row = _row(r["item"], r["context"], r["turn"], r["groups"], scores, ttft, {}, r["record"])
+                rows.append(row | {"conversation": f"{task}#{n}", "escalated": r["reader"] == "target"})
+                if r["handoff"] and r["reader"] == "target" and len(replays) < 4:
+                    start = r["context"]
+                    replays.append((routed.ids[:start], routed.ids[start : start + r["turn"]]))
+    return rows, records, len(rows), replays
+
+
+def _overflowing(mapper: Mapper) -> Mapper:
+    """Finite coefficients that pass the artifact checks but overflow float32: non-finite mapped values."""
+    weight = mapper.weight_v.clone()
+    weight[-1] = 3e38
+    return replace(mapper, weight_v=weight)
+
+
+def rollback(
+    run: Run, mapper: Mapper, replays: list[tuple[torch.Tensor, torch.Tensor]], max_new_tokens: int, bind_args
+) -> dict[str, float]:
+    """Every refusal kind on the workload's own (history, turn) ids: the routed session must report it
+    (fallback_reprefill / unsupported) and then produce the greedy tokens and the target cache of a session that
+    never tried a transfer, bit for bit. `rollback.<kind>` and `rollback_verified` are 1.0 when every replay holds."""
+    manifest = mapper.manifest
+    kinds = {  # kind → (mapper, policy overrides, poison the source's cache)
+        "artifact_mismatch": (replace(mapper, manifest=manifest | {"target_fingerprint": "0" * 64}), {}, False),
+        "nonfinite_map": (_overflowing(mapper), {}, False),
+        "nonfinite_source": (mapper, {}, True),
+        "beyond_length": (replace(mapper, manifest=manifest | {"calibration": {"seq_len": 1}}), {"max_length_factor": 1.0}, False),
+        "failed_guard": (mapper, {"guard_max_abs": 0.0}, False),
+    }  # fmt: skip
+    source, target = run.models["source"], run.models["target"]
+    checks = {}
+    for kind, (broken, overrides, poison) in kinds.items():
+        route = {("source", "target"): bind(source, target, broken, *bind_args)}
+        held = []
+        for history, turn in replays:
+            outputs = []
+            for session in (Session(run.models, route, replace(run.policy, **overrides)), run.session("reprefill")):
+                session.append("source", history)
+                if poison:
+                    session.cache("source").layers[0].keys[..., -1, 0] = float("nan")
+                record = session.switch_to("target", turn)
+                outputs.append((record, session.generate("target", [], max_new_tokens), session.cache("target")))
+            (record, tokens, cache), (_, reference, reference_cache) = outputs
+            same_cache = all(
+                torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
+                for a, b in zip(cache.layers, reference_cache.layers, strict=True)
+            )
+            held.append(record.status != "applied" and torch.equal(tokens, reference) and same_cache)
+        checks[f"rollback.{kind}"] = float(bool(held) and all(held))
+    checks["rollback_verified"] = float(all(value == 1.0 for value in checks.values()))
+    return checks

@@ -1,0 +1,99 @@
+"""What a router session may do and decide (src/session.py): the mapper routes it may use, each bound to its sender
+and receiver once (`bind`: a refusal — artifact mismatch, sliding-window receiver — is kept as the route's reason), the
+policy (map | reprefill | auto, the levers, the length and magnitude guards) and the measured costs behind `auto`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+from transformers import PreTrainedModel
+
+from src.apply import KVTransfer
+from src.artifact import Mapper
+from src.handoff import NO_LEVERS, Levers
+from src.maps import TransferError
+from src.models import describe_kv
+
+MODES = ("map", "reprefill", "auto")
+
+
+@dataclass
+class CostModel:
+    """Measured costs, ms ≈ fixed + per_token · tokens per (receiver, kind), kind "map" (tokens mapped) or "prefill"
+    (tokens read natively in one forward): a least-squares line through the last `window` observations."""
+
+    window: int = 256
+    samples: dict[tuple[str, str], list[tuple[int, float]]] = field(default_factory=dict)
+
+    def observe(self, receiver: str, kind: str, tokens: int, ms: float) -> None:
+        if tokens > 0:
+            self.samples.setdefault((receiver, kind), []).append((tokens, ms))
+            del self.samples[(receiver, kind)][: -self.window]
+
+    def estimate(self, receiver: str, kind: str, tokens: int) -> float | None:
+        """Predicted ms for `tokens`, or None before two different token counts were measured."""
+        if tokens <= 0:
+            return 0.0
+        points = np.array(self.samples.get((receiver, kind), []), dtype=np.float64).reshape(-1, 2)  # [n, 2]
+        if len(np.unique(points[:, 0])) < 2:
+            return None
+        slope, fixed = np.polyfit(points[:, 0], points[:, 1], 1)
+        return float(max(fixed + slope * tokens, 0.0))
+
+
+@dataclass(frozen=True)
+class Policy:
+    """How a session covers a receiver's unseen tokens."""
+
+    mode: str = "map"  # MODES
+    levers: Levers = NO_LEVERS  # target work kept native around the mapped span
+    max_length_factor: float | None = None  # refuse positions past factor × the mapper's calibration length
+    guard_max_abs: float | None = None  # refuse a mapped span with any |K| or |V| above this
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise ValueError(f"policy mode must be one of {MODES}, not {self.mode!r}")
+
+
+@dataclass(frozen=True)
+class Route:
+    """A sender → receiver mapper bound to both models once, or the reason it cannot be used."""
+
+    transfer: KVTransfer | None
+    mapper_id: str
+    refusal: str | None  # why every handoff on this route re-prefills (status unsupported)
+    calibrated_length: int | None  # tokens per calibration sequence (None: not recorded)
+
+
+def mapper_id(mapper: Mapper) -> str:
+    """The method and a digest of the manifest (which names the coefficients' pair, fit and calibration)."""
+    digest = hashlib.sha256(json.dumps(mapper.manifest, sort_keys=True, default=str).encode()).hexdigest()[:12]
+    return f"{mapper.manifest.get('method', 'mapper')}:{digest}"
+
+
+def bind(
+    sender: PreTrainedModel,
+    receiver: PreTrainedModel,
+    mapper: Mapper,
+    tokenizer_hash: str,
+    compute_dtype: torch.dtype = torch.float32,
+    backend: str = "torch",
+) -> Route:
+    """Verify the mapper against both models (KVTransfer) and the receiver's attention; a refusal is kept as the
+    route's reason, so every handoff on it re-prefills (status unsupported)."""
+    identity = mapper_id(mapper)
+    calibrated = mapper.manifest.get("calibration", {}).get("seq_len")
+    kv = describe_kv(receiver)
+    if kv.sliding_window is not None or set(kv.layer_types) != {"full_attention"}:
+        window = f"sliding-window receiver (window {kv.sliding_window}, layers {sorted(set(kv.layer_types))})"
+        return Route(None, identity, f"unsupported: {window}: its cache keeps only the window", calibrated)
+    try:
+        transfer = KVTransfer(mapper, sender, receiver, tokenizer_hash, compute_dtype, backend)
+    except TransferError as refusal:
+        return Route(None, identity, f"mapper refused: {refusal}", calibrated)
+    return Route(transfer, identity, None, calibrated)

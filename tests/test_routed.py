@@ -1,0 +1,194 @@
+"""The routed job (src/routed.py, src/routed_runs.py): on the exact pair (tests/exact_pair.py, both directions) the
+routed session's scores equal the all-re-prefill session's for every runner — and a wrong mapper's do not, so no
+native state leaks into the routed path —, the rollback replay verifies every refusal kind, the metrics are computed
+from the per-item rows, and `routed(cfg)` runs end to end on the tiny random pair into MLflow, where the gate refuses
+it (random weights carry no quality evidence)."""
+
+import json
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import yaml
+from omegaconf import OmegaConf
+
+from src.routed import handoffs, quality, timing
+from src.routed_runs import Run, bucket, multiturn, rollback, single_turn, switches
+from src.routing import Policy, bind
+from src.tasks import Item
+from src.workloads import Bytes, Example
+from tests.exact_pair import exact_pair
+
+REPO = Path(__file__).resolve().parents[1]
+DATA = REPO.parent / "shared/data"
+EXAMPLES = [
+    Example("The cat sat on the mat. It was warm and", Item("piqa", 0, [" the cat"] * 2, [" slept", " ran"], 0)),
+    Example("Rain fell all day; the river", Item("winogrande", 1, [" rose so", " fell so"], [" it flooded"] * 2, 1)),
+    Example("A B C D E F G H I J K L M N O P", Item("lambada", 2, [" Q R"], [" S"], 0)),
+]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """Tiny models on a shared 2-core machine: one intra-op thread is many times faster than an oversubscribed two."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def pair():
+    return exact_pair("llama", seed=1)
+
+
+def run_of(pair, mapper=None, **policy) -> Run:
+    exact = pair.exact
+    inverse = replace(
+        exact,
+        weight_k=torch.linalg.inv(exact.weight_k.double()).float(),
+        weight_v=torch.linalg.inv(exact.weight_v.double()).float(),
+        manifest=exact.manifest
+        | {"source_fingerprint": exact.manifest["target_fingerprint"]}
+        | {"target_fingerprint": exact.manifest["source_fingerprint"]},
+    )
+    routes = {
+        ("source", "target"): bind(pair.source, pair.target, mapper or exact, pair.tokenizer_hash),
+        ("target", "source"): bind(pair.target, pair.source, inverse, pair.tokenizer_hash),
+    }
+    models = {"source": pair.source, "target": pair.target}
+    return Run(models, routes, Policy(**policy), Bytes(96), warmup=1)
+
+
+def scores(rows, mode):
+    return np.array([s[0] for row in rows for s in row["scores"][mode]])
+
+
+def test_single_turn_routed_equals_native_on_the_exact_pair_only(pair):
+    rows, records = single_turn(run_of(pair), EXAMPLES)
+    assert [row["index"] for row in rows] == [0, 1, 2] and len(records) == 3
+    assert all(r["path"] == "map" and r["mapped"] == r["context"] for r in records)
+    assert np.allclose(scores(rows, "routed"), scores(rows, "native_target"), atol=1e-3)
+    assert not np.allclose(scores(rows, "native_source"), scores(rows, "native_target"), atol=1e-2)
+    assert all({"routed", "reprefill", "hit"} == set(row["ttft"]) for row in rows)
+    wrong, _ = single_turn(run_of(pair, pair.wrong), EXAMPLES)
+    assert not np.allclose(scores(wrong, "routed"), scores(wrong, "native_target"), atol=1e-2)
+    assert np.allclose(scores(wrong, "native_target"), scores(rows, "native_target"), atol=1e-5)
+    held = run_of(pair, pair.wrong, levers=replace(Policy().levers, native_sink=2, hold_back=3))
+    rows, records = single_turn(held, EXAMPLES[:1])
+    assert (records[0]["mapped"], records[0]["prefilled"]) == (rows[0]["history_tokens"] - 5, 5)
+
+
+def test_switches_and_multiturn_on_the_exact_pair(pair):
+    last, records, per_count = switches(run_of(pair), EXAMPLES[:2], [1, 2, 4])
+    assert sorted(per_count) == [1, 2, 4] and last == per_count[4]
+    for rows in per_count.values():
+        assert np.allclose(scores(rows, "routed"), scores(rows, "native_target"), atol=1e-3)
+    handoff = [r for r in records if r["sender"] not in (None, r["receiver"])]
+    assert len(handoff) == 2 * (1 + 2 + 4)  # s handoffs per item and switch count
+    assert {r["sender"] for r in handoff} == {"source", "target"}
+    if not (DATA / "eval").is_dir():
+        pytest.skip("shared data not found")
+    escalation = OmegaConf.create({"policy": "schedule", "every": 2, "threshold": 0.0})
+    rows, records, turns, replays = multiturn(run_of(pair), DATA, ["arc_easy"], 4, 2, escalation)
+    assert turns == len(rows) == 4 and [row["escalated"] for row in rows] == [False, True] * 2
+    assert np.allclose(scores(rows, "routed"), scores(rows, "native_target"), atol=1e-3)
+    assert [r["path"] for r in records if r["sender"] not in (None, r["receiver"])] == ["map"] * 2
+    assert replays and all(turn.numel() for _, turn in replays)
+    metrics = handoffs(records, turns)
+    assert metrics["handoff_frequency"] == 0.5 and metrics["prefill_fraction"] == 0.0
+    unsure = OmegaConf.create({"policy": "confidence", "every": 0, "threshold": 1.01})  # every pick is below 1.01
+    rows, records, _, _ = multiturn(run_of(pair), DATA, ["piqa"], 2, 2, unsure)
+    assert [row["escalated"] for row in rows] == [True, True]
+    assert np.allclose(scores(rows, "routed"), scores(rows, "native_target"), atol=1e-3)
+    escalations = [r for r in records if r["sender"] == "source" and r["receiver"] == "target"]
+    assert len(escalations) == 2 and all(r["turn"] == 0 and r["path"] == "map" for r in escalations)
+
+
+def test_rollback_replay_verifies_every_kind(pair):
+    run = run_of(pair)
+    replays = [(run.encode(ex.history), run.groups(ex.item)[0][0]) for ex in EXAMPLES[:1]]
+    checks = rollback(run, pair.exact, replays, 3, (pair.tokenizer_hash,))
+    kinds = ("artifact_mismatch", "nonfinite_map", "nonfinite_source", "beyond_length", "failed_guard")
+    assert checks == {f"rollback.{kind}": 1.0 for kind in kinds} | {"rollback_verified": 1.0}
+
+
+def row(task, correct: bool, native: bool, history: int = 100, ttft=(10.0, 30.0, 2.0)) -> dict:
+    pick = lambda ok: [[-1.0, 1.0], [-2.0, 0.0]] if ok else [[-2.0, 0.0], [-1.0, 1.0]]
+    return {
+        "task": task, "label": 0, "lengths": [1, 1], "history_tokens": history, "turn_tokens": 5,
+        "scores": {"routed": pick(correct), "native_target": pick(native), "native_source": pick(False)},
+        "nll": {"routed": 1.0, "native_target": 0.5, "native_source": 2.0},
+        "ttft": dict(zip(("routed", "reprefill", "hit"), ttft, strict=True)),
+        "handoff": {"prefill_fraction": 0.25},
+    }  # fmt: skip
+
+
+def test_metrics_from_rows():
+    rows = [row("piqa", i % 4 != 0, True) for i in range(40)] + [row("mmlu", True, i % 2 == 0) for i in range(40)]
+    metrics = quality(rows, 500, 0)
+    assert metrics["task.piqa.loss_points"] == pytest.approx(25.0) and metrics["task.mmlu.loss_points"] == -50.0
+    assert metrics["task.mean.loss_points"] == pytest.approx(-12.5)
+    assert metrics["task.mean.loss_points_low"] < -12.5 < metrics["task.mean.loss_points_high"]
+    assert metrics["task.piqa.nll_routed"] == 1.0 and metrics["task.piqa.prefill_fraction"] == 0.25
+    rows[0]["ttft"] = {"routed": 10.0, "reprefill": 100.0, "hit": 1.0}
+    rows[1]["history_tokens"] = 5000
+    times = timing(rows)
+    assert times["ttft_speedup"] == 3.0 and times["ttft.reprefill_ms_p50"] == 30.0
+    assert "ttft.routed.le_8192_ms_p50" in times and "ttft.hit.le_512_ms_p95" in times
+    records = [
+        {"sender": "source", "receiver": "target", "status": "applied", "path": "map", "context": 100, "hit": 0,
+         "prefill_fraction": 0.0, "bytes": 10},
+        {"sender": "source", "receiver": "target", "status": "fallback_reprefill", "path": "reprefill",
+         "context": 3000, "hit": 0, "prefill_fraction": 1.0, "bytes": 0},
+        {"sender": None, "receiver": "source", "status": "applied", "path": "hit", "context": 0, "hit": 0,
+         "prefill_fraction": 0.0, "bytes": 0},
+    ]  # fmt: skip
+    counted = handoffs(records, 4)
+    assert counted["handoff_frequency"] == 0.5 and counted["prefill_fraction"] == pytest.approx(3000 / 3100)
+    assert counted["refusals.source_to_target.le_8192"] == 1.0 and "refusals.source_to_target.le_512" not in counted
+    assert counted["handoffs.source_to_target.le_512"] == 1.0 and counted["handoffs.fallback_reprefill"] == 1.0
+    assert [bucket(n) for n in (1, 512, 513, 40000)] == ["le_512", "le_512", "le_2048", "gt_32768"]
+
+
+def compose(*overrides: str):
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+
+    defaults = yaml.safe_load((REPO / "conf/run.yaml").read_text())["defaults"]
+    listed = any(isinstance(entry, dict) and "workload" in entry for entry in defaults)
+    workload = [o if listed else "+" + o for o in overrides if o.startswith("workload=")]
+    rest = [o for o in overrides if not o.startswith("workload=")]
+    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
+        return hydra_compose("run", overrides=["+experiment=routed", *workload, *rest])
+
+
+def test_routed_job_end_to_end_on_the_tiny_random_pair(tmp_path, monkeypatch):
+    if not (DATA / "eval").is_dir():
+        pytest.skip("shared data not found")
+    from src.gate import judge_run
+    from src.routed import routed
+
+    monkeypatch.setenv("KVRELAY_HOME", str(tmp_path / "home"))
+    cfg = compose(
+        "workload=passage", "workload.limit=2", "workload.tasks=[lambada]", "pair.attn_implementation=sdpa",
+        "workload.rollback_items=1", "workload.rollback_tokens=2", "budget.sequences=8", "budget.seq_len=64",
+        f"paths.data={DATA}", "tracking.backend=json", f"tracking.json_dir={tmp_path / 'records'}",
+    )  # fmt: skip
+    accuracy = routed(cfg)
+    (path,) = (tmp_path / "records").glob("*/record.json")
+    record = json.loads(path.read_text())
+    metrics, tags = {m["key"]: m["value"] for m in record["metrics"] if m["step"] is None}, record["tags"]
+    assert record["status"] == "FINISHED" and record["experiment"] == "routed"
+    assert (tags["job"], tags["workload"], tags["weights"], tags["policy"]) == ("routed", "passage", "random", "map")
+    assert metrics["task.mean.acc"] == accuracy and metrics["task.lambada.items"] == 2
+    assert {"task.lambada.loss_points_low", "ttft_speedup", "prefill_fraction", "handoff_frequency"} <= set(metrics)
+    assert metrics["rollback_verified"] == 1.0 and metrics["handoffs.applied"] == 2
+    artifacts = path.parent / "artifacts"
+    assert (artifacts / "plots/ttft_vs_prefix.png").is_file()
+    assert (artifacts / "plots/accuracy_vs_prefill_fraction.png").is_file()
+    assert len(json.loads((artifacts / "routed/items.json").read_text())["items"]) == 2
+    verdicts = {v.criterion.split(":")[0]: v.status for v in judge_run(metrics, tags)}
+    assert verdicts["quality"] == "MISSING" and verdicts["routed workload run"] == "PASS"  # random weights

@@ -1,0 +1,300 @@
+"""The router session (src/session.py): segment bookkeeping across switches, each path (hit / map / re-prefill)
+exact under an identity map and under the exact non-identity pair (tests/exact_pair.py, where a leak of the
+receiver's native state shows: the wrong mapper must then differ), provenance, levers, the cost-aware policy, and
+deterministic rollback — bit-identical caches and greedy `generate` outputs — for every refusal kind."""
+
+import copy
+from dataclasses import replace
+
+import pytest
+import torch
+
+from src.forward import prefill
+from src.handoff import Levers, spliced_cache
+from src.routing import CostModel, Policy, bind
+from src.session import Session
+from tests.exact_pair import _mapper, exact_pair, max_cache_diff
+
+TOL = 1e-4  # float32 rounding of an exact map and of chunked forwards
+VOCAB = 96
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """Tiny models on a shared 2-core machine: one intra-op thread is many times faster than an oversubscribed two."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def pair():
+    return exact_pair("llama", seed=0)
+
+
+@pytest.fixture(scope="module")
+def routes(pair):
+    """Both directions of the exact pair: the target's cache is an exact map of the source's and (with the inverse
+    coefficients) back."""
+    inverse = replace(
+        pair.exact,
+        weight_k=torch.linalg.inv(pair.exact.weight_k.double()).float(),
+        weight_v=torch.linalg.inv(pair.exact.weight_v.double()).float(),
+        manifest=pair.exact.manifest
+        | {"source_fingerprint": pair.exact.manifest["target_fingerprint"]}
+        | {"target_fingerprint": pair.exact.manifest["source_fingerprint"], "method": "exact_inverse"},
+    )
+    return {
+        ("a", "b"): bind(pair.source, pair.target, pair.exact, pair.tokenizer_hash),
+        ("b", "a"): bind(pair.target, pair.source, inverse, pair.tokenizer_hash),
+    }
+
+
+def tokens(count: int, seed: int) -> torch.Tensor:
+    return torch.randint(0, VOCAB, (count,), generator=torch.Generator().manual_seed(seed))
+
+
+def session(pair, routes=None, **policy) -> Session:
+    return Session({"a": pair.source, "b": pair.target}, routes, Policy(**policy))
+
+
+def native(model, ids: torch.Tensor):
+    return prefill(model, ids[None])
+
+
+def test_map_path_is_exact_and_a_wrong_map_shows(pair, routes):
+    history, turn = tokens(30, 1), tokens(7, 2)
+    s = session(pair, routes)
+    s.append("a", history)
+    record = s.switch_to("b", turn)
+    assert (record.sender, record.path, record.status, record.reason) == ("a", "map", "applied", "policy: map")
+    assert (record.context, record.hit, record.mapped, record.prefilled, record.turn) == (30, 0, 30, 0, 7)
+    assert record.prefill_fraction == 0.0 and record.bytes > 0 and record.ms >= record.ms_map > 0
+    conversation = torch.cat([history, turn])
+    assert torch.equal(s.ids, conversation)
+    assert max_cache_diff(s.cache("b"), native(pair.target, conversation)) < TOL
+    assert max_cache_diff(s.cache("a"), native(pair.target, history)) > 1e-2  # the pair really differs
+    wrong = session(pair, {("a", "b"): bind(pair.source, pair.target, pair.wrong, pair.tokenizer_hash)})
+    wrong.append("a", history)
+    assert wrong.switch_to("b", turn).path == "map"
+    assert max_cache_diff(wrong.cache("b"), native(pair.target, conversation)) > 1e-2  # no native state leaked
+
+
+class Spy:
+    """A KVTransfer that records the positions of every mapped piece."""
+
+    def __init__(self, transfer, seen: list):
+        self.transfer, self.seen, self.token_features = transfer, seen, transfer.token_features
+
+    def __call__(self, cache, positions=None, input_ids=None):
+        self.seen.append(positions.tolist())
+        return self.transfer(cache, positions=positions, input_ids=input_ids)
+
+
+def identity_routes(pair):
+    """The source paired with a copy of itself through the identity map (relocated positions must still be exact)."""
+    twin = copy.deepcopy(pair.source)
+    kv = pair.exact.weight_k.shape
+    eye = torch.eye(kv[-1]).expand(kv).clone()
+    mapper = lambda s, t: _mapper(s, t, pair.tokenizer_hash, eye, eye, "identity")
+    models = {"a": pair.source, "b": twin}
+    return models, {("a", "b"): bind(pair.source, twin, mapper(pair.source, twin), pair.tokenizer_hash),
+                    ("b", "a"): bind(twin, pair.source, mapper(twin, pair.source), pair.tokenizer_hash)}  # fmt: skip
+
+
+@pytest.mark.parametrize("kind", ["identity", "exact_pair"])
+def test_switches_keep_segments_positions_and_every_path_exact(pair, routes, kind):
+    models, routes = identity_routes(pair) if kind == "identity" else ({"a": pair.source, "b": pair.target}, routes)
+    positions: list[list[int]] = []
+    routes = {key: replace(route, transfer=Spy(route.transfer, positions)) for key, route in routes.items()}
+    c0, c1, c2, turn = tokens(12, 3), tokens(9, 4), tokens(8, 5), tokens(5, 6)
+    s = Session(models, routes)
+    s.append("a", c0)
+    first = s.switch_to("b", c1)
+    second = s.switch_to("a", c2)
+    third = s.switch_to("b", turn)
+    again = s.switch_to("b")
+    assert [(r.path, r.hit, r.mapped, r.prefilled, r.turn) for r in (first, second, third, again)] == [
+        ("map", 0, 12, 0, 9),
+        ("map", 12, 9, 0, 8),
+        ("map", 21, 8, 0, 5),
+        ("hit", 34, 0, 0, 0),
+    ]
+    assert positions == [list(range(0, 12)), list(range(12, 21)), list(range(21, 29))]
+    a, b = s.segments("a"), s.segments("b")
+    assert [(g.start, g.end, g.origin, g.exact, g.source) for g in a] == [
+        (0, 12, "native", True, None),
+        (12, 21, "mapped", False, "b"),
+        (21, 29, "native", False, None),
+    ]
+    assert [(g.start, g.end, g.origin, g.source) for g in b] == [
+        (0, 12, "mapped", "a"),
+        (12, 21, "native", None),
+        (21, 29, "mapped", "a"),
+        (29, 34, "native", None),
+    ]
+    assert a[1].mapper == routes[("b", "a")].mapper_id and b[0].mapper == routes[("a", "b")].mapper_id
+    assert s.exact_prefix("a")[0].tolist() == c0.tolist()  # mapped KV is never served as an exact prefix hit
+    assert s.exact_prefix("b")[1] is None and s.exact_prefix("b")[0].numel() == 0
+    whole = s.ids
+    assert max_cache_diff(s.cache("b"), native(models["b"], whole)) < TOL
+    assert max_cache_diff(s.cache("a"), native(models["a"], whole[:29])) < TOL
+
+
+def test_hit_is_bit_exact_and_reprefill_is_native(pair, routes):
+    history, turn = tokens(20, 7), tokens(6, 8)
+    s = session(pair, routes, mode="reprefill")
+    s.append("b", history[:10])
+    held = copy.deepcopy(s.cache("b"))
+    s.switch_to("a", history[10:])
+    record = s.switch_to("b", turn)
+    assert (record.path, record.status, record.hit, record.prefilled, record.prefill_fraction) == (
+        "reprefill", "applied", 10, 10, 1.0
+    )  # fmt: skip
+    for own, before in zip(s.cache("b").layers, held.layers, strict=True):  # the held prefix is reused untouched
+        assert torch.equal(own.keys[:, :, :10], before.keys) and torch.equal(own.values[:, :, :10], before.values)
+    assert max_cache_diff(s.cache("b"), native(pair.target, s.ids)) < TOL
+    assert s.exact_prefix("b")[0].numel() == 26  # everything native: all of it is exact
+    ids, cache = s.exact_prefix("b")
+    assert max_cache_diff(cache, s.cache("b")) == 0.0 and cache is not s.cache("b")
+
+
+def test_levers_keep_their_tokens_native(pair, routes):
+    history, turn = tokens(24, 9), tokens(4, 10)
+    levers = Levers(native_sink=2, hold_back=3)
+    wrong = {("a", "b"): bind(pair.source, pair.target, pair.wrong, pair.tokenizer_hash)}
+    s = session(pair, wrong, levers=levers)
+    s.append("a", history)
+    record = s.switch_to("b", turn)
+    assert (record.mapped, record.prefilled) == (19, 5)
+    assert record.prefill_fraction == pytest.approx(5 / 24)
+    assert [(g.start, g.end, g.origin) for g in s.segments("b")] == [
+        (0, 2, "native"),
+        (2, 21, "mapped"),
+        (21, 28, "native"),
+    ]
+    assert s.exact_prefix("b")[0].numel() == 2  # the sink is the target's own, exact
+    reference = spliced_cache(wrong[("a", "b")].transfer, native(pair.source, history), history[None], levers)
+    cut = copy.deepcopy(s.cache("b"))
+    cut.crop(-4)
+    assert max_cache_diff(cut, reference) < TOL  # the same splice as the quality protocol's
+    exact = session(pair, routes, levers=replace(levers, recompute=0.25, recompute_rule="recency", native_layers=1))
+    exact.append("a", history[:10])
+    exact.switch_to("b", history[10:])
+    back = exact.switch_to("a", turn)  # levers on a span that starts at 10, above a held prefix
+    assert (back.hit, back.mapped, back.prefilled, back.recomputed) == (10, 11, 3, 4)
+    assert max_cache_diff(exact.cache("a"), native(pair.source, exact.ids)) < TOL
+
+
+def test_auto_policy_takes_the_cheaper_path_and_says_why(pair, routes):
+    history = tokens(16, 11)
+
+    def run(costs: CostModel) -> str:
+        s = Session({"a": pair.source, "b": pair.target}, routes, Policy(mode="auto"), costs)
+        s.append("a", history)
+        record = s.switch_to("b", history[:2])
+        assert record.reason.startswith("auto:")
+        return record.path
+
+    assert run(CostModel()) == "map"  # nothing measured yet: map by default
+    slow_map = CostModel()
+    for n in (8, 32):
+        slow_map.observe("b", "map", n, 100.0 + n)
+        slow_map.observe("b", "prefill", n, 1.0 + 0.1 * n)
+    assert run(slow_map) == "reprefill"
+    fast_map = CostModel()
+    for n in (8, 32):
+        fast_map.observe("b", "map", n, 0.01 * n)
+        fast_map.observe("b", "prefill", n, 10.0 + n)
+    assert fast_map.estimate("b", "prefill", 20) == pytest.approx(30.0)
+    assert fast_map.estimate("b", "map", 4) is not None and CostModel().estimate("b", "map", 4) is None
+    assert run(fast_map) == "map"
+    assert len(fast_map.samples[("b", "map")]) == 3  # the session's own handoff is measured too
+
+
+def _overflowing(mapper):
+    """Finite coefficients (the artifact checks pass) whose products overflow float32: non-finite mapped values."""
+    weight = mapper.weight_v.clone()
+    weight[1] = 3e38
+    return replace(mapper, weight_v=weight)
+
+
+REFUSALS = {  # kind → (how the route / policy / state is broken, expected status, words in the reason)
+    "artifact_mismatch": ("artifact", "unsupported", "target fingerprint"),
+    "nonfinite_map": ("nan_map", "fallback_reprefill", "not finite"),
+    "nonfinite_source": ("nan_source", "fallback_reprefill", "NaN"),
+    "beyond_length": ("length", "fallback_reprefill", "calibration length"),
+    "sliding_window": ("sliding", "unsupported", "sliding-window"),
+    "failed_guard": ("guard", "fallback_reprefill", "guard"),
+    "no_route": ("none", "unsupported", "no mapper route"),
+}
+
+
+@pytest.mark.parametrize("kind", sorted(REFUSALS))
+def test_every_refusal_rolls_back_bit_identically(pair, kind):
+    how, status, words = REFUSALS[kind]
+    source, target, mapper = pair.source, pair.target, pair.exact
+    policy = {}
+    if how == "artifact":
+        mapper = replace(mapper, manifest=mapper.manifest | {"target_fingerprint": "0" * 64})
+    elif how == "nan_map":
+        mapper = _overflowing(mapper)
+    elif how == "length":
+        mapper = replace(mapper, manifest=mapper.manifest | {"calibration": {"seq_len": 8}})
+        policy = {"max_length_factor": 2.0}
+    elif how == "sliding":
+        target = copy.deepcopy(target)
+        target.config.sliding_window = 8
+    elif how == "guard":
+        policy = {"guard_max_abs": 1e-3}
+    routes = {} if how == "none" else {("a", "b"): bind(source, target, mapper, pair.tokenizer_hash)}
+    tried = Session({"a": source, "b": target}, routes, Policy(**policy))
+    never = Session({"a": source, "b": target}, {}, Policy(mode="reprefill"))
+    history, turn, more = tokens(20, 12), tokens(5, 13), [tokens(4, seed) for seed in (14, 15, 16)]
+    outputs = []
+    for s in (tried, never):
+        s.append("a", history)
+        if how == "nan_source":
+            s.cache("a").layers[1].keys[0, 0, 3, 0] = float("nan")
+        record = s.switch_to("b", turn)
+        generated = s.generate("b", more[0], max_new_tokens=6)
+        s.switch_to("a", more[1])
+        outputs.append((record, generated, s.generate("a", more[2], max_new_tokens=4), s.cache("b")))
+    (record, *tried_out, tried_cache), (_, *never_out, never_cache) = outputs
+    assert (record.path, record.status) == ("reprefill", status) and words in record.reason, record
+    assert record.prefill_fraction == 1.0 and record.mapped == 0
+    assert all(torch.equal(x, y) for x, y in zip(tried_out, never_out, strict=True))  # greedy outputs identical
+    assert max_cache_diff(tried_cache, never_cache) == 0.0  # bit-identical caches
+    assert tried.exact_prefix("b")[0].numel() == tried.holds("b")  # a fallback leaves only native, exact KV
+
+
+def test_generate_reads_the_session_cache(pair, routes):
+    history = tokens(25, 15)
+    s = session(pair, routes)
+    s.append("a", history)
+    s.switch_to("b")  # no new turn: the last conversation token is re-read by generate
+    assert s.logits is None
+    out = s.generate("b", [], max_new_tokens=5)
+    x = history[None]
+    with torch.no_grad():
+        for _ in range(5):  # greedy by full forwards on the target
+            x = torch.cat([x, pair.target(x).logits[:, -1].argmax(-1, keepdim=True)], 1)
+    assert out.tolist() == x[0, 25:].tolist()
+    assert s.holds("b") == s.ids.numel() == 30
+    assert max_cache_diff(s.cache("b"), native(pair.target, s.ids)) < TOL
+
+
+def test_errors_name_the_problem(pair, routes):
+    s = session(pair, routes)
+    s.append("a", tokens(5, 16))
+    with pytest.raises(ValueError, match="switch_to"):
+        s.append("b", tokens(2, 17))
+    with pytest.raises(ValueError, match="no model 'c'"):
+        s.switch_to("c")
+    with pytest.raises(ValueError, match="names a model"):
+        Session({"a": pair.source}, routes)
+    with pytest.raises(ValueError, match="policy mode"):
+        Policy(mode="fastest")
+    with pytest.raises(ValueError, match="one conversation"):
+        s.append("a", torch.zeros(2, 3, dtype=torch.long))

@@ -1,0 +1,153 @@
+"""Routed workload builders (src/workloads.py) on real items from shared/data: no scored item (nor one with a scored
+item's question) among the shots, no shot from a file the calibration read, lm-eval's rendering, passage splits,
+conversations that use each item once, token chunks, and append-only chat rendering."""
+
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from src.tasks import _FILES, load_task
+from src.workloads import (
+    SCORED,
+    Bytes,
+    Chat,
+    _header,
+    _pool,
+    calibration_files,
+    chunks,
+    conversations,
+    fewshot,
+    passage,
+)
+
+REPO = Path(__file__).resolve().parents[1]
+DATA = REPO.parent / "shared/data"
+if not (DATA / "eval").is_dir():
+    pytest.skip(f"shared data not found at {DATA}", allow_module_level=True)
+BUDGETS = {p.stem: yaml.safe_load(p.read_text())["corpus"] for p in (REPO / "conf/budget").glob("*.yaml")}
+SHOTS = {"arc_easy": 25, "arc_challenge": 25, "hellaswag": 10, "mmlu": 5, "winogrande": 5, "piqa": 5}
+LIMIT = 6
+
+
+def _source(shot: str) -> str:
+    return shot.rsplit("#", 1)[0]
+
+
+CASES = [(task, "paper_mix") for task in sorted(SHOTS)]
+CASES += [(task, budget) for task in ("arc_challenge", "arc_easy", "mmlu") for budget in ("paper", "paper_fewshot")]
+
+
+@pytest.mark.parametrize(("task", "budget"), CASES)
+def test_fewshot_never_shows_a_scored_or_calibration_item(task, budget):
+    if budget not in BUDGETS:
+        pytest.skip(f"no budget {budget}")
+    calibration = calibration_files(BUDGETS[budget])
+    assert _FILES[task] not in calibration  # the scored split is never calibration text
+    scored = load_task(task, DATA, LIMIT)
+    source, pool = _pool(DATA, task, scored, calibration)  # every shot any item could draw
+    assert source not in calibration and pool
+    questions = {_header(c)[1] for item in scored for c in item.contexts}
+    assert not {_header(c)[1] for item in pool for c in item.contexts} & questions
+    if source == SCORED:
+        assert not {item.index for item in pool} & {item.index for item in scored}
+    else:  # another split: none of its items repeats any question of the evaluated file
+        assert not {_header(c)[1] for item in pool for c in item.contexts} & {
+            _header(c)[1] for item in load_task(task, DATA) for c in item.contexts
+        }
+    examples = fewshot(DATA, task, LIMIT, SHOTS[task], 0, calibration)
+    assert [ex.item.index for ex in examples] == [item.index for item in scored]
+    scored_indices = {item.index for item in scored}
+    for example, item in zip(examples, scored, strict=True):
+        assert len(example.shots) == len(set(example.shots)) == SHOTS[task]  # k distinct shots
+        for shot in example.shots:
+            assert _source(shot) not in calibration
+            if _source(shot) == SCORED:
+                assert int(shot.rsplit("#", 1)[1]) not in scored_indices
+        for question in questions:  # no scored question (and so no scored item) in any history
+            assert question not in example.history
+        assert example.item.continuations == item.continuations and example.item.label == item.label
+        assert example.history.endswith("\n\n") and example.history.count("\n\n") >= SHOTS[task]
+        if task == "mmlu":  # lm-eval: the subject's header once, then its dev exemplars
+            header = _header(item.contexts[0])[0]
+            assert example.history.startswith(header) and example.history.count("The following are") == 1
+            assert example.item.contexts[0] == item.contexts[0][len(header) :]
+        else:
+            assert example.item.contexts == item.contexts
+    if budget == "paper":  # calibration reads books only: the dev splits are the shots
+        expected = {"arc_easy": "eval/arc/ARC-Easy-Dev.jsonl", "mmlu": "eval/mmlu/mmlu_dev.jsonl"}.get(task, SCORED)
+        if task != "arc_challenge":
+            assert {_source(s) for ex in examples for s in ex.shots} == {expected}
+    if budget == "paper_mix" and task.startswith("arc"):  # task_dev read ARC dev: shots come from elsewhere
+        assert {_source(s) for ex in examples for s in ex.shots} == {SCORED}
+
+
+def test_fewshot_is_seeded_and_refuses_too_few_shots():
+    calibration = calibration_files("gutenberg")
+    first, again = (fewshot(DATA, "piqa", 3, 5, 0, calibration) for _ in range(2))
+    assert first == again
+    assert fewshot(DATA, "piqa", 3, 5, 1, calibration)[0].shots != first[0].shots
+    with pytest.raises(ValueError, match="shots available"):
+        fewshot(DATA, "mmlu", 2, 6, 0, calibration)  # MMLU dev holds 5 per subject
+    with pytest.raises(ValueError, match="unknown corpus"):
+        calibration_files("gutenberg+nope")
+
+
+def test_passages_split_history_from_the_new_turn():
+    boolq, lambada = passage(DATA, "boolq", 5), passage(DATA, "lambada", 5)
+    for example, item in zip(boolq, load_task("boolq", DATA, 5), strict=True):
+        assert example.history + example.item.contexts[0] == item.contexts[0]
+        assert example.item.contexts[0].startswith("\nQuestion: ") and example.item.continuations == [" no", " yes"]
+    items = {item.index: item for item in load_task("lambada", DATA, 5)}
+    assert lambada
+    for example in lambada:
+        assert example.history + example.item.contexts[0] == items[example.item.index].contexts[0]
+        assert example.history[-1] in ".!?\"'”’)" and example.item.contexts[0][0].isspace()
+    with pytest.raises(ValueError, match="boolq or lambada"):
+        passage(DATA, "piqa", 2)
+
+
+def test_conversations_use_each_item_once():
+    chained = conversations(DATA, "arc_easy", 20, 6)
+    assert [len(c) for c in chained] == [6, 6, 6]
+    indices = [item.index for conversation in chained for item in conversation]
+    assert len(set(indices)) == 18 and indices == [item.index for item in load_task("arc_easy", DATA, 20)][:18]
+    with pytest.raises(ValueError, match="one question per item"):
+        conversations(DATA, "winogrande", 4, 2)
+
+
+def test_chunks():
+    ids = torch.arange(10)
+    parts = chunks(ids, 4)
+    assert [p.numel() for p in parts] == [2, 3, 3, 2] and torch.equal(torch.cat(parts), ids)
+    assert len(chunks(ids, 10)) == 10
+    with pytest.raises(ValueError, match="cannot cut"):
+        chunks(ids, 11)
+
+
+TOKENIZER = Path.home() / ".cache/kvrelay/models/qwen25coder_0p5b"
+
+
+@pytest.mark.parametrize("kind", ["bytes", "qwen"])
+def test_chat_rendering_is_append_only(kind):
+    if kind == "qwen":
+        if not (TOKENIZER / "tokenizer.json").is_file():
+            pytest.skip("the real tokenizer is not fetched")
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(TOKENIZER)
+    else:
+        tokenizer = Bytes(96)
+    chat, text = Chat(tokenizer), ""
+    for question, answer in (("What is 2+2?", "4"), ("And 3+3?", "6")):
+        user = chat.user(question)
+        candidate = chat.answer(answer, commit=False)
+        assert chat.answer(answer) == candidate and candidate[0].endswith(answer)
+        text += user + "".join(candidate)
+    assert text == chat.rendered
+    if kind == "qwen":
+        assert text == tokenizer.apply_chat_template(chat.messages, tokenize=False)
+        assert user.endswith("<|im_start|>assistant\n")
+    else:
+        assert tokenizer.encode("é") == [0xC3 % 96, 0xA9 % 96]
