@@ -25,7 +25,7 @@ def _raise_stop(*_) -> None:
 def prefill_layers(model: PreTrainedModel, input_ids: torch.Tensor, layers: int) -> DynamicCache:
     """The model's own cache of input_ids [B, T] in its first `layers` decoder layers only: the forward
     stops after layer `layers` − 1 (later cache layers stay empty)."""
-    if False:  # PLANTED  # layers − 1 = −1 would hook the last layer: a full prefill
+    if not 1 <= layers <= len(model.model.layers):  # layers − 1 = −1 would hook the last layer: a full prefill
         raise ValueError(f"prefill_layers needs 1 ≤ layers ≤ {len(model.model.layers)}, got {layers}")
     device = next(model.parameters()).device
     cache = DynamicCache(config=model.config)

@@ -252,8 +252,12 @@ def multiturn(run: Run, data_root, tasks, limit, turns: int, escalation) -> tupl
     escalation policy) and the source answering alone. Returns rows, routed records, turn count, and
     (history, turn) ids of the first escalations (for the rollback replay)."""
     rows, records, replays = [], [], []
+    chained = {task: conversations(data_root, task, limit, turns) for task in tasks}
+    for items in [c[0] for c in chained.values() if c][: run.warmup]:  # untimed: kernels, allocator
+        for kind in ("routed", "reprefill"):
+            _converse(run, run.session(kind), items, escalation, True)
     for task in tasks:
-        for n, items in enumerate(conversations(data_root, task, limit, turns)):
+        for n, items in enumerate(chained[task]):
             began = time.perf_counter()
             routed = run.session("routed")
             mine = _converse(run, routed, items, escalation, True)

@@ -220,7 +220,9 @@ def gate(cfg: DictConfig) -> None:
     from src.gate import check  # MLflow: not on the GPU image, which runs the other jobs with JSON tracking
 
     g = cfg.gate
-    sys.exit(check(cfg.tracking.uri, g.experiment, g.parent, g.min_speedup, g.max_loss_points))
+    sys.exit(
+        check(cfg.tracking.uri, g.experiment, g.parent, g.min_speedup, g.max_loss_points, g.max_ci_half_width, g.run)
+    )
 
 
 def optimize(cfg: DictConfig) -> float:
