@@ -28,7 +28,7 @@ import torch.distributed as dist
 
 from kernels.fused_fit import fused_moments
 from src.artifact import Mapper
-from src.fit import STATISTICS
+from src.fit import STATISTICS, fitted_mapper
 from src.stats import Moments, reference_moments, ridge_solve, streaming_moments
 from src.support import gather_features, token_kv, token_width, with_token_kv
 from src.traces import Traces
@@ -230,25 +230,18 @@ def fit_mapper_sharded(
         timings.update({f"{name}_seconds": marks[i] - marks[i - 1] for i, name in enumerate(clock) if i})
         problem = target_heads * (width * width + width * target_dim + 1) * 8
         timings.update(seconds=marks[-1] - marks[0], reduced_bytes=2 * target_layers * problem, world=world)
-    manifest = {
-        "support": support,
-        "weighting": weighting,
-        "lambda": lam,
-        "lambda_relative": lam_relative,
-        "alpha_cap": alpha_cap,
-        "token_features": token_features,
-        "statistics": statistics,
-        "alpha": alpha,
-        "k": int(source_layers.shape[1]),
-        "fan_in": int(head_index.shape[1]),
-        "fitted_width": None,
-        "source_layers": source_layers.tolist(),
-        "head_index": head_index.tolist(),
-        "calibration": dict(shard.meta, rows=rows),
-    }
-    return Mapper(
-        source_layers=source_layers.clone(),
-        head_index=head_index.clone(),
-        **{name: torch.stack(values) for name, values in coefficients.items()},
-        manifest=manifest,
+    return fitted_mapper(
+        coefficients,
+        source_layers,
+        head_index,
+        support=support,
+        weighting=weighting,
+        lam=lam,
+        lam_relative=lam_relative,
+        alpha_cap=alpha_cap,
+        token_features=token_features,
+        statistics=statistics,
+        alpha=alpha,
+        fitted_width=None,
+        calibration=dict(shard.meta, rows=rows),
     )

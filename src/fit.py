@@ -125,7 +125,41 @@ def fit_mapper(
                 weight, bias = _fold_pca(weight, bias, layers, pca)
             coefficients[f"weight_{component}"].append(weight.float())
             coefficients[f"bias_{component}"].append(bias.float())
-    fitted_width = width if support == "pca" else None
+    return fitted_mapper(
+        coefficients,
+        source_layers,
+        head_index,
+        support=support,
+        weighting=weighting,
+        lam=lam,
+        lam_relative=lam_relative,
+        alpha_cap=alpha_cap,
+        token_features=token_features,
+        statistics=statistics,
+        alpha=alpha_stats if weighting == "attn_repair" else None,
+        fitted_width=width if support == "pca" else None,
+        calibration=dict(traces.meta),
+    )
+
+
+def fitted_mapper(
+    coefficients: dict[str, list[torch.Tensor]],
+    source_layers: torch.Tensor,
+    head_index: torch.Tensor,
+    *,
+    support: str,
+    weighting: str,
+    lam: float,
+    lam_relative: bool,
+    alpha_cap: float,
+    token_features: bool,
+    statistics: str,
+    alpha: dict | None,
+    fitted_width: int | None,
+    calibration: dict,
+) -> Mapper:
+    """Per-target-layer coefficients (lists of [H_t, p, d_t] / [H_t, d_t]) → the Mapper with its method manifest
+    (shared by fit_mapper and the sharded fit in src/distributed.py)."""
     manifest = {
         "support": support,
         "weighting": weighting,
@@ -134,13 +168,13 @@ def fit_mapper(
         "alpha_cap": alpha_cap,
         "token_features": token_features,
         "statistics": statistics,
-        "alpha": alpha_stats if weighting == "attn_repair" else None,
+        "alpha": alpha,
         "k": int(source_layers.shape[1]),
         "fan_in": int(head_index.shape[1]),
         "fitted_width": fitted_width,
         "source_layers": source_layers.tolist(),
         "head_index": head_index.tolist(),
-        "calibration": dict(traces.meta),
+        "calibration": calibration,
     }
     return Mapper(
         source_layers=source_layers.clone(),

@@ -46,3 +46,12 @@ class CountingTransfer:
     def __call__(self, cache, **kwargs):
         self.calls += 1
         return self.transfer(cache, **kwargs)
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """Tiny models on a shared 2-core machine: one intra-op thread is many times faster than an oversubscribed two."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

@@ -20,12 +20,8 @@ VOCAB = 96
 
 
 @pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny models on a shared 2-core machine: one intra-op thread is many times faster than an oversubscribed two."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+def _one_thread(one_thread):
+    """Tiny models on a shared 2-core machine (conftest.one_thread)."""
 
 
 @pytest.fixture(scope="module")
