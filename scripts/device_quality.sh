@@ -21,7 +21,9 @@ DEADLINE=$((SECONDS + ${BUDGET_S:-540}))  # every stage ends inside one device c
 run() {
   local left=$((DEADLINE - SECONDS))
   if [ "$left" -lt 30 ]; then echo "SKIPPED (out of time): $*" | tee -a "$OUT/log.txt"; return; fi
-  timeout "$left" python3 -m src.run -m "${COMMON[@]}" "$@" 2>&1 | tee -a "$OUT/log.txt" || echo "FAILED: $*"
+  LAST_RC=0
+  timeout "$left" python3 -m src.run -m "${COMMON[@]}" "$@" 2>&1 | tee -a "$OUT/log.txt" || LAST_RC=$?
+  [ "$LAST_RC" -eq 0 ] || echo "FAILED (rc $LAST_RC): $*" | tee -a "$OUT/log.txt"
 }
 pack() { [ -d "$OUT/trk" ] && tar czf "$OUT/trk-$stage.tgz" -C "$OUT" trk && rm -rf "$OUT/trk"; }
 trap pack EXIT
@@ -35,6 +37,7 @@ case $stage in
     mkdir -p "$HOME/data" && cp -r .stage/data/. "$HOME/data/"
     nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv
     python3 -c "import torch, transformers, hydra, gguf; print(torch.__version__, transformers.__version__)"
+    python3 -m pytest -q -p no:cacheprovider tests/test_fingerprint.py -k cuda 2>&1 | tail -3 || true  # the CUDA checksum
     mkdir -p "$OUT/trk" ;;
   models)
     for name in qwen25coder_0p5b:qwen2.5-coder-0.5b-q4.gguf qwen25coder_1p5b:qwen2.5-coder-1.5b-q4.gguf; do
@@ -84,16 +87,35 @@ case $stage in
       eval.handoff.repeats=100 eval.handoff.prefill_repeats=10
     run +experiment=handoff pair=qwen25coder_0p5b_to_1p5b_random "eval.handoff.prefix_lens=[1024,4096,16384,32704]" \
       eval.handoff.repeats=100 eval.handoff.prefill_repeats=10 ;;
-  routed)  # the gate's workloads at the capacity point: escalation 0.5B → 1.5B (few-shot, passage, recompute lever),
-    # then 1.5B → 0.5B, then A→B→A switches (both mappers, cached by then); the order is the priority
+  routed)  # the gate's workloads at the capacity point, a queue in priority order that resumes where the last call
+    # stopped (done steps are counted in $HOME/routed.done on the leased machine): call this stage until it prints
+    # "routed queue done". Escalation 0.5B → 1.5B and back (few-shot, passage), A→B→A switches (both mappers cached by
+    # then), multi-turn escalation, the sink + recompute lever, then TTFT at the Qwen3 14B → 32B shapes (random weights)
     R=(+experiment=routed "${CAPACITY[@]}" workload.warmup=2)
-    FEW=(+workload=fewshot workload.limit=${FEW_LIMIT:-50})
+    FEW=(+workload=fewshot workload.limit=${FEW_LIMIT:-100})
     PAS=(+workload=passage workload.limit=${PASSAGE_LIMIT:-100})
-    run "${R[@]}" "${FEW[@]}"
-    run "${R[@]}" "${PAS[@]}"
-    run "${R[@]}" "${PAS[@]}" eval.levers.native_sink=4 eval.levers.recompute=0.25 eval.levers.recompute_rule=deviation,attention,recency
-    run "${R[@]}" "${FEW[@]}" pair=qwen25coder_1p5b_to_0p5b
-    run "${R[@]}" "${PAS[@]}" pair=qwen25coder_1p5b_to_0p5b
-    run "${R[@]}" +workload=switches workload.limit=${SWITCH_LIMIT:-50} ;;
+    BACK=pair=qwen25coder_1p5b_to_0p5b
+    LEVER=(eval.levers.native_sink=4 eval.levers.recompute=0.25 eval.levers.recompute_rule=deviation)
+    PAPER=(+experiment=routed +workload=fewshot pair=qwen3_14b_to_32b budget=synthetic_paper fit.k=8
+      pair.apply_backend=auto "workload.tasks=[arc_challenge,hellaswag]" workload.limit=20 workload.warmup=2
+      workload.rollback_items=1)
+    step() {  # step N ARGS…: run unless an earlier call finished it
+      local n=$1; shift
+      [ "$n" -le "$(cat "$HOME/routed.done" 2>/dev/null || echo 0)" ] && return
+      [ $((DEADLINE - SECONDS)) -lt 60 ] && { echo "SKIPPED (out of time): step $n" | tee -a "$OUT/log.txt"; exit 0; }
+      run "$@"  # a step cut by the deadline (rc 124) runs again next call; a failed one is not retried
+      [ "$LAST_RC" -eq 124 ] || echo "$n" > "$HOME/routed.done"
+    }
+    step 1 "${R[@]}" "${FEW[@]}"
+    step 2 "${R[@]}" "${PAS[@]}"
+    step 3 "${R[@]}" "${FEW[@]}" $BACK
+    step 4 "${R[@]}" "${PAS[@]}" $BACK
+    step 5 "${R[@]}" +workload=switches workload.limit=${SWITCH_LIMIT:-50}
+    step 6 "${R[@]}" +workload=multiturn workload.limit=${TURN_LIMIT:-48}
+    step 7 "${R[@]}" "${PAS[@]}" "${LEVER[@]}"
+    step 8 "${R[@]}" "${PAS[@]}" "${LEVER[@]}" $BACK
+    COMMON=(tracking.backend=json "tracking.json_dir=$OUT/trk" "paths.data=$HOME/data" pair.device=cuda)
+    step 9 "${PAPER[@]}"
+    echo "routed queue done" | tee -a "$OUT/log.txt" ;;
   *) echo "unknown stage $stage" >&2; exit 2 ;;
 esac

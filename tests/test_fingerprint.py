@@ -141,3 +141,13 @@ def test_content_checksum_matches_the_modular_reference(tensor):
         edited = tensor.clone().reshape(-1)
         edited.view(torch.uint8)[-1] ^= 0x80  # one bit of the last byte
         assert int(content_checksum(edited.reshape(tensor.shape))) != int(content_checksum(tensor))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_content_checksum_on_cuda_equals_the_cpu_branch():
+    """The CUDA branch (blockwise product + int32 sum, no integer GEMV) wraps mod 2³² like the CPU GEMV."""
+    generator = torch.Generator().manual_seed(2)
+    for tensor in (torch.randn(5000, 3, generator=generator), torch.randn(4099, generator=generator).bfloat16()):
+        assert int(content_checksum(tensor.cuda())) == int(content_checksum(tensor))
+    model = tiny("llama", seed=0)
+    assert fingerprint(model.cuda()) == fingerprint(tiny("llama", seed=0))  # device is in the probe, not the hash
