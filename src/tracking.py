@@ -217,7 +217,7 @@ class JsonRecorder:
         self.save()
 
     def dict(self, value: dict, path: str) -> None:
-        self._artifact(path).write_text(json.dumps(value, indent=2, default=str))
+        self._artifact(path).write_text(json.dumps(value, separators=(",", ":"), default=str))  # records stay small
 
     def figure(self, figure, path: str) -> None:
         figure.savefig(self._artifact(path), dpi=120)

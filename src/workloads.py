@@ -3,7 +3,8 @@ history), the new turn the router escalates on, and the answers to score.
 
 fewshot    lm-eval-style k-shot prompts: the shots (and an MMLU subject's header) are the history, the question the
            new turn. Shots come from a split that is never scored and that the calibration budget did not read
-           (`SHOT_FILES`, else the scored file's other items), never a scored item nor one with the same question.
+           (`SHOT_FILES`, else — or where it holds too few — the scored file's other items), never a scored item nor
+           one with the same question.
 passage    a BoolQ passage or a LAMBADA passage up to its final sentence is the history; the question / the final
            sentence (less its last word) the new turn.
 multiturn  conversations of N turns chained from consecutive scored items, rendered append-only with the chat
@@ -74,45 +75,47 @@ def _items(data_root: str | Path, task: str) -> tuple[Item, ...]:
     return tuple(load_task(task, data_root))
 
 
-def _pool(data_root: str | Path, task: str, scored: list[Item], calibration: frozenset[str]) -> tuple[str, list[Item]]:
-    """(where from, items) that may serve as shots: never a scored item, nor one whose question (body) is a scored
-    item's, nor from a file the calibration read."""
-    relative = SHOT_FILES.get(task)
+def _pool(data_root: str | Path, task: str, scored: list[Item], calibration: frozenset[str]) -> list[tuple[str, Item]]:
+    """(where from, item) pairs that may serve as shots, in order of preference: the task's shot split
+    (`SHOT_FILES`) unless the calibration read it, then the scored file's unscored items. Never a scored item, nor one
+    whose question (body) is a scored item's; a shot split's item never repeats any question of the scored file."""
+    pool, relative = [], SHOT_FILES.get(task)
     if relative is not None and relative not in calibration:
         path = Path(data_root) / relative
         if not path.is_file():
             raise FileNotFoundError(f"shot split of {task!r} not found at {path}; set paths.data to shared/data")
-        candidates, source = LOADERS[task](path), relative
-    else:
-        candidates, source = _items(data_root, task), SCORED
-    questions = {_header(item.contexts[0])[1] for item in (_items(data_root, task) if source != SCORED else scored)}
-    pool = [item for item in candidates if _header(item.contexts[0])[1] not in questions]  # scored items too
-    return source, pool
+        questions = {_header(item.contexts[0])[1] for item in _items(data_root, task)}
+        pool = [(relative, item) for item in LOADERS[task](path) if _header(item.contexts[0])[1] not in questions]
+    questions = {_header(item.contexts[0])[1] for item in scored} | {_header(i.contexts[0])[1] for _, i in pool}
+    return pool + [(SCORED, item) for item in _items(data_root, task) if _header(item.contexts[0])[1] not in questions]
 
 
 def fewshot(
     data_root: str | Path, task: str, limit: int | None, shots: int, seed: int, calibration: frozenset[str]
 ) -> list[Example]:
     """k-shot prompts for the scored items of `task` (lm-eval rendering: shots as gold answers joined by blank
-    lines; an MMLU subject's header once, its shots that subject's). Shots are drawn per item with a seeded
-    sampler (MMLU: the subject's first k, lm-eval's first_n)."""
+    lines; an MMLU subject's header once, its shots that subject's). Shots come from the preferred source of the
+    pool (`_pool`) when it holds k, else from the whole pool; drawn per item with a seeded sampler (MMLU: the
+    subject's first k, lm-eval's first_n — topped up from the subject's unscored test items where some of its 5 dev
+    exemplars repeat a test question)."""
     scored = load_task(task, data_root, limit)
-    source, pool = _pool(data_root, task, scored, calibration)
-    by_header: dict[str, list[Item]] = {}
-    for item in pool:
-        by_header.setdefault(_header(item.contexts[0])[0], []).append(item)
+    by_header: dict[str, list[tuple[str, Item]]] = {}
+    for source, item in _pool(data_root, task, scored, calibration):
+        by_header.setdefault(_header(item.contexts[0])[0], []).append((source, item))
     examples = []
     for item in scored:
         header = _header(item.contexts[0])[0]
-        candidates = by_header.get(header, []) if header else pool
+        candidates = by_header.get(header, [])
+        preferred = [c for c in candidates if c[0] == candidates[0][0]] if candidates else []
+        candidates = preferred if len(preferred) >= shots else candidates
         if len(candidates) < shots:
             raise ValueError(f"{task}: {len(candidates)} shots available for item {item.index}, {shots} asked")
         chosen = (
             candidates[:shots] if header else random.Random(f"{seed}:{task}:{item.index}").sample(candidates, shots)
         )
-        history = header + "".join(_header(_gold(shot))[1] + DELIMITER for shot in chosen)
+        history = header + "".join(_header(_gold(shot))[1] + DELIMITER for _, shot in chosen)
         turn = Item(task, item.index, [_header(c)[1] for c in item.contexts], item.continuations, item.label)
-        examples.append(Example(history, turn, tuple(f"{source}#{shot.index}" for shot in chosen)))
+        examples.append(Example(history, turn, tuple(f"{source}#{shot.index}" for source, shot in chosen)))
     return examples
 
 

@@ -46,16 +46,16 @@ def test_fewshot_never_shows_a_scored_or_calibration_item(task, budget):
     calibration = calibration_files(BUDGETS[budget])
     assert _FILES[task] not in calibration  # the scored split is never calibration text
     scored = load_task(task, DATA, LIMIT)
-    source, pool = _pool(DATA, task, scored, calibration)  # every shot any item could draw
-    assert source not in calibration and pool
+    pool = _pool(DATA, task, scored, calibration)  # every shot any item could draw, (source, item)
+    assert pool and not {source for source, _ in pool} & calibration
     questions = {_header(c)[1] for item in scored for c in item.contexts}
-    assert not {_header(c)[1] for item in pool for c in item.contexts} & questions
-    if source == SCORED:
-        assert not {item.index for item in pool} & {item.index for item in scored}
-    else:  # another split: none of its items repeats any question of the evaluated file
-        assert not {_header(c)[1] for item in pool for c in item.contexts} & {
-            _header(c)[1] for item in load_task(task, DATA) for c in item.contexts
-        }
+    assert not {_header(c)[1] for _, item in pool for c in item.contexts} & questions
+    every_question = {_header(c)[1] for i in load_task(task, DATA) for c in i.contexts}
+    for source, item in pool:
+        if source == SCORED:
+            assert item.index not in {i.index for i in scored}
+        else:  # another split: none of its items repeats any question of the evaluated file
+            assert not {_header(c)[1] for c in item.contexts} & every_question
     examples = fewshot(DATA, task, LIMIT, SHOTS[task], 0, calibration)
     assert [ex.item.index for ex in examples] == [item.index for item in scored]
     scored_indices = {item.index for item in scored}
@@ -83,13 +83,28 @@ def test_fewshot_never_shows_a_scored_or_calibration_item(task, budget):
         assert {_source(s) for ex in examples for s in ex.shots} == {SCORED}
 
 
+def test_mmlu_subjects_whose_dev_exemplars_repeat_test_questions_are_topped_up_from_unscored_test_items():
+    """Some subjects' dev exemplars repeat a test question (dropped): the 100 scored items at the paper_mix budget
+    (the routed H200 run of 2026-12-03 stopped on 'mmlu: 3 shots available for item 560')."""
+    scored = {item.index: item for item in load_task("mmlu", DATA, 100)}
+    examples = fewshot(DATA, "mmlu", 100, 5, 0, calibration_files(BUDGETS["paper_mix"]))
+    sources = [[_source(s) for s in ex.shots] for ex in examples]
+    assert all(len(set(ex.shots)) == 5 for ex in examples)
+    assert any(SCORED in row for row in sources) and all(SCORED not in row[:1] for row in sources)  # dev first
+    for ex, row in zip(examples, sources, strict=True):
+        assert row == sorted(row, key=lambda source: source == SCORED)
+        for shot in ex.shots:
+            assert _source(shot) == SCORED or _source(shot) == "eval/mmlu/mmlu_dev.jsonl"
+            assert _source(shot) != SCORED or int(shot.rsplit("#", 1)[1]) not in scored
+
+
 def test_fewshot_is_seeded_and_refuses_too_few_shots():
     calibration = calibration_files("gutenberg")
     first, again = (fewshot(DATA, "piqa", 3, 5, 0, calibration) for _ in range(2))
     assert first == again
     assert fewshot(DATA, "piqa", 3, 5, 1, calibration)[0].shots != first[0].shots
     with pytest.raises(ValueError, match="shots available"):
-        fewshot(DATA, "mmlu", 2, 6, 0, calibration)  # MMLU dev holds 5 per subject
+        fewshot(DATA, "mmlu", 2, 10**4, 0, calibration)  # more than a subject's dev + unscored test items
     with pytest.raises(ValueError, match="unknown corpus"):
         calibration_files("gutenberg+nope")
 
