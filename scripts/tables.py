@@ -31,6 +31,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS, BENCHMARKS = ROOT / "results", ROOT / "BENCHMARKS.md"
+sys.path.insert(0, str(ROOT))  # the gate's verdicts (src/gate.py) for the routed tables
 MARKED = re.compile(r"(<!-- table: (\S+) -->\n)(.*?)(<!-- /table -->)", re.S)
 VARIANTS = ("own", "kv", "token", "relu")  # src/probe.py, in that order
 TASKS = ("hellaswag", "arc_easy", "arc_challenge", "winogrande", "piqa", "mmlu", "lambada")
@@ -219,6 +220,103 @@ def quality(rows: list[Row]) -> str:
     return "\n\n".join(sections)
 
 
+def _loss(row: Row, prefix: str) -> str:
+    """'loss [low, high]' in points of one `<prefix>.loss_points` with its paired bootstrap CI."""
+    low, high = _metric(row, f"{prefix}.loss_points_low"), _metric(row, f"{prefix}.loss_points_high")
+    return f"{_fmt(_metric(row, f'{prefix}.loss_points'), 1)} [{_fmt(low, 0)}, {_fmt(high, 0)}]"
+
+
+def _routed_label(row: Row) -> str:
+    levers = [
+        f"{name}={row[f'params.eval.levers.{name}']}"
+        for name in ("native_sink", "hold_back", "native_layers", "recompute")
+        if row.get(f"params.eval.levers.{name}") not in (None, "0", "0.0")
+    ]
+    if levers and row.get("params.eval.levers.recompute") not in (None, "0", "0.0"):
+        levers.append(f"rule={row.get('params.eval.levers.recompute_rule')}")
+    arrow = str(row.get("tags.direction", "?")).replace("qwen25coder_", "").replace("_to_", " → ")
+    return f"{row.get('tags.workload')} | {arrow} | {', '.join(levers) or 'pure transfer'}"
+
+
+def _gate(row: Row) -> str:
+    """The gate's verdict on this run (src/gate.py judge_run), with the criteria that did not pass."""
+    from src.gate import judge_run
+
+    metrics = {k[len("metrics.") :]: v for k, v in row.items() if k.startswith("metrics.")}
+    tags = {k[len("tags.") :]: str(v) for k, v in row.items() if k.startswith("tags.")}
+    failing = [v for v in judge_run(metrics, tags) if not v.passed]
+    names = {"latency: end-to-end TTFT speedup": "latency", "quality: loss vs all-re-prefill": "quality"}
+    reasons = ", ".join(f"{names.get(v.criterion, v.criterion)} {v.status}" for v in failing)
+    return f"FAIL ({reasons})" if failing else "PASS"
+
+
+def routed(rows: list[Row]) -> str:
+    """One row per routed-workload run (src/routed.py): accuracy vs the all-re-prefill session, TTFT per path,
+    prefill spent, handoffs, rollback, and the gate's verdict on that run alone."""
+    lines = [
+        "| workload | direction | levers | scored turns | acc routed / all-native / source (%) "
+        "| mean loss pt [95 % CI] | TTFT p50 routed / re-prefill / hit (ms) | p95 routed / re-prefill (ms) "
+        "| TTFT speedup (median paired) | prefill spent | handoffs per turn | rollback | gate |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for row in rows:
+        turns = sum(
+            v for k, v in row.items() if k.startswith("metrics.task.") and k.endswith(".items") and ".mean." not in k
+        )
+        lines.append(
+            f"| {_routed_label(row)} | {turns:.0f} "
+            f"| {' / '.join(_fmt(_metric(row, f'task.mean.{n}'), 1, 100) for n in ('acc', 'acc_target', 'acc_source'))} "
+            f"| {_loss(row, 'task.mean')} "
+            f"| {_values(row, ('ttft.routed_ms_p50', 'ttft.reprefill_ms_p50', 'ttft.hit_ms_p50'))} "
+            f"| {_values(row, ('ttft.routed_ms_p95', 'ttft.reprefill_ms_p95'))} "
+            f"| {_fmt(_metric(row, 'ttft_speedup'), 2)}× | {_fmt(_metric(row, 'prefill_fraction'), 0, 100)} % "
+            f"| {_fmt(_metric(row, 'handoff_frequency'), 2)} "
+            f"| {'verified' if _metric(row, 'rollback_verified') == 1.0 else 'NOT verified'} | {_gate(row)} |"
+        )
+    return "\n".join(lines)
+
+
+def routed_tasks(rows: list[Row]) -> str:
+    """Per task of each routed run: routed accuracy (%) and loss in points vs the all-native session [95 % CI]."""
+    lines = [
+        "| workload | direction | levers | task: acc routed / all-native (loss pt [95 % CI]) |",
+        "|---|---|---|---|",
+    ]
+    for row in rows:
+        tasks = sorted(
+            {k.split(".")[2] for k in row if k.startswith("metrics.task.") and k.endswith(".acc")} - {"mean"}
+        )
+        cells = [
+            f"{task} {_fmt(_metric(row, f'task.{task}.acc'), 0, 100)} / {_fmt(_metric(row, f'task.{task}.acc_target'), 0, 100)}"
+            f" ({_loss(row, f'task.{task}')})"
+            for task in tasks
+        ]
+        lines.append(f"| {_routed_label(row)} | {'; '.join(cells)} |")
+    return "\n".join(lines)
+
+
+def routed_switches(rows: list[Row]) -> str:
+    """Final-turn quality after s model switches (the switches workload): per s, the mean and each task."""
+    (row,) = [row for row in rows if row.get("tags.workload") == "switches"]
+    keys = [k.split(".") for k in row if k.startswith("metrics.switches.s")]  # metrics.switches.s<N>.<task>.<name>
+    counts, tasks = sorted({int(k[2][1:]) for k in keys}), sorted({k[3] for k in keys} - {"mean"})
+    lines = [
+        "| switches | mean acc routed / all-native / source (%) | mean loss pt [95 % CI] | "
+        + " | ".join(f"{task} loss pt [95 % CI]" for task in tasks)
+        + " | NLL routed / all-native (reference answers) |",
+        "|---|---|---|" + "---|" * len(tasks) + "---|",
+    ]
+    for s in counts:
+        prefix = f"switches.s{s}"
+        acc = (f"{prefix}.mean.acc", f"{prefix}.mean.acc_target", f"{prefix}.mean.acc_source")
+        lines.append(
+            f"| {s} | {' / '.join(_fmt(_metric(row, name), 1, 100) for name in acc)} | {_loss(row, f'{prefix}.mean')} | "
+            + " | ".join(_loss(row, f"{prefix}.{task}") for task in tasks)
+            + f" | {_values(row, (f'{prefix}.mean.nll_routed', f'{prefix}.mean.nll_native_target'), 3)} |"
+        )
+    return "\n".join(lines)
+
+
 @dataclass(frozen=True)
 class Table:
     run_set: str  # a folder under results/
@@ -227,6 +325,9 @@ class Table:
 
 TABLES: dict[str, Table] = {
     "quickstart": Table("quickstart-cpu", quickstart),
+    "routed": Table("routed-h200-2026-12-03", routed),
+    "routed_tasks": Table("routed-h200-2026-12-03", routed_tasks),
+    "routed_switches": Table("routed-h200-2026-12-03", routed_switches),
 }
 
 
