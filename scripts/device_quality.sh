@@ -7,6 +7,7 @@
 #   (each ≤ BUDGET_S = 540 s)
 #   bash scripts/device_quality.sh systems    issue-4 timings on random weights (needs only setup)
 #   bash scripts/device_quality.sh routed     routed workloads through the router session (src/routed.py), both directions
+#   bash scripts/device_quality.sh routed2    what `routed` left (2026-12-03), the lever chosen on validation items
 # The GPU image has no hydra/mlflow: hydra comes from the carried wheels, tracking writes JSON records
 # that come back as one tarball in $OUT and are imported here with `python -m src.tracking import DIR`.
 set -euo pipefail
@@ -29,6 +30,8 @@ pack() { [ -d "$OUT/trk" ] && tar czf "$OUT/trk-$stage.tgz" -C "$OUT" trk && rm 
 trap pack EXIT
 METHODS=+method=head_local,head_local_attn_repair,full_head_k4,block_pca,cyclic_shift
 DIAGNOSE=(eval.diagnose.fidelity=true eval.diagnose.swaps=true)
+PAPER=(+experiment=routed +workload=fewshot pair=qwen3_14b_to_32b budget=synthetic_paper fit.k=8 pair.apply_backend=auto
+  "workload.tasks=[arc_challenge,hellaswag]" workload.limit=20 workload.warmup=2 workload.rollback_items=1)
 CAPACITY=(budget=paper_mix +method=head_local_attn_repair fit.k=24 fit.lam_relative=true fit.lam=0.006 weighting.alpha_cap=0.5)
 
 case $stage in
@@ -96,9 +99,6 @@ case $stage in
     PAS=(+workload=passage workload.limit=${PASSAGE_LIMIT:-100})
     BACK=pair=qwen25coder_1p5b_to_0p5b
     LEVER=(eval.levers.native_sink=4 eval.levers.recompute=0.25 eval.levers.recompute_rule=deviation)
-    PAPER=(+experiment=routed +workload=fewshot pair=qwen3_14b_to_32b budget=synthetic_paper fit.k=8
-      pair.apply_backend=auto "workload.tasks=[arc_challenge,hellaswag]" workload.limit=20 workload.warmup=2
-      workload.rollback_items=1)
     step() {  # step N ARGS…: run unless an earlier call finished it
       local n=$1; shift
       [ "$n" -le "$(cat "$HOME/routed.done" 2>/dev/null || echo 0)" ] && return
@@ -117,5 +117,38 @@ case $stage in
     COMMON=(tracking.backend=json "tracking.json_dir=$OUT/trk" "paths.data=$HOME/data" pair.device=cuda)
     step 9 "${PAPER[@]}"
     echo "routed queue done" | tee -a "$OUT/log.txt" ;;
+  routed2)  # the next lease's queue (same resumable steps, $HOME/routed2.done): what the first lease left unmeasured,
+    # then the recompute lever chosen on VALIDATION items (src/choose.py reads $HOME/valid) and reported on the test
+    # items, both directions; then long few-shot histories (where latency can win) and the 14B → 32B shapes
+    R=(+experiment=routed "${CAPACITY[@]}" workload.warmup=2)
+    BACK=pair=qwen25coder_1p5b_to_0p5b
+    VALID=(+workload=passage workload.split=valid workload.limit=50 eval.levers.native_sink=4)
+    step() {
+      local n=$1; shift
+      [ "$n" -le "$(cat "$HOME/routed2.done" 2>/dev/null || echo 0)" ] && return
+      [ $((DEADLINE - SECONDS)) -lt 60 ] && { echo "SKIPPED (out of time): step $n" | tee -a "$OUT/log.txt"; exit 0; }
+      run "$@"
+      [ "$LAST_RC" -eq 124 ] || echo "$n" > "$HOME/routed2.done"
+      mkdir -p "$HOME/valid" && cp -r "$OUT/trk/." "$HOME/valid/" 2>/dev/null || true  # records outlive $OUT
+    }
+    chosen() {  # step N DIRECTION PAIR: the passage run with the lever the validation grid chose, or nothing
+      local lever
+      lever=$(python3 -m src.choose "$HOME/valid" --workload passage --direction "$2" 2>>"$OUT/log.txt") || lever=
+      echo "chosen on validation items ($2): ${lever:-NONE}" | tee -a "$OUT/log.txt"
+      [ -n "$lever" ] && step "$1" "${R[@]}" +workload=passage workload.limit=100 $lever "$3"
+    }
+    step 1 "${R[@]}" +workload=fewshot workload.limit=100 $BACK
+    step 2 "${R[@]}" +workload=fewshot workload.limit=100 "workload.tasks=[mmlu]"
+    step 3 "${R[@]}" "${VALID[@]}" eval.levers.recompute=0.25 eval.levers.recompute_rule=deviation,attention,recency
+    step 4 "${R[@]}" "${VALID[@]}" eval.levers.recompute=0.1,0.4 eval.levers.recompute_rule=deviation
+    step 5 "${R[@]}" "${VALID[@]}" eval.levers.recompute=0.25 eval.levers.recompute_rule=deviation,attention,recency $BACK
+    step 6 "${R[@]}" "${VALID[@]}" eval.levers.recompute=0.1,0.4 eval.levers.recompute_rule=deviation $BACK
+    chosen 7 qwen25coder_0.5b_to_1.5b pair=qwen25coder_0p5b_to_1p5b || true
+    chosen 8 qwen25coder_1.5b_to_0.5b $BACK || true
+    step 9 "${R[@]}" +workload=fewshot workload.limit=50 "workload.tasks=[arc_easy,arc_challenge]" \
+      workload.shots.arc_easy=100 workload.shots.arc_challenge=100  # ≈ 4–6K-token histories: where latency can win
+    COMMON=(tracking.backend=json "tracking.json_dir=$OUT/trk" "paths.data=$HOME/data" pair.device=cuda)
+    step 10 "${PAPER[@]}"
+    echo "routed2 queue done" | tee -a "$OUT/log.txt" ;;
   *) echo "unknown stage $stage" >&2; exit 2 ;;
 esac

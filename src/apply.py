@@ -20,7 +20,7 @@ from transformers import DynamicCache, PreTrainedModel
 
 from kernels.apply_map import map_cache
 from src.artifact import Mapper
-from src.forward import prefill_layers
+from src.forward import ids_problem, prefill_layers
 from src.maps import (
     TransferError,
     cache_layers,
@@ -157,17 +157,10 @@ class KVTransfer:
             if self.token_features:
                 raise TransferError("this mapper reads the target's token features: pass the prefix's input_ids")
             return
-        if not isinstance(input_ids, torch.Tensor):
-            raise TransferError(f"input_ids is a {type(input_ids).__name__}, expected an integer tensor")
-        if input_ids.dtype.is_floating_point or input_ids.dtype.is_complex or input_ids.dtype == torch.bool:
-            raise TransferError(f"input_ids are {input_ids.dtype}, expected integer token ids")
-        if input_ids.is_nested or input_ids.layout != torch.strided or input_ids.device.type == "meta":
-            raise TransferError("input_ids must be a dense tensor with data")
+        if problem := ids_problem(input_ids, self.vocab_size):
+            raise TransferError(problem)
         if tuple(input_ids.shape) != (batch, seq):
             raise TransferError(f"input_ids shape {tuple(input_ids.shape)} ≠ the source cache's ({batch}, {seq})")
-        low, high = int(input_ids.min()), int(input_ids.max())
-        if low < 0 or high >= self.vocab_size:
-            raise TransferError(f"input_ids hold ids {low}..{high}, outside the vocabulary [0, {self.vocab_size})")
 
     def _layer0(self, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Target layer 0's content K and V [B, H_t, T, d_t] for the prefix ids [B, T] (a stopped prefill)."""

@@ -6,9 +6,33 @@ import torch
 from transformers import DynamicCache, PreTrainedModel
 
 
+def ids_problem(input_ids, vocab_size: int) -> str | None:
+    """Why input_ids cannot be read by a model of this vocabulary — not a dense integer tensor [B, T ≥ 1] of ids in
+    [0, vocab_size) — or None when they can."""
+    if not isinstance(input_ids, torch.Tensor):
+        return f"input_ids is a {type(input_ids).__name__}, expected an integer tensor"
+    if input_ids.dtype.is_floating_point or input_ids.dtype.is_complex or input_ids.dtype == torch.bool:
+        return f"input_ids are {input_ids.dtype}, expected integer token ids"
+    if input_ids.is_nested or input_ids.layout != torch.strided or input_ids.device.type == "meta":
+        return "input_ids must be a dense tensor with data"
+    if input_ids.dim() != 2 or input_ids.shape[1] == 0:
+        return f"input_ids shape {tuple(input_ids.shape)}: expected [batch, tokens ≥ 1]"
+    low, high = int(input_ids.min()), int(input_ids.max())
+    if low < 0 or high >= vocab_size:
+        return f"input_ids hold ids {low}..{high}, outside the vocabulary [0, {vocab_size})"
+    return None
+
+
+def check_ids(model: PreTrainedModel, input_ids) -> None:
+    """A clear ValueError for ids the model cannot read (instead of an embedding IndexError or a device assert)."""
+    if problem := ids_problem(input_ids, model.get_input_embeddings().num_embeddings):
+        raise ValueError(problem)
+
+
 @torch.no_grad()
 def prefill(model: PreTrainedModel, input_ids: torch.Tensor) -> DynamicCache:
     """The ordinary path: the model's own cache for input_ids [B, T] (logits of the last token only)."""
+    check_ids(model, input_ids)
     device = next(model.parameters()).device
     return model(input_ids.to(device), use_cache=True, logits_to_keep=1).past_key_values
 
@@ -27,6 +51,7 @@ def prefill_layers(model: PreTrainedModel, input_ids: torch.Tensor, layers: int)
     stops after layer `layers` − 1 (later cache layers stay empty)."""
     if not 1 <= layers <= len(model.model.layers):  # layers − 1 = −1 would hook the last layer: a full prefill
         raise ValueError(f"prefill_layers needs 1 ≤ layers ≤ {len(model.model.layers)}, got {layers}")
+    check_ids(model, input_ids)
     device = next(model.parameters()).device
     cache = DynamicCache(config=model.config)
     handle = model.model.layers[layers - 1].register_forward_hook(_raise_stop)

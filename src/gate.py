@@ -1,6 +1,7 @@
 """Promotion gate: judge ONE routed-workload run (src/routed.py) per workload and direction, everything measured in
 that run on that workload:
-  routed    the run is a routed workload run (tags job=routed, workload)
+  routed    the run is a routed workload run (tags job=routed, workload) on the test items (a run on the validation
+            items, `workload.split=valid`, made a choice: it is never judged)
   latency   ttft_speedup = end-to-end TTFT of the run's own handoffs, re-prefill / routed (median of paired ratios) ≥ 2
   quality   every task's loss against the all-re-prefill session (the native target) ≤ 1 absolute point, printed with
             its paired 95% CI; UNDERPOWERED (not a pass) when a CI's half-width exceeds 2 points — more items are
@@ -43,7 +44,7 @@ class Verdict:
         return self.status in ("PASS", "REPORTED")
 
 
-def _losses(metrics: dict[str, float]) -> dict[str, tuple[float, float | None, float | None]]:
+def task_losses(metrics: dict[str, float]) -> dict[str, tuple[float, float | None, float | None]]:
     """task → (loss points, CI low, CI high) for every `task.<name>.loss_points` but the task mean."""
     return {
         key[len(TASK_PREFIX) : -len(TASK_SUFFIX)]: (
@@ -58,7 +59,7 @@ def _losses(metrics: dict[str, float]) -> dict[str, tuple[float, float | None, f
 
 def _quality(metrics: dict[str, float], tags: dict[str, str], max_loss: float, max_half_width: float) -> Verdict:
     criterion, threshold = "quality: loss vs all-re-prefill", f"≤ {max_loss} pt every task, CI ± ≤ {max_half_width}"
-    losses = _losses(metrics)
+    losses = task_losses(metrics)
     if tags.get("weights") != "real":
         return Verdict(criterion, "random weights: no quality evidence", threshold, "MISSING")
     if not losses:
@@ -92,12 +93,13 @@ def judge_run(
     max_loss = DEFAULTS.max_loss_points if max_loss is None else max_loss
     max_half_width = DEFAULTS.max_ci_half_width if max_half_width is None else max_half_width
     routed = tags.get("job") == "routed" and bool(tags.get("workload"))
+    split = tags.get("split", "test")  # runs before the item splits scored test items
     verdicts = [
         Verdict(
             "routed workload run",
-            f"job={tags.get('job')}, workload={tags.get('workload')}",
-            "job=routed",
-            "PASS" if routed else "MISSING",
+            f"job={tags.get('job')}, workload={tags.get('workload')}, split={split}",
+            "job=routed, split=test",
+            "PASS" if routed and split == "test" else "FAIL" if routed else "MISSING",  # valid items choose, never gate
         )
     ]
     speedup = metrics.get("ttft_speedup")

@@ -12,8 +12,8 @@ import torch
 from transformers import DynamicCache
 
 from src.apply import KVTransfer
-from src.forward import prefill, prefill_layers
-from src.maps import TransferError, cache_layers
+from src.forward import check_ids, prefill, prefill_layers
+from src.maps import TransferError, cache_layers, dropped_tokens
 from src.recompute import RULES, attention_scores, deviation_scores, recompute_in_place, select_tokens
 
 
@@ -25,7 +25,9 @@ class Handoff:
 
 
 def handoff(transfer: KVTransfer, source_cache, input_ids: torch.Tensor) -> Handoff:
-    """Mapped cache when the transfer is safe, else — deterministically — the target's own prefill."""
+    """Mapped cache when the transfer is safe, else — deterministically — the target's own prefill. Ids the target
+    cannot read are a ValueError: no path, the fallback included, could serve them."""
+    check_ids(transfer.target, input_ids)
     try:
         return Handoff(cache=transfer(source_cache, input_ids=input_ids), mode="transfer", reason=None)
     except TransferError as refusal:
@@ -116,6 +118,11 @@ def spliced_cache(
     (src/recompute.py); the last w tokens are re-prefilled natively on top of the spliced prefix. The
     attention rule reads the new turn's queries: the hold-back tokens, then `query_ids` [B, Q] (the tokens
     that follow input_ids)."""
+    check_ids(transfer.target, input_ids)
+    if dropped := dropped_tokens(source_cache):  # its index i holds position dropped + i: slices would misplace
+        raise TransferError(
+            f"the source cache has dropped its first {dropped} tokens (sliding window): splicing needs the whole prefix"
+        )
     total, sink, hold = input_ids.shape[1], levers.native_sink, levers.hold_back
     if sink + hold > total:
         raise ValueError(f"native_sink={sink} + hold_back={hold} must fit in {total} tokens")

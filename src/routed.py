@@ -59,9 +59,9 @@ def examples(cfg: DictConfig, name: str) -> list:
     w, data = cfg.workload, cfg.paths.data
     if name == "fewshot":
         seen = calibration_files(cfg.budget.corpus) if not cfg.budget.synthetic else frozenset()
-        return [ex for task in w.tasks for ex in fewshot(data, task, w.limit, w.shots[task], cfg.seed, seen)]
+        return [ex for task in w.tasks for ex in fewshot(data, task, w.limit, w.shots[task], cfg.seed, seen, w.split)]
     if name == "passage":
-        return [ex for task in w.tasks for ex in passage(data, task, w.limit)]
+        return [ex for task in w.tasks for ex in passage(data, task, w.limit, w.split)]
     raise ValueError(f"unknown example workload {name!r}: fewshot or passage")
 
 
@@ -186,12 +186,14 @@ def routed(cfg: DictConfig) -> float:
     policy = Policy(w.policy, Levers(**cfg.eval.levers), w.max_length_factor, w.guard_max_abs)
     run = Run({"source": pair.source, "target": pair.target}, bound, policy, tokenizer, w.warmup)
     method = mappers[("source", "target")].manifest.get("method", "mapper")
-    run_name = f"{cfg.pair.name}:routed:{w.name}:{method}:{w.policy}"
-    run_tags = tags(cfg, pair, "routed") | {"workload": w.name, "method": method, "policy": w.policy}
+    run_name = f"{cfg.pair.name}:routed:{w.name}:{method}:{w.policy}" + (":valid" if w.split == "valid" else "")
+    run_tags = tags(cfg, pair, "routed") | {"workload": w.name, "method": method, "policy": w.policy, "split": w.split}
     with tracking.job_run(cfg, run_name, run_tags) as tracked:
         curve: dict[int, dict[str, float]] = {}
         if w.name == "multiturn":
-            items, records, turns, replays = multiturn(run, cfg.paths.data, w.tasks, w.limit, w.turns, w.escalation)
+            items, records, turns, replays = multiturn(
+                run, cfg.paths.data, w.tasks, w.limit, w.turns, w.escalation, w.split
+            )
         else:
             chosen = examples(cfg, w.base if w.name == "switches" else w.name)
             if w.name == "switches":

@@ -247,12 +247,14 @@ def _converse(run: Run, session: Session, items: list[Item], escalation, escalat
     return turns
 
 
-def multiturn(run: Run, data_root, tasks, limit, turns: int, escalation) -> tuple[list[dict], list[dict], int, list]:
+def multiturn(
+    run: Run, data_root, tasks, limit, turns: int, escalation, split: str = "test"
+) -> tuple[list[dict], list[dict], int, list]:
     """Conversations chained from each task's items: the routed session, the all-re-prefill session (same
     escalation policy) and the source answering alone. Returns rows, routed records, turn count, and
     (history, turn) ids of the first escalations (for the rollback replay)."""
     rows, records, replays = [], [], []
-    chained = {task: conversations(data_root, task, limit, turns) for task in tasks}
+    chained = {task: conversations(data_root, task, limit, turns, split) for task in tasks}
     for items in [c[0] for c in chained.values() if c][: run.warmup]:  # untimed: kernels, allocator
         for kind in ("routed", "reprefill"):
             _converse(run, run.session(kind), items, escalation, True)

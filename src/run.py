@@ -98,7 +98,9 @@ def fit_eval(cfg: DictConfig) -> float:
         transfer = make_transfer(cfg, pair, mapper)
         manifest, levers = mapper.manifest, Levers(**cfg.eval.levers)
         run.rename(run_name(cfg, manifest["method"], levers))
-        run.tags(tags(cfg, pair, "fit_eval") | {"method": manifest["method"], "corpus_hash": traces.meta["corpus_hash"]})
+        run.tags(
+            tags(cfg, pair, "fit_eval") | {"method": manifest["method"], "corpus_hash": traces.meta["corpus_hash"]}
+        )
         fit_rows, heldout = split_rows(cfg, traces)
         r2 = mapper_r2(transfer.mapper, heldout.to(transfer.device))
         metrics = {
@@ -115,7 +117,12 @@ def fit_eval(cfg: DictConfig) -> float:
         streams = text_ids(cfg, pair, nll.corpus, nll.streams, nll.prefix_len + nll.horizon)  # reported, not tuned on
         metrics |= horizon_nll(transfer, streams, nll.prefix_len, levers)
         valid = heldout_sequences(  # the tail of the validation text: disjoint from every calibration budget
-            cfg.paths.data, nll.valid_corpus, nll.streams, nll.prefix_len + nll.horizon, pair.tokenizer, vocab_size(pair)
+            cfg.paths.data,
+            nll.valid_corpus,
+            nll.streams,
+            nll.prefix_len + nll.horizon,
+            pair.tokenizer,
+            vocab_size(pair),
         )
         valid_nll = horizon_nll(transfer, valid, nll.prefix_len, levers)
         metrics |= {f"{VALIDATION}{name}": value for name, value in valid_nll.items()}  # what sweeps read
@@ -199,9 +206,7 @@ def feature_probe(cfg: DictConfig) -> float:
     metrics = {name: value for name, value in scores.items() if not isinstance(value, list)}
     metrics |= {"calibration_rows": fit.rows, "probe_seconds": time.perf_counter() - began}
     run_name = f"{cfg.pair.name}:probe:k{cfg.fit.k}"
-    with tracking.job_run(
-        cfg, run_name, tags(cfg, pair, "probe") | {"corpus_hash": traces.meta["corpus_hash"]}
-    ) as run:
+    with tracking.job_run(cfg, run_name, tags(cfg, pair, "probe") | {"corpus_hash": traces.meta["corpus_hash"]}) as run:
         run.metrics(metrics)
         run.dict({"source_layers": source_layers.tolist()} | scores, "probe/scores.json")
     print(f"\n{run_name}  (weights={pair.weights}, {fit.rows} fit rows)")

@@ -84,24 +84,31 @@ def choice_lengths(item: Item) -> list[int]:
     return [len(c) for c in item.contexts]
 
 
-def subsample(count: int, limit: int | None) -> list[int]:
-    """Indices 0, s, 2s, … (`limit` of them, s = ⌊count/limit⌋): the same items for every run and method."""
-    if limit is None or limit >= count:
-        return list(range(count))
-    if limit < 1:
+SPLITS = ("test", "valid")  # the scored items that are reported | the items between them, for choices only
+
+
+def subsample(count: int, limit: int | None, split: str = "test") -> list[int]:
+    """test: indices 0, s, 2s, … (`limit` of them, s = ⌊count/limit⌋) — the same items for every run and method;
+    valid: the midpoints ⌊s/2⌋, ⌊s/2⌋ + s, … — as many, disjoint from test (s ≥ 2), for tuning and selection only."""
+    if split not in SPLITS:
+        raise ValueError(f"unknown item split {split!r}; choose one of {SPLITS}")
+    if limit is not None and limit < 1:
         raise ValueError(f"limit must be ≥ 1, got {limit}")
-    return list(range(0, (count // limit) * limit, count // limit))
+    step = 1 if limit is None or limit >= count else count // limit
+    if split == "valid" and step < 2:
+        raise ValueError(f"no validation items: {count} items, {limit} scored — set a limit ≤ {count // 2}")
+    return list(range(step // 2 if split == "valid" else 0, step * min(limit or count, count), step))
 
 
-def load_task(name: str, data_root: str | Path, limit: int | None = None) -> list[Item]:
-    """The task's items in file order, systematically subsampled to `limit`."""
+def load_task(name: str, data_root: str | Path, limit: int | None = None, split: str = "test") -> list[Item]:
+    """The task's items in file order, systematically subsampled to `limit` (`split`: `subsample`)."""
     if name not in LOADERS:
         raise ValueError(f"unknown task {name!r}; choose one of {TASKS}")
     path = Path(data_root) / _FILES[name]
     if not path.is_file():
         raise FileNotFoundError(f"task {name!r} not found at {path}; set paths.data to the shared/data folder")
     items = LOADERS[name](path)
-    return [items[i] for i in subsample(len(items), limit)]
+    return [items[i] for i in subsample(len(items), limit, split)]
 
 
 # --------------------------------------------------------------------------- per-task rendering

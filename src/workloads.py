@@ -75,10 +75,12 @@ def _items(data_root: str | Path, task: str) -> tuple[Item, ...]:
     return tuple(load_task(task, data_root))
 
 
-def _pool(data_root: str | Path, task: str, scored: list[Item], calibration: frozenset[str]) -> list[tuple[str, Item]]:
+def _pool(
+    data_root: str | Path, task: str, excluded: list[Item], calibration: frozenset[str]
+) -> list[tuple[str, Item]]:
     """(where from, item) pairs that may serve as shots, in order of preference: the task's shot split
-    (`SHOT_FILES`) unless the calibration read it, then the scored file's unscored items. Never a scored item, nor one
-    whose question (body) is a scored item's; a shot split's item never repeats any question of the scored file."""
+    (`SHOT_FILES`) unless the calibration read it, then the scored file's other items. Never an excluded (scored)
+    item, nor one whose question (body) is one's; a shot split's item never repeats any question of the scored file."""
     pool, relative = [], SHOT_FILES.get(task)
     if relative is not None and relative not in calibration:
         path = Path(data_root) / relative
@@ -86,21 +88,29 @@ def _pool(data_root: str | Path, task: str, scored: list[Item], calibration: fro
             raise FileNotFoundError(f"shot split of {task!r} not found at {path}; set paths.data to shared/data")
         questions = {_header(item.contexts[0])[1] for item in _items(data_root, task)}
         pool = [(relative, item) for item in LOADERS[task](path) if _header(item.contexts[0])[1] not in questions]
-    questions = {_header(item.contexts[0])[1] for item in scored} | {_header(i.contexts[0])[1] for _, i in pool}
+    questions = {_header(item.contexts[0])[1] for item in excluded} | {_header(i.contexts[0])[1] for _, i in pool}
     return pool + [(SCORED, item) for item in _items(data_root, task) if _header(item.contexts[0])[1] not in questions]
 
 
 def fewshot(
-    data_root: str | Path, task: str, limit: int | None, shots: int, seed: int, calibration: frozenset[str]
+    data_root: str | Path,
+    task: str,
+    limit: int | None,
+    shots: int,
+    seed: int,
+    calibration: frozenset[str],
+    split: str = "test",
 ) -> list[Example]:
     """k-shot prompts for the scored items of `task` (lm-eval rendering: shots as gold answers joined by blank
     lines; an MMLU subject's header once, its shots that subject's). Shots come from the preferred source of the
     pool (`_pool`) when it holds k, else from the whole pool; drawn per item with a seeded sampler (MMLU: the
     subject's first k, lm-eval's first_n — topped up from the subject's unscored test items where some of its 5 dev
-    exemplars repeat a test question)."""
-    scored = load_task(task, data_root, limit)
+    exemplars repeat a test question). split="valid" scores the validation items (`tasks.subsample`), whose shots are
+    never a test item either; a test item's shots may be validation items (choices never read test items)."""
+    scored = load_task(task, data_root, limit, split)
+    excluded = scored if split == "test" else load_task(task, data_root, limit) + scored
     by_header: dict[str, list[tuple[str, Item]]] = {}
-    for source, item in _pool(data_root, task, scored, calibration):
+    for source, item in _pool(data_root, task, excluded, calibration):
         by_header.setdefault(_header(item.contexts[0])[0], []).append((source, item))
     examples = []
     for item in scored:
@@ -122,11 +132,11 @@ def fewshot(
 _SENTENCE_END = re.compile(r"[.!?][\"'”’)]*(?=\s)")
 
 
-def passage(data_root: str | Path, task: str, limit: int | None) -> list[Example]:
+def passage(data_root: str | Path, task: str, limit: int | None, split: str = "test") -> list[Example]:
     """BoolQ: the passage is the history, "\\nQuestion: …?\\nAnswer:" the turn. LAMBADA: the passage up to its final
     sentence is the history, the final sentence less its last word the turn (items of one sentence are left out)."""
     examples = []
-    for item in load_task(task, data_root, limit):
+    for item in load_task(task, data_root, limit, split):
         context = item.contexts[0]
         if task == "boolq":
             cut = context.rindex("\nQuestion: ")
@@ -142,10 +152,12 @@ def passage(data_root: str | Path, task: str, limit: int | None) -> list[Example
     return examples
 
 
-def conversations(data_root: str | Path, task: str, limit: int | None, turns: int) -> list[list[Item]]:
+def conversations(
+    data_root: str | Path, task: str, limit: int | None, turns: int, split: str = "test"
+) -> list[list[Item]]:
     """The scored items of `task` in order, `turns` per conversation (a remainder is left out); each item's one
     context is a user message, its choices the candidate answers."""
-    items = load_task(task, data_root, limit)
+    items = load_task(task, data_root, limit, split)
     if any(not item.shared_context for item in items):
         raise ValueError(f"multiturn needs one question per item; {task}'s choices differ in the context")
     return [items[start : start + turns] for start in range(0, len(items) - turns + 1, turns)]

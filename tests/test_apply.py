@@ -21,7 +21,7 @@ from transformers import DynamicCache, EncoderDecoderCache, StaticCache
 from src.apply import KVTransfer
 from src.fit import fit_transfer
 from src.forward import prefill, prefill_layers
-from src.handoff import Levers, handoff, spent
+from src.handoff import Levers, handoff, spent, spliced_cache
 from src.maps import TransferError
 from src.models import load_model, load_tokenizer, tokenizer_hash, vocabulary_hash
 from src.traces import collect_traces
@@ -652,6 +652,43 @@ def test_sliding_window_opt_in_traces_and_window_positions():
     assert float((wrong.layers[-1].keys - own.layers[-1].keys).abs().max()) > 1e-2
     short = _prompt(length=6)
     _assert_cache_close(transfer(prefill(transfer.source, short)), prefill(transfer.target, short))
+
+
+def test_splicing_refuses_a_source_cache_that_dropped_tokens():
+    """Splicing slices the source cache by position (sink, middle, hold-back): a sliding-window cache that has
+    dropped its first tokens holds position dropped + i at index i, so it is refused, not silently misplaced."""
+    transfer = _twisted_transfer("mistral", sliding_window=8)
+    prompt = _prompt()  # 20 tokens: the sliding cache keeps the last 7
+    with pytest.raises(TransferError, match="dropped its first 13 tokens"):
+        spliced_cache(transfer, prefill(transfer.source, prompt), prompt, Levers(native_sink=2))
+    short = _prompt(length=6)  # inside the window: nothing dropped, splices as before
+    spliced_cache(transfer, prefill(transfer.source, short), short, Levers(native_sink=2))
+
+
+@pytest.mark.parametrize(
+    ("ids", "message"),
+    [
+        (lambda p, vocab: p + vocab, r"outside the vocabulary \[0, "),
+        (lambda p, vocab: p.float(), "expected integer token ids"),
+        (lambda p, vocab: p[0], r"expected \[batch, tokens ≥ 1\]"),
+        (lambda p, vocab: p[:, :0], r"expected \[batch, tokens ≥ 1\]"),
+    ],
+    ids=["out_of_vocab", "float", "1d", "empty"],
+)
+def test_ids_no_path_can_read_are_a_clear_error_not_a_fallback(ids, message):
+    """handoff's rollback prefills the same ids: ids outside the target's vocabulary (or not token ids at all)
+    cannot be served by any path, so handoff, spliced_cache and prefill name the problem up front."""
+    transfer = _twisted_transfer("llama")
+    prompt = _prompt()
+    cache, bad = prefill(transfer.source, prompt), ids(prompt, transfer.vocab_size)
+    for call in (
+        lambda: handoff(transfer, cache, bad),
+        lambda: spliced_cache(transfer, cache, bad, Levers(native_sink=2)),
+        lambda: prefill(transfer.target, bad),
+        lambda: prefill_layers(transfer.target, bad, 1),
+    ):
+        with pytest.raises(ValueError, match=message):
+            call()
 
 
 class _PerTypeRotary(torch.nn.Module):

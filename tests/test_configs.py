@@ -155,7 +155,9 @@ def test_each_default_lives_in_one_file():
         for key in file_keys(path):
             owners.setdefault(key, []).append(str(path.relative_to(CONF)))
     shared = {f"pair.{k}" for k in yaml.safe_load((CONF / "run.yaml").read_text())["pair"]}
-    overridden = lambda key, where: key in shared and where[0] == "run.yaml" and all(w.startswith("pair/") for w in where[1:])
+    overridden = lambda key, where: (
+        key in shared and where[0] == "run.yaml" and all(w.startswith("pair/") for w in where[1:])
+    )
     duplicated = {key: where for key, where in owners.items() if len(where) > 1 and not overridden(key, where)}
     assert not duplicated
     composed_keys = set(leaves(OmegaConf.to_container(composed(), resolve=False)))

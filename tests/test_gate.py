@@ -67,6 +67,12 @@ def test_planted_passing_run_passes():
     assert "arc_easy +0.40 [-1.20, +1.90]" in verdicts[2].measured and "0.050" in verdicts[3].measured
 
 
+def test_a_run_on_validation_items_is_never_judged():
+    """Validation items choose levers (`workload.split=valid`); only test items are reported and gated."""
+    assert statuses(PASSING, REAL | {"split": "valid"}) == ["FAIL", "PASS", "PASS", "REPORTED", "PASS"]
+    assert statuses(PASSING, REAL | {"split": "test"})[0] == "PASS"
+
+
 @pytest.mark.parametrize("weights", ["random", None, "Real"])
 def test_random_weight_runs_never_pass_quality(weights):
     tags = REAL | {"weights": weights} if weights else without(REAL, "weights")

@@ -24,6 +24,7 @@ FLOORS = [
     {"src.eval"},  # the package: every src.eval.* module
     {"src.pipeline", "src.workloads"},
     {"src.bench", "src.routed", "src.routed_runs", "src.sweep", "src.gate", "src.distributed"},
+    {"src.choose"},
     {"src.run"},
 ]
 

@@ -17,7 +17,7 @@ from omegaconf import OmegaConf
 from src.routed import handoffs, quality, timing
 from src.routed_runs import Run, bucket, multiturn, rollback, single_turn, switches
 from src.routing import Policy, bind
-from src.tasks import Item
+from src.tasks import Item, load_task
 from src.workloads import Bytes, Example
 from tests.exact_pair import exact_pair
 
@@ -161,7 +161,8 @@ def compose(*overrides: str):
         return hydra_compose("run", overrides=["+experiment=routed", *workload, *rest])
 
 
-def test_routed_job_end_to_end_on_the_tiny_random_pair(tmp_path, monkeypatch):
+@pytest.mark.parametrize("items", ["test", "valid"])
+def test_routed_job_end_to_end_on_the_tiny_random_pair(items, tmp_path, monkeypatch):
     if not (DATA / "eval").is_dir():
         pytest.skip("shared data not found")
     from src.gate import judge_run
@@ -172,6 +173,7 @@ def test_routed_job_end_to_end_on_the_tiny_random_pair(tmp_path, monkeypatch):
         "workload=passage", "workload.limit=2", "workload.tasks=[lambada]", "pair.attn_implementation=sdpa",
         "workload.rollback_items=1", "workload.rollback_tokens=2", "budget.sequences=8", "budget.seq_len=64",
         f"paths.data={DATA}", "tracking.backend=json", f"tracking.json_dir={tmp_path / 'records'}",
+        f"workload.split={items}",
     )  # fmt: skip
     accuracy = routed(cfg)
     (path,) = (tmp_path / "records").glob("*/record.json")
@@ -179,6 +181,9 @@ def test_routed_job_end_to_end_on_the_tiny_random_pair(tmp_path, monkeypatch):
     metrics, tags = {m["key"]: m["value"] for m in record["metrics"] if m["step"] is None}, record["tags"]
     assert record["status"] == "FINISHED" and record["experiment"] == "routed"
     assert (tags["job"], tags["workload"], tags["weights"], tags["policy"]) == ("routed", "passage", "random", "map")
+    assert tags["split"] == items and record["name"].endswith(":valid") == (items == "valid")
+    scored = [row["index"] for row in json.loads((path.parent / "artifacts/routed/items.json").read_text())["items"]]
+    assert scored == [item.index for item in load_task("lambada", DATA, 2, items)]
     assert metrics["task.mean.acc"] == accuracy and metrics["task.lambada.items"] == 2
     assert {"task.lambada.loss_points_low", "ttft_speedup", "prefill_fraction", "handoff_frequency"} <= set(metrics)
     assert metrics["rollback_verified"] == 1.0 and metrics["handoffs.applied"] == 2
@@ -187,4 +192,5 @@ def test_routed_job_end_to_end_on_the_tiny_random_pair(tmp_path, monkeypatch):
     assert (artifacts / "plots/accuracy_vs_prefill_fraction.png").is_file()
     assert len(json.loads((artifacts / "routed/items.json").read_text())["items"]) == 2
     verdicts = {v.criterion.split(":")[0]: v.status for v in judge_run(metrics, tags)}
-    assert verdicts["quality"] == "MISSING" and verdicts["routed workload run"] == "PASS"  # random weights
+    assert verdicts["quality"] == "MISSING"  # random weights
+    assert verdicts["routed workload run"] == ("PASS" if items == "test" else "FAIL")  # validation items never gate

@@ -69,8 +69,9 @@ def test_rows_skip_unfinished_records_and_keep_steps(tmp_path):
 
 def test_rebuild_replaces_only_between_markers(tmp_path, monkeypatch):
     _record(tmp_path / "set", "only", "FINISHED", {"nll_transfer": 5.0})
-    monkeypatch.setitem(tables.TABLES, "demo", tables.Table("set", lambda rows: f"| runs |\n|---|\n| {len(rows)} |"))
-    monkeypatch.delitem(tables.TABLES, "quickstart")
+    monkeypatch.setattr(
+        tables, "TABLES", {"demo": tables.Table("set", lambda rows: f"| runs |\n|---|\n| {len(rows)} |")}
+    )
     text = "before\n<!-- table: demo -->\n| old |\n<!-- /table -->\nafter\n"
     assert (
         tables.rebuild(text, tmp_path)

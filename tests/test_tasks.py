@@ -175,6 +175,22 @@ def test_subsample_is_systematic():
         subsample(10, 0)
 
 
+@pytest.mark.parametrize(("count", "limit"), [(10, 3), (2_376, 100), (10, 5), (1_000, 7)])
+def test_validation_items_sit_between_the_test_items(count, limit):
+    """As many validation items as test items, none of them a test item (choices read valid, reports read test)."""
+    test, valid = subsample(count, limit), subsample(count, limit, "valid")
+    assert len(valid) == len(test) == limit and not set(valid) & set(test) and max(valid) < count
+    assert subsample(10, 3, "valid") == [1, 4, 7]
+
+
+@pytest.mark.parametrize(("count", "limit"), [(10, None), (10, 10), (10, 6), (10, 25)])
+def test_no_validation_items_when_the_test_items_leave_no_gap(count, limit):
+    with pytest.raises(ValueError, match="no validation items"):
+        subsample(count, limit, "valid")
+    with pytest.raises(ValueError, match="unknown item split"):
+        subsample(count, limit, "train")
+
+
 def test_load_task_limit_is_deterministic_and_evenly_spaced():
     first, second = load_task("arc_easy", DATA, limit=100), load_task("arc_easy", str(DATA), limit=100)
     assert first == second and len(first) == 100

@@ -98,6 +98,28 @@ def test_mmlu_subjects_whose_dev_exemplars_repeat_test_questions_are_topped_up_f
             assert _source(shot) != SCORED or int(shot.rsplit("#", 1)[1]) not in scored
 
 
+@pytest.mark.parametrize("task", ["arc_easy", "hellaswag", "mmlu"])
+def test_validation_items_never_meet_a_test_item(task, monkeypatch):
+    """workload.split=valid scores the items between the test items, and their shots are never test items; the test
+    prompts are those of test runs before validation items existed (a test item's shots may be validation items)."""
+    import src.workloads
+
+    calibration = calibration_files(BUDGETS["paper_mix"])
+    test = {item.index: item for item in load_task(task, DATA, LIMIT)}
+    excluded, pool = [], src.workloads._pool
+    monkeypatch.setattr(src.workloads, "_pool", lambda *a: excluded.append({i.index for i in a[2]}) or pool(*a))
+    valid = fewshot(DATA, task, LIMIT, SHOTS[task], 0, calibration, "valid")
+    assert set(test) | {ex.item.index for ex in valid} <= excluded[0]  # no test item can be drawn as a shot
+    assert [ex.item.index for ex in valid] == [item.index for item in load_task(task, DATA, LIMIT, "valid")]
+    assert not {ex.item.index for ex in valid} & set(test)
+    questions = {_header(c)[1] for item in test.values() for c in item.contexts}
+    for example in valid:
+        assert not {int(s.rsplit("#", 1)[1]) for s in example.shots if _source(s) == SCORED} & set(test)
+        assert not any(question in example.history for question in questions)
+    passages = passage(DATA, "boolq", LIMIT, "valid")
+    assert not {ex.item.index for ex in passages} & {ex.item.index for ex in passage(DATA, "boolq", LIMIT)}
+
+
 def test_fewshot_is_seeded_and_refuses_too_few_shots():
     calibration = calibration_files("gutenberg")
     first, again = (fewshot(DATA, "piqa", 3, 5, 0, calibration) for _ in range(2))

@@ -86,7 +86,10 @@ def score_task(
                 mode, pair, torch.tensor(context), [torch.tensor(x) for x in continuations], transfer, levers
             )
         prefixes = [len(context) - 1 for context, _ in groups]
-        charged = [spent_levers.prefill_fraction(p, layers, query_len=1) * p if spent_levers is not None else p for p in prefixes]
+        charged = [
+            spent_levers.prefill_fraction(p, layers, query_len=1) * p if spent_levers is not None else p
+            for p in prefixes
+        ]
         scores.loglikelihoods.append([r[0] for r in results])
         scores.greedy.append([r[1] for r in results])
         scores.labels.append(item.label)

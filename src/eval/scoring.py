@@ -64,7 +64,9 @@ def context_cache(
         clipped = levers.clipped(prefix.shape[1])
         source_cache = prefill(pair.source, prefix)
         return (
-            spliced_cache(transfer, source_cache, prefix, clipped, query_ids=context_ids[None, -1:])  # the token read on top
+            spliced_cache(
+                transfer, source_cache, prefix, clipped, query_ids=context_ids[None, -1:]
+            )  # the token read on top
             if clipped
             else transfer(source_cache, input_ids=prefix)
         )

@@ -1,0 +1,85 @@
+"""Choose the levers of a routed workload on its validation items, never on the items that are reported.
+
+A lever grid runs with `workload.split=valid` (src/tasks.py `subsample`: the items between the test items) into
+JSON records (tracking.backend=json); this reads them and prints the chosen run's lever overrides, which the
+reported run (`workload.split=test`, the default) then uses. The rule is fixed before any run (the gate's
+threshold, conf/gate/default.yaml): among the runs whose every task loses ≤ max_loss_points, the one that spends
+the least prefill; when none does, the one with the least mean loss (ties: less prefill). Reads no MLflow, so it
+runs on the GPU machine between the two stages.
+
+    python -m src.choose RECORDS_DIR [--workload passage] [--direction qwen25coder_0.5b_to_1.5b]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from pathlib import Path
+
+from src.gate import DEFAULTS, task_losses
+
+LEVERS = "eval.levers."
+
+
+def validation_runs(directory: Path, workload: str | None = None, direction: str | None = None) -> list[dict]:
+    """FINISHED routed records on validation items under `directory`: {name, params, tags, metrics}."""
+    runs = []
+    for path in sorted(Path(directory).glob("**/record.json")):
+        record = json.loads(path.read_text())
+        tags = record.get("tags", {})
+        if record.get("status") != "FINISHED" or tags.get("job") != "routed" or tags.get("split") != "valid":
+            continue
+        if workload not in (None, tags.get("workload")) or direction not in (None, tags.get("direction")):
+            continue
+        metrics = {m["key"]: m["value"] for m in record["metrics"] if m["step"] is None}
+        runs.append({"name": record["name"], "params": record["params"], "tags": tags, "metrics": metrics})
+    return runs
+
+
+def choose(runs: list[dict], max_loss: float | None = None) -> dict:
+    """The run the rule picks (module docstring)."""
+    if not runs:
+        raise ValueError("no finished routed runs on validation items (workload.split=valid) to choose from")
+    max_loss = DEFAULTS.max_loss_points if max_loss is None else max_loss
+    spent = lambda run: run["metrics"].get("prefill_fraction", math.inf)
+    mean = lambda run: run["metrics"].get("task.mean.loss_points", math.inf)
+    within = [
+        r
+        for r in runs
+        if task_losses(r["metrics"]) and all(v[0] <= max_loss for v in task_losses(r["metrics"]).values())
+    ]
+    return min(within, key=lambda r: (spent(r), mean(r))) if within else min(runs, key=lambda r: (mean(r), spent(r)))
+
+
+def overrides(run: dict) -> list[str]:
+    """The chosen run's lever settings as Hydra overrides."""
+    return [f"{key}={value}" for key, value in sorted(run["params"].items()) if key.startswith(LEVERS)]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("directory", type=Path)
+    parser.add_argument("--workload")
+    parser.add_argument("--direction")
+    parser.add_argument("--max-loss", type=float)
+    args = parser.parse_args()
+    runs = validation_runs(args.directory, args.workload, args.direction)
+    try:
+        chosen = choose(runs, args.max_loss)
+    except ValueError as error:
+        sys.exit(f"choose: {error} under {args.directory}")
+    for run in runs:
+        mark = "→" if run is chosen else " "
+        m = run["metrics"]
+        print(
+            f"{mark} {' '.join(overrides(run))}: mean loss {m.get('task.mean.loss_points', math.nan):+.1f} pt, "
+            f"prefill {m.get('prefill_fraction', math.nan):.2f}",
+            file=sys.stderr,
+        )
+    print(" ".join(overrides(chosen)))  # stdout: what the reported run passes
+
+
+if __name__ == "__main__":
+    main()

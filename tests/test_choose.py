@@ -1,0 +1,71 @@
+"""Choosing levers on validation items (src/choose.py): only FINISHED routed runs on validation items are read, the
+pre-registered rule picks the least prefill within the loss threshold (else the least mean loss), and the CLI prints
+the chosen overrides alone on stdout."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from src.choose import choose, overrides, validation_runs
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _record(root: Path, name: str, levers: dict, losses: dict, prefill: float, **tags) -> None:
+    tags = {"job": "routed", "split": "valid", "workload": "passage", "direction": "a_to_b"} | tags
+    metrics = {f"task.{t}.loss_points": v for t, v in losses.items()}
+    metrics |= {"task.mean.loss_points": sum(losses.values()) / len(losses), "prefill_fraction": prefill}
+    folder = root / name
+    folder.mkdir(parents=True)
+    record = {
+        "name": name,
+        "status": tags.pop("status", "FINISHED"),
+        "params": {f"eval.levers.{k}": str(v) for k, v in levers.items()} | {"fit.k": "24"},
+        "tags": tags,
+        "metrics": [{"key": k, "value": v, "step": None, "timestamp": 0} for k, v in metrics.items()],
+    }
+    (folder / "record.json").write_text(json.dumps(record))
+
+
+@pytest.fixture
+def grid(tmp_path):
+    _record(tmp_path, "pure", {"recompute": 0.0}, {"boolq": 30.0, "lambada": 38.0}, 0.0)
+    _record(tmp_path, "r10", {"recompute": 0.1}, {"boolq": 0.5, "lambada": 1.5}, 0.15)  # one task over 1 pt
+    _record(tmp_path, "r25", {"recompute": 0.25}, {"boolq": 0.8, "lambada": 0.2}, 0.33)
+    _record(tmp_path, "r40", {"recompute": 0.4}, {"boolq": 0.0, "lambada": -1.0}, 0.48)
+    _record(tmp_path, "on_test", {"recompute": 0.05}, {"boolq": 0.0, "lambada": 0.0}, 0.1, split="test")
+    _record(tmp_path, "no_split", {"recompute": 0.05}, {"boolq": 0.0, "lambada": 0.0}, 0.1, split=None)
+    _record(tmp_path, "failed", {"recompute": 0.05}, {"boolq": 0.0, "lambada": 0.0}, 0.1, status="FAILED")
+    _record(tmp_path, "other", {"recompute": 0.05}, {"boolq": 0.0, "lambada": 0.0}, 0.1, workload="fewshot")
+    return tmp_path
+
+
+def test_the_least_prefill_within_the_threshold_on_validation_runs_only(grid):
+    runs = validation_runs(grid, workload="passage")
+    assert sorted(r["name"] for r in runs) == ["pure", "r10", "r25", "r40"]  # never test items, never failed runs
+    assert choose(runs)["name"] == "r25"  # r10 is cheaper but one task loses 1.5 points
+    assert choose(runs, max_loss=2.0)["name"] == "r10"
+    assert choose([r for r in runs if r["name"] in ("pure", "r10")])["name"] == "r10"  # none within: least mean loss
+    assert overrides(choose(runs)) == ["eval.levers.recompute=0.25"]
+    with pytest.raises(ValueError, match="no finished routed runs on validation items"):
+        choose(validation_runs(grid, workload="switches"))
+
+
+def test_cli_prints_only_the_overrides_on_stdout(grid):
+    done = subprocess.run(
+        [sys.executable, "-m", "src.choose", str(grid), "--workload", "passage"],
+        cwd=REPO, capture_output=True, text=True, check=True,
+    )  # fmt: skip
+    assert done.stdout == "eval.levers.recompute=0.25\n"
+    assert "→ eval.levers.recompute=0.25" in done.stderr and done.stderr.count("\n") == 4
+
+
+def test_cli_without_validation_runs_says_so(tmp_path):
+    done = subprocess.run([sys.executable, "-m", "src.choose", str(tmp_path)], cwd=REPO, capture_output=True, text=True)
+    assert done.returncode == 1 and done.stdout == ""
+    assert (
+        done.stderr.startswith("choose: no finished routed runs on validation items") and "Traceback" not in done.stderr
+    )
