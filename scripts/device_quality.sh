@@ -145,10 +145,12 @@ case $stage in
     step 6 "${R[@]}" "${VALID[@]}" eval.levers.recompute=0.1,0.4 eval.levers.recompute_rule=deviation $BACK
     chosen 7 qwen25coder_0.5b_to_1.5b pair=qwen25coder_0p5b_to_1p5b || true
     chosen 8 qwen25coder_1.5b_to_0.5b $BACK || true
-    step 9 "${R[@]}" +workload=fewshot workload.limit=50 "workload.tasks=[arc_easy,arc_challenge]" \
+    step 9 "${R[@]}" +workload=passage workload.limit=100 fit.v_space=attention  # lever 3: V fitted where it is read
+    step 10 "${R[@]}" +workload=fewshot workload.limit=100 fit.v_space=attention "workload.tasks=[arc_easy,piqa,hellaswag]"
+    step 11 "${R[@]}" +workload=fewshot workload.limit=50 "workload.tasks=[arc_easy,arc_challenge]" \
       workload.shots.arc_easy=100 workload.shots.arc_challenge=100  # ≈ 4–6K-token histories: where latency can win
     COMMON=(tracking.backend=json "tracking.json_dir=$OUT/trk" "paths.data=$HOME/data" pair.device=cuda)
-    step 10 "${PAPER[@]}"
+    step 12 "${PAPER[@]}"
     echo "routed2 queue done" | tee -a "$OUT/log.txt" ;;
   *) echo "unknown stage $stage" >&2; exit 2 ;;
 esac

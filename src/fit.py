@@ -34,6 +34,7 @@ from src.traces import Traces
 from src.weighting import attn_repair_weights
 
 STATISTICS = ("generic", "streaming", "fused")
+V_SPACES = ("token", "attention")  # V rows as they are | as the target's attention mixes them (fit.v_space)
 
 
 def _design(
@@ -51,6 +52,14 @@ def _design(
     mean, basis = pca  # [L_s, H_s·d_s], [L_s, H_s·d_s, w]
     blocks = x.double().unflatten(-1, (layers.numel(), -1)) - mean[layers]  # [H_t, b, k, H_s·d_s]
     return torch.einsum("hbkc,kcw->hbkw", blocks, basis[layers]).flatten(2)  # [H_t, b, k·w]
+
+
+def _mixed(rows: torch.Tensor, mix: torch.Tensor, span: slice) -> torch.Tensor:
+    """Rows [H_t, b, p] of whole sequences (t rows each) as the target's attention mixes them: row t ↦ Σ_s M_ts·x_s,
+    mix [H_t, S, t, t] — the V fit then weighs an error as the receiver's attention output carries it."""
+    t = mix.shape[-1]
+    blocks = mix[:, span.start // t : span.stop // t].to(rows.dtype)  # [H_t, b/t, t, t]
+    return (blocks @ rows.unflatten(1, (-1, t))).flatten(1, 2)
 
 
 def _fold_pca(weight: torch.Tensor, bias: torch.Tensor, layers: torch.Tensor, pca: tuple):
@@ -75,14 +84,22 @@ def fit_mapper(
     statistics: str | bool = "streaming",
     alpha_cap: float = 1.0,
     token_features: bool = False,
+    v_space: str = "token",
 ) -> Mapper:
     """Fit K and V maps for every target layer from traces; returns the Mapper (manifest partly filled).
     statistics: "generic" | "streaming" | "fused" (module docstring); a bool is the former `reference` flag
     (True = generic, False = streaming). token_features=True appends the target's token features (layer-0
-    content K/V) to every design."""
+    content K/V) to every design. v_space="attention" fits V on rows mixed by the target's attention (`_mixed`,
+    traces collected with mixing): the same affine artifact, its error weighed where the receiver reads it."""
     statistics = {True: "generic", False: "streaming"}.get(statistics, statistics)
     if statistics not in STATISTICS:
         raise ValueError(f"unknown statistics {statistics!r}; choose one of {STATISTICS}")
+    if v_space not in V_SPACES:
+        raise ValueError(f"unknown v_space {v_space!r}; choose one of {V_SPACES}")
+    if v_space == "attention" and traces.mix is None:
+        raise ValueError("v_space=attention needs traces collected with the target's attention mixing (mixing=True)")
+    if v_space == "attention" and (statistics == "fused" or support == "pca" or token_features):
+        raise ValueError("v_space=attention is offered for gathered supports with generic / streaming statistics")
     if statistics == "fused" and (support == "pca" or token_features):
         raise ValueError("statistics=fused gathers head blocks only: use streaming for support=pca or token features")
     if weighting == "attn_repair" and traces.attn_k is None:
@@ -109,15 +126,19 @@ def fit_mapper(
             if weighting == "attn_repair":
                 weights, stats = attn_repair_weights(raw[layer], width, alpha_cap)  # [H_t, n]
                 alpha_stats[component].append(stats["alpha"])
-            chunk = lambda span, rows=source_rows, y=target_rows, w=weights, ls=layers, pc=pca: (
-                _design(rows, ls, head_index, pc, span, token_rows),
-                y[:, span],
+            mix = traces.mix[layer] if component == "v" and v_space == "attention" else None  # [H_t, S, t, t]
+            chunk = lambda span, rows=source_rows, y=target_rows, w=weights, ls=layers, pc=pca, m=mix: (
+                _design(rows, ls, head_index, pc, span, token_rows)
+                if m is None
+                else _mixed(_design(rows, ls, head_index, pc, span, token_rows), m, span),
+                y[:, span] if m is None else _mixed(y[:, span], m, span),
                 None if w is None else w[:, span],
             )
             if statistics == "generic":
                 moments = reference_moments(*chunk(slice(0, traces.rows)))
-            elif statistics == "streaming":
-                moments = streaming_moments(chunk, traces.rows, chunk_rows)
+            elif statistics == "streaming":  # panels of whole sequences when rows are mixed
+                per = 1 if mix is None else mix.shape[-1]
+                moments = streaming_moments(chunk, traces.rows, max(per, chunk_rows // per * per))
             else:
                 moments = fused_moments(source_rows, target_rows, weights, layers, head_index, chunk_rows)
             weight, bias = ridge_solve(moments, lam, lam_relative)
@@ -136,6 +157,7 @@ def fit_mapper(
         alpha_cap=alpha_cap,
         token_features=token_features,
         statistics=statistics,
+        v_space=v_space,
         alpha=alpha_stats if weighting == "attn_repair" else None,
         fitted_width=width if support == "pca" else None,
         calibration=dict(traces.meta),
@@ -157,6 +179,7 @@ def fitted_mapper(
     alpha: dict | None,
     fitted_width: int | None,
     calibration: dict,
+    v_space: str = "token",
 ) -> Mapper:
     """Per-target-layer coefficients (lists of [H_t, p, d_t] / [H_t, d_t]) → the Mapper with its method manifest
     (shared by fit_mapper and the sharded fit in src/distributed.py)."""
@@ -168,6 +191,7 @@ def fitted_mapper(
         "alpha_cap": alpha_cap,
         "token_features": token_features,
         "statistics": statistics,
+        "v_space": v_space,
         "alpha": alpha,
         "k": int(source_layers.shape[1]),
         "fan_in": int(head_index.shape[1]),
@@ -200,6 +224,7 @@ def fit_transfer(
     alpha_cap: float = 1.0,
     token_features: bool = False,
     statistics: str = "streaming",
+    v_space: str = "token",
 ) -> Mapper:
     """Select layers and fit a mapper for this model pair; the manifest identifies pair and method."""
     source_kv, target_kv = describe_kv(source), describe_kv(target)
@@ -217,10 +242,13 @@ def fit_transfer(
         statistics,
         alpha_cap=alpha_cap,
         token_features=token_features,
+        v_space=v_space,
     )
     fan_in = source_kv.num_kv_heads if support == "pca" else head_index.shape[1]
     mapper.manifest.update(
-        method=f"{support}+{weighting}" + ("+tokens" if token_features else ""),
+        method=f"{support}+{weighting}"
+        + ("+tokens" if token_features else "")
+        + ("+vattn" if v_space != "token" else ""),
         selection=selection,
         shift=shift,
         selection_scores=None if scores is None else scores.tolist(),

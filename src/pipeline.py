@@ -77,7 +77,14 @@ def calibration(cfg: DictConfig, pair: Pair) -> tuple[Traces, str]:
         )
         return traces, f"synthetic-{cfg.seed}"
     ids = text_ids(cfg, pair, budget.corpus, budget.sequences, budget.seq_len)
-    key = cache_key(fingerprint(pair.source), fingerprint(pair.target), corpus_hash(ids), spec(budget))
+    mixing = cfg.fit.v_space == "attention"  # the target's attention between sampled rows, for the V fit
+    key = cache_key(
+        fingerprint(pair.source),
+        fingerprint(pair.target),
+        corpus_hash(ids),
+        spec(budget),
+        *(("mixing",) if mixing else ()),
+    )
     if f"traces:{key}" in _MEMO:
         return _MEMO[f"traces:{key}"], key
     path = Path(cfg.paths.home) / "traces" / key
@@ -93,6 +100,7 @@ def calibration(cfg: DictConfig, pair: Pair) -> tuple[Traces, str]:
             getattr(torch, budget.storage_dtype),
             budget.attention_boundaries,
             budget.first_boundary,
+            mixing=mixing,
         )
         traces.meta["collect_seconds"] = time.perf_counter() - began
         save_traces(traces, path)
@@ -147,6 +155,7 @@ def build_mapper(cfg: DictConfig, pair: Pair, traces: Traces | None, traces_key:
         alpha_cap=cfg.weighting.alpha_cap,
         token_features=fit.token_features,
         statistics=fit.statistics,
+        v_space=fit.v_space,
     )
     mapper.manifest["construction_seconds"] = time.perf_counter() - began
     mapper.manifest["weights"] = pair.weights

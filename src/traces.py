@@ -35,6 +35,7 @@ class Traces:
     position: torch.Tensor  # [n] token position of each row inside its sequence
     attn_k: torch.Tensor | None = None  # [L_t, H_t, n] raw r^K (Eq. 16), boundary-normalized and summed
     attn_v: torch.Tensor | None = None  # [L_t, H_t, n] raw r^V (Eq. 15)
+    mix: torch.Tensor | None = None  # [L_t, H_t, S, t, t] the target's attention between each sequence's t rows
     meta: dict = field(default_factory=dict)
 
     @property
@@ -43,6 +44,13 @@ class Traces:
 
     def select_rows(self, index: torch.Tensor) -> Traces:
         take = lambda t: None if t is None else t.index_select(-2 if t.dim() == 4 else -1, index.to(t.device))
+        mix = None
+        if self.mix is not None:  # rows are sequence-major, t per sequence: only whole sequences keep their mixing
+            t = self.mix.shape[-1]
+            sequences = torch.unique_consecutive(index // t)
+            if not torch.equal(index, (sequences[:, None] * t + torch.arange(t, device=index.device)).flatten()):
+                raise ValueError("traces with attention mixing can only be cut into whole sequences")
+            mix = self.mix.index_select(2, sequences.to(self.mix.device))
         return Traces(
             source_k=take(self.source_k),
             source_v=take(self.source_v),
@@ -52,12 +60,13 @@ class Traces:
             position=self.position[index],
             attn_k=take(self.attn_k),
             attn_v=take(self.attn_v),
+            mix=mix,
             meta=dict(self.meta, rows=int(index.numel())),
         )
 
     def to(self, device: str | torch.device) -> Traces:
         move = lambda t: None if t is None else t.to(device)
-        fields = ("source_k", "source_v", "target_k", "target_v", "attn_k", "attn_v")
+        fields = ("source_k", "source_v", "target_k", "target_v", "attn_k", "attn_v", "mix")
         return Traces(
             **{name: move(getattr(self, name)) for name in fields},
             sequence_index=self.sequence_index,
@@ -75,7 +84,7 @@ class Traces:
         return self.select_rows(torch.nonzero(~heldout)[:, 0]), self.select_rows(torch.nonzero(heldout)[:, 0])
 
 
-_TENSORS = ("source_k", "source_v", "target_k", "target_v", "sequence_index", "position", "attn_k", "attn_v")
+_TENSORS = ("source_k", "source_v", "target_k", "target_v", "sequence_index", "position", "attn_k", "attn_v", "mix")
 
 
 def save_traces(traces: Traces, path: str | Path) -> None:
@@ -177,6 +186,33 @@ def attention_sensitivity(
     return per_boundary(r_k).sum(2), per_boundary(r_v).sum(2)  # [B, H_kv, T]
 
 
+def attention_mixing(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    stride: int,
+    softmax_scale: float,
+    window: int | None = None,
+) -> torch.Tensor:
+    """How the target mixes the sampled rows' values: [B, H_kv, t, t], t = ⌈T / stride⌉ (fit.v_space=attention).
+
+    query [B, H_q, T, d] and key [B, H_kv, T, d] carry RoPE. Each sampled query row (positions 0, s, 2s, …) attends
+    causally as the model does (the window too); a key position's weight goes to the sampled row that opens its
+    block of `stride` positions, and the query heads of a KV head are averaged. Rows sum to 1, lower-triangular:
+    Σ_s M_ts·v_s is the attention output at row t with each block's value represented by its sampled row."""
+    batch, q_heads, length, _ = query.shape
+    kv_heads = key.shape[1]
+    sampled = torch.arange(0, length, stride, device=query.device)  # [t]
+    positions = torch.arange(length, device=query.device)
+    causal = positions[None, :] <= sampled[:, None]  # [t, T]
+    if window is not None:
+        causal &= positions[None, :] > sampled[:, None] - window
+    k = key.float().repeat_interleave(q_heads // kv_heads, dim=1)  # [B, H_q, T, d]
+    scores = (query[:, :, sampled].float() @ k.transpose(-1, -2)) * softmax_scale  # [B, H_q, t, T]
+    a = scores.masked_fill(~causal, float("-inf")).softmax(dim=-1)
+    pooled = a.new_zeros(batch, q_heads, sampled.numel(), sampled.numel()).index_add_(-1, positions // stride, a)
+    return pooled.unflatten(1, (kv_heads, -1)).mean(2)  # [B, H_kv, t, t]
+
+
 @torch.no_grad()
 def collect_traces(
     source: PreTrainedModel,
@@ -188,10 +224,12 @@ def collect_traces(
     attention_boundaries: int = 0,
     first_boundary: int = 12,
     storage_device: str = "cpu",
+    mixing: bool = False,
 ) -> Traces:
     """Run calibration ids [N, T] through both models and keep every `stride`-th position's K/V.
 
-    attention_boundaries > 0 also computes the target's raw Attn-Repair sensitivities. Sliding-window models (the
+    attention_boundaries > 0 also computes the target's raw Attn-Repair sensitivities; mixing=True the target's
+    attention between the sampled rows of each sequence (`attention_mixing`, for fit.v_space=attention). Sliding-window models (the
     `allow_sliding_window` opt-in) work at any length: the forward keeps every position's K/V (a full cache; the
     attention mask stays the model's own) and the sensitivities use the window. Models no map can serve (hybrid
     layers, MLA, per-layer-type RoPE, unsupported families) are refused up front (IncompatiblePairError).
@@ -204,8 +242,8 @@ def collect_traces(
     eligible = torch.zeros(seq_len, dtype=torch.bool)
     eligible[sampled] = True
     boundaries = log_boundaries(seq_len, attention_boundaries, first_boundary) if attention_boundaries else []
-    parts: dict[str, list[torch.Tensor]] = {key: [] for key in ("sk", "sv", "tk", "tv", "ak", "av")}
-    capture = QueryCapture(target, target_kv) if boundaries else None
+    parts: dict[str, list[torch.Tensor]] = {key: [] for key in ("sk", "sv", "tk", "tv", "ak", "av", "mix")}
+    capture = QueryCapture(target, target_kv) if boundaries or mixing else None
     try:
         for start in tqdm(range(0, num_sequences, batch_size), desc="calibration traces", unit="batch"):
             ids = sequences[start : start + batch_size]
@@ -222,17 +260,20 @@ def collect_traces(
                     parts[name].append(rows.permute(0, 2, 1, 3, 4).flatten(2, 3).to(storage_device, storage_dtype))
                 if capture is not None and is_target:
                     cos, sin = rope_cos_sin(target.model.rotary_emb, positions.to(device))
+                    queries = [apply_rope(capture.queries[i], cos, sin, kv.rope_layout) for i in range(len(layers))]
+                    scale, window = kv.attention_softmax_scale, kv.sliding_window
+                    if mixing:
+                        mixes = [
+                            attention_mixing(q, layer.keys, stride, scale, window)
+                            for q, layer in zip(queries, cache.layers, strict=True)
+                        ]
+                        parts["mix"].append(torch.stack(mixes).to(storage_device, storage_dtype))  # [L_t, B, H_t, t, t]
+                if boundaries and is_target:
                     per_layer = [
                         attention_sensitivity(
-                            apply_rope(capture.queries[layer_idx], cos, sin, kv.rope_layout),
-                            layer.keys,
-                            layer.values,
-                            boundaries,
-                            eligible.to(device),
-                            kv.attention_softmax_scale,
-                            kv.sliding_window,
+                            q, layer.keys, layer.values, boundaries, eligible.to(device), scale, window
                         )
-                        for layer_idx, layer in enumerate(cache.layers)
+                        for q, layer in zip(queries, cache.layers, strict=True)
                     ]
                     for name, index in (("ak", 0), ("av", 1)):
                         r = torch.stack(
@@ -252,6 +293,7 @@ def collect_traces(
         position=sampled.repeat(num_sequences),
         attn_k=torch.cat(parts["ak"], dim=2).double() if boundaries else None,
         attn_v=torch.cat(parts["av"], dim=2).double() if boundaries else None,
+        mix=torch.cat(parts["mix"], dim=1).transpose(1, 2).contiguous() if mixing else None,  # [L_t, H_t, N, t, t]
         meta={
             "sequences": num_sequences,
             "seq_len": seq_len,
@@ -259,5 +301,6 @@ def collect_traces(
             "rows": num_sequences * rows_per_sequence,
             "corpus_hash": corpus_hash(sequences),
             "attention_boundaries": boundaries,
+            "mixing": mixing,
         },
     )
