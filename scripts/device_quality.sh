@@ -123,9 +123,9 @@ case $stage in
     R=(+experiment=routed "${CAPACITY[@]}" workload.warmup=2)
     BACK=pair=qwen25coder_1p5b_to_0p5b
     VALID=(+workload=passage workload.split=valid workload.limit=50 eval.levers.native_sink=4)
-    step() {
+    step() {  # FROM=N skips the steps before N (a later lease on a fresh machine)
       local n=$1; shift
-      [ "$n" -le "$(cat "$HOME/routed2.done" 2>/dev/null || echo 0)" ] && return
+      [ "$n" -lt "${FROM:-1}" ] || [ "$n" -le "$(cat "$HOME/routed2.done" 2>/dev/null || echo 0)" ] && return
       [ $((DEADLINE - SECONDS)) -lt 60 ] && { echo "SKIPPED (out of time): step $n" | tee -a "$OUT/log.txt"; exit 0; }
       run "$@"
       [ "$LAST_RC" -eq 124 ] || echo "$n" > "$HOME/routed2.done"
@@ -148,9 +148,13 @@ case $stage in
     step 9 "${R[@]}" +workload=passage workload.limit=100 fit.v_space=attention  # lever 3: V fitted where it is read
     step 10 "${R[@]}" +workload=fewshot workload.limit=100 fit.v_space=attention "workload.tasks=[arc_easy,piqa,hellaswag]"
     step 11 "${R[@]}" +workload=fewshot workload.limit=50 "workload.tasks=[arc_easy,arc_challenge]" \
-      workload.shots.arc_easy=100 workload.shots.arc_challenge=100  # ≈ 4–6K-token histories: where latency can win
+      workload.shots.arc_easy=100 workload.shots.arc_challenge=100  # 3.0–4.2K-token histories: where latency can win
     COMMON=(tracking.backend=json "tracking.json_dir=$OUT/trk" "paths.data=$HOME/data" pair.device=cuda)
     step 12 "${PAPER[@]}"
+    COMMON=(pair=qwen25coder_0p5b_to_1p5b pair.device=cuda "paths.data=$HOME/data" tracking.backend=json
+      "tracking.json_dir=$OUT/trk")
+    step 13 "${R[@]}" +workload=fewshot workload.policy=auto workload.limit=50 "workload.tasks=[arc_easy,arc_challenge]" \
+      workload.shots.arc_easy=100 workload.shots.arc_challenge=100  # the cost-aware router picks its path per handoff
     echo "routed2 queue done" | tee -a "$OUT/log.txt" ;;
   *) echo "unknown stage $stage" >&2; exit 2 ;;
 esac

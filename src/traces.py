@@ -253,7 +253,9 @@ def collect_traces(
                 device = next(model.parameters()).device
                 # a cache of full layers keeps all T positions even for a sliding-window model (its own cache
                 # would keep the last window − 1 only); the attention itself is unchanged
-                cache = model(ids.to(device), use_cache=True, past_key_values=DynamicCache()).past_key_values
+                cache = model(
+                    ids.to(device), use_cache=True, past_key_values=DynamicCache(), logits_to_keep=1
+                ).past_key_values  # K/V only: no logits over the whole vocabulary per position
                 layers = content_kv(model, kv, cache, positions.to(device))
                 for name, index in zip(keys, (0, 1), strict=True):
                     rows = torch.stack([layer[index][:, :, sampled.to(device)] for layer in layers])  # [L, B, H, t, d]
