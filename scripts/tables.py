@@ -250,14 +250,30 @@ def _gate(row: Row) -> str:
     return f"FAIL ({reasons})" if failing else "PASS"
 
 
+def _floor(row: Row) -> str:
+    """Source alone minus the routed session on the mean, points [95 % CI] (> 0: escalating made answers worse);
+    recomputed from the run's per-item scores (src/routed.py `quality`) where the record predates the metric."""
+    name = "task.mean.below_source_points"
+    if f"metrics.{name}" not in row:
+        from src.routed import quality
+
+        items = json.loads((Path(str(row["record"])).parent / "artifacts/routed/items.json").read_text())["items"]
+        found = quality(items, int(row["params.eval.tasks.n_boot"]), int(row["params.seed"]))
+        row = row | {f"metrics.{key}": value for key, value in found.items()}
+    return (
+        f"{_fmt(_metric(row, name))} [{_fmt(_metric(row, name + '_low'), 0)}, {_fmt(_metric(row, name + '_high'), 0)}]"
+    )
+
+
 def routed(rows: list[Row]) -> str:
     """One row per routed-workload run (src/routed.py): accuracy vs the all-re-prefill session, TTFT per path,
     prefill spent, handoffs, rollback, and the gate's verdict on that run alone."""
     lines = [
         "| workload | direction | levers | scored turns | acc routed / all-native / source (%) "
-        "| mean loss pt [95 % CI] | TTFT p50 routed / re-prefill / hit (ms) | p95 routed / re-prefill (ms) "
+        "| mean loss pt [95 % CI] | below the source pt [95 % CI] | TTFT p50 routed / re-prefill / hit (ms) "
+        "| p95 routed / re-prefill (ms) "
         "| TTFT speedup (median paired) | prefill spent | handoffs per turn | rollback | gate |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for row in rows:
         turns = sum(
@@ -266,7 +282,7 @@ def routed(rows: list[Row]) -> str:
         lines.append(
             f"| {_routed_label(row)} | {turns:.0f} "
             f"| {' / '.join(_fmt(_metric(row, f'task.mean.{n}'), 1, 100) for n in ('acc', 'acc_target', 'acc_source'))} "
-            f"| {_loss(row, 'task.mean')} "
+            f"| {_loss(row, 'task.mean')} | {_floor(row)} "
             f"| {_values(row, ('ttft.routed_ms_p50', 'ttft.reprefill_ms_p50', 'ttft.hit_ms_p50'))} "
             f"| {_values(row, ('ttft.routed_ms_p95', 'ttft.reprefill_ms_p95'))} "
             f"| {_fmt(_metric(row, 'ttft_speedup'), 2)}× | {_fmt(_metric(row, 'prefill_fraction'), 0, 100)} % "

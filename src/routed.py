@@ -68,23 +68,31 @@ def examples(cfg: DictConfig, name: str) -> list:
 def quality(items: list[dict], n_boot: int, seed: int, prefix: str = "task") -> dict[str, float]:
     """Per task (`<prefix>.<task>.*`) and task mean: accuracy of the routed session vs the native target (the
     all-re-prefill session) and the source alone, loss in points with a paired bootstrap CI, NLL of the reference
-    answers; the mean's CI resamples items within each task (stratified)."""
-    metrics, per_task, pairs = {}, {}, {}
+    answers; the mean's CI resamples items within each task (stratified). `below_source_points` [CI]: the source
+    alone minus the routed session — positive when escalating made the answers worse (the floor a router needs)."""
+    metrics, per_task, pairs, floors = {}, {}, {}, {}
     for task in sorted({item["task"] for item in items}):
         rows = [item for item in items if item["task"] == task]
         scores = {mode: task_scores(rows, mode) for mode in ("routed", "native_target", "native_source")}
         per_task[task] = compare(task, scores["native_source"], scores["native_target"], scores["routed"], n_boot)
         correct = {mode: s.correct(METRICS[task][0]) for mode, s in scores.items()}
         pairs[task] = (correct["native_target"], correct["routed"])
+        floors[task] = (correct["native_source"], correct["routed"])
+        metrics |= _points(f"{prefix}.{task}.below_source_points", _mean_loss_ci({task: floors[task]}, n_boot, seed))
         for mode in scores:
             per_task[task][f"nll_{mode}"] = float(np.mean([row["nll"][mode] for row in rows]))
         metrics |= {f"{prefix}.{task}.{key}": value for key, value in per_task[task].items()}
     mean = summarize(per_task)
     interval = _mean_loss_ci(pairs, n_boot, seed)
     mean |= {"loss_points_low": 100 * interval.low, "loss_points_high": 100 * interval.high}
+    metrics |= _points(f"{prefix}.mean.below_source_points", _mean_loss_ci(floors, n_boot, seed))
     for mode in ("routed", "native_target", "native_source"):
         mean[f"nll_{mode}"] = float(np.mean([row[f"nll_{mode}"] for row in per_task.values()]))
     return metrics | {f"{prefix}.mean.{key}": value for key, value in mean.items()}
+
+
+def _points(name: str, interval: Interval) -> dict[str, float]:
+    return {name: 100 * interval.estimate, f"{name}_low": 100 * interval.low, f"{name}_high": 100 * interval.high}
 
 
 def _mean_loss_ci(pairs: dict[str, tuple[np.ndarray, np.ndarray]], n_boot: int, seed: int) -> Interval:

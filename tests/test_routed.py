@@ -129,6 +129,11 @@ def test_metrics_from_rows():
     assert metrics["task.mean.loss_points"] == pytest.approx(-12.5)
     assert metrics["task.mean.loss_points_low"] < -12.5 < metrics["task.mean.loss_points_high"]
     assert metrics["task.piqa.nll_routed"] == 1.0 and metrics["task.piqa.prefill_fraction"] == 0.25
+    # the source (always wrong here) minus the routed session: escalation helped, so below zero
+    assert metrics["task.piqa.below_source_points"] == pytest.approx(-75.0)
+    assert metrics["task.mmlu.below_source_points"] == metrics["task.mmlu.below_source_points_high"] == -100.0
+    assert metrics["task.mean.below_source_points"] == pytest.approx(-87.5)
+    assert metrics["task.mean.below_source_points_low"] < -87.5 < metrics["task.mean.below_source_points_high"]
     rows[0]["ttft"] = {"routed": 10.0, "reprefill": 100.0, "hit": 1.0}
     rows[1]["history_tokens"] = 5000
     times = timing(rows)
