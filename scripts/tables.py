@@ -1,6 +1,7 @@
 """BENCHMARKS.md tables rebuilt from the committed tracking records in results/ (see results/README.md).
 
     python scripts/tables.py                        # rewrite every marked table in BENCHMARKS.md from results/
+    python scripts/tables.py --mlflow EXP … --correlate attention_output_cosine task.mean.retention   # Spearman ρ
     python scripts/tables.py --check                # exit 1 naming each marked table that differs (tests do this)
     python scripts/tables.py quickstart             # print registered tables
     python scripts/tables.py --records DIR          # quality tables of any record folder (e.g. a device run's)
@@ -382,6 +383,19 @@ def stale(text: str, results: Path = RESULTS) -> list[str]:
     return [name for name, table in marked(text).items() if table != fresh[name]]
 
 
+def correlation(rows: list[Row], first: str, second: str) -> str:
+    """Spearman's ρ [95 % CI] of two metrics over the runs that logged both (e.g. attention_output_cosine vs
+    task.mean.retention: does a fidelity metric predict what the tasks keep?)."""
+    from src.eval.metrics import rank_correlation
+
+    pairs = [(_metric(r, first), _metric(r, second)) for r in rows]
+    pairs = [(a, b) for a, b in pairs if math.isfinite(a) and math.isfinite(b)]
+    if len(pairs) < 3:
+        return f"{first} vs {second}: {len(pairs)} run(s) logged both — at least 3 are needed"
+    found = rank_correlation(*zip(*pairs, strict=True))
+    return f"{first} vs {second}: Spearman ρ {found.estimate:+.2f} [{found.low:+.2f}, {found.high:+.2f}] over {len(pairs)} runs"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("names", nargs="*", help="tables to print (TABLES keys), or experiments with --mlflow")
@@ -389,8 +403,12 @@ def main() -> None:
     parser.add_argument("--records", type=Path, help="print the quality tables of the records under this folder")
     parser.add_argument("--mlflow", action="store_true", help="print the quality tables of these MLflow experiments")
     parser.add_argument("--uri", default="sqlite:///mlruns/mlflow.db")
+    parser.add_argument("--correlate", nargs=2, metavar=("METRIC", "METRIC"), help="rank correlation over the runs")
     args = parser.parse_args()
-    if args.records:
+    if args.correlate:
+        rows = record_rows(args.records) if args.records else mlflow_rows(args.uri, args.names)
+        print(correlation(rows, *args.correlate))
+    elif args.records:
         print(quality(record_rows(args.records)))
     elif args.mlflow:
         print(quality(mlflow_rows(args.uri, args.names)))

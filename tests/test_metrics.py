@@ -18,6 +18,7 @@ from src.eval.metrics import (
     paired_bootstrap,
     perplexity,
     position_relative_error,
+    rank_correlation,
     retention,
     retention_ci,
 )
@@ -211,3 +212,14 @@ def test_accuracy_by_length():
         accuracy_by_length([True], [512], [0, 512])  # the last edge is exclusive
     with pytest.raises(ValueError):
         accuracy_by_length([True], [5], [10, 0])
+
+
+def test_rank_correlation_is_spearmans_rho_with_average_ranks_for_ties():
+    x, y = [1, 2, 2, 3, 5, 4, 7.0], [2, 1, 4, 3, 6, 6, 9.0]  # ties on both sides; scipy.stats.spearmanr: 0.8727…
+    found = rank_correlation(x, y, 2000)
+    assert found.estimate == pytest.approx(0.872727, abs=1e-6) and found.low < found.estimate <= found.high <= 1
+    assert rank_correlation([1, 2, 3, 4], [10, 20, 30, 40.0], 200).estimate == pytest.approx(1.0)
+    assert rank_correlation([1, 2, 3, 4], [4, 3, 2, 1.0], 200).estimate == pytest.approx(-1.0)
+    assert math.isnan(rank_correlation([1, 2, 3], [5, 5, 5.0], 200).estimate)  # a constant side has no ranking
+    with pytest.raises(ValueError, match="≥ 3 paired values"):
+        rank_correlation([1, 2], [2, 1])

@@ -85,3 +85,15 @@ def test_rebuild_replaces_only_between_markers(tmp_path, monkeypatch):
     monkeypatch.setitem(tables.TABLES, "demo", tables.Table("empty", lambda rows: ""))
     with pytest.raises(ValueError, match="holds no FINISHED record.json"):
         tables.rebuild(text, tmp_path)
+
+
+def test_correlation_over_the_runs_that_logged_both(tmp_path):
+    for i, (cosine, retention) in enumerate([(0.9, 0.8), (0.7, 0.6), (0.8, 0.9), (0.5, 0.4)]):
+        _record(tmp_path, f"run{i}", "FINISHED", {"attention_output_cosine": cosine, "task.mean.retention": retention})
+    _record(tmp_path, "no_cosine", "FINISHED", {"task.mean.retention": 0.1})
+    rows = tables.record_rows(tmp_path)
+    line = tables.correlation(rows, "attention_output_cosine", "task.mean.retention")
+    assert (
+        line.startswith("attention_output_cosine vs task.mean.retention: Spearman ρ +0.80 [") and "over 4 runs" in line
+    )
+    assert "at least 3 are needed" in tables.correlation(rows[:2], "attention_output_cosine", "task.mean.retention")

@@ -162,6 +162,30 @@ def mcnemar_p(correct_a: Sequence[bool], correct_b: Sequence[bool]) -> float:
     return min(1.0, 2 * tail / 2**n)
 
 
+def rank_correlation(x: Sequence[float], y: Sequence[float], n_boot: int = 10_000, seed: int = 0) -> Interval:
+    """Spearman's ρ of paired values (runs), with a percentile CI from resampling the pairs (average ranks for ties;
+    resamples with a constant side are skipped). Needs ≥ 3 pairs."""
+    x, y = np.asarray(x, dtype=np.float64), np.asarray(y, dtype=np.float64)
+    if x.shape != y.shape or x.ndim != 1 or x.size < 3:
+        raise ValueError(f"rank correlation needs ≥ 3 paired values, got {x.shape} and {y.shape}")
+
+    def ranks(v: np.ndarray) -> np.ndarray:  # ties share their average rank
+        order = np.empty(v.size)
+        order[np.argsort(v, kind="stable")] = np.arange(v.size)
+        _, inverse, counts = np.unique(v, return_inverse=True, return_counts=True)
+        return (np.bincount(inverse, weights=order) / counts)[inverse]
+
+    def rho(a: np.ndarray, b: np.ndarray) -> float:
+        ra, rb = ranks(a), ranks(b)
+        return math.nan if ra.std() == 0 or rb.std() == 0 else float(np.corrcoef(ra, rb)[0, 1])
+
+    rng = np.random.default_rng(seed)
+    boot = np.array([rho(x[i], y[i]) for i in rng.integers(0, x.size, (n_boot, x.size))])
+    boot = boot[np.isfinite(boot)]
+    low, high = np.quantile(boot, [0.025, 0.975]) if boot.size else (math.nan, math.nan)
+    return Interval(rho(x, y), float(low), float(high))
+
+
 def position_relative_error(mapped: torch.Tensor, native: torch.Tensor) -> torch.Tensor:
     """‖mapped − native‖ / ‖native‖ per position, norms over layers, heads and head dim: [L, H, T, d] → [T]."""
     if mapped.shape != native.shape or mapped.dim() != 4:
