@@ -120,7 +120,7 @@ case $stage in
   routed2)  # the next lease's queue (same resumable steps, $HOME/routed2.done): what the first lease left unmeasured,
     # then the recompute lever chosen on VALIDATION items (src/choose.py reads $HOME/valid) and reported on the test
     # items, both directions; then long few-shot histories (where latency can win) and the 14B → 32B shapes
-    R=(+experiment=routed "${CAPACITY[@]}" workload.warmup=2)
+    R=(+experiment=routed "${CAPACITY[@]}" workload.warmup=2 eval.diagnose.fidelity=true)  # + mapped-history fidelity
     BACK=pair=qwen25coder_1p5b_to_0p5b
     VALID=(+workload=passage workload.split=valid workload.limit=50 eval.levers.native_sink=4)
     step() {  # FROM=N skips the steps before N (a later lease on a fresh machine)

@@ -22,6 +22,7 @@ from omegaconf import DictConfig
 
 from src import tracking
 from src.eval.accuracy import compare, summarize
+from src.eval.diagnose import cache_fidelity
 from src.eval.latency import percentiles
 from src.eval.metrics import Interval
 from src.handoff import Levers
@@ -215,6 +216,10 @@ def routed(cfg: DictConfig) -> float:
             turns = len(items)
             replays = [(run.encode(ex.history), run.groups(ex.item)[0][0]) for ex in chosen]
         metrics = quality(items, cfg.eval.tasks.n_boot, cfg.seed) | timing(items) | handoffs(records, turns)
+        transfer = bound[("source", "target")].transfer
+        if cfg.eval.diagnose.fidelity and w.name != "multiturn" and transfer is not None:  # the histories mapped
+            histories = [run.encode(ex.history) for ex in chosen[: cfg.eval.diagnose.prompts_per_task * len(w.tasks)]]
+            metrics |= {f"fidelity.{k}": v for k, v in cache_fidelity(transfer, histories).items()}
         bind_args = (pair.tokenizer_hash, getattr(torch, cfg.pair.compute_dtype), cfg.pair.apply_backend)
         mapper = mappers[("source", "target")]
         metrics |= rollback(run, mapper, replays[: w.rollback_items], w.rollback_tokens, bind_args)

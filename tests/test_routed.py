@@ -178,7 +178,7 @@ def test_routed_job_end_to_end_on_the_tiny_random_pair(items, tmp_path, monkeypa
         "workload=passage", "workload.limit=2", "workload.tasks=[lambada]", "pair.attn_implementation=sdpa",
         "workload.rollback_items=1", "workload.rollback_tokens=2", "budget.sequences=8", "budget.seq_len=64",
         f"paths.data={DATA}", "tracking.backend=json", f"tracking.json_dir={tmp_path / 'records'}",
-        f"workload.split={items}",
+        f"workload.split={items}", "eval.diagnose.fidelity=true", "eval.diagnose.prompts_per_task=2",
     )  # fmt: skip
     accuracy = routed(cfg)
     (path,) = (tmp_path / "records").glob("*/record.json")
@@ -192,6 +192,7 @@ def test_routed_job_end_to_end_on_the_tiny_random_pair(items, tmp_path, monkeypa
     assert metrics["task.mean.acc"] == accuracy and metrics["task.lambada.items"] == 2
     assert {"task.lambada.loss_points_low", "ttft_speedup", "prefill_fraction", "handoff_frequency"} <= set(metrics)
     assert metrics["rollback_verified"] == 1.0 and metrics["handoffs.applied"] == 2
+    assert -1 <= metrics["fidelity.attention_output_cosine"] <= 1 and "fidelity.prompt_r2_v" in metrics
     artifacts = path.parent / "artifacts"
     assert (artifacts / "plots/ttft_vs_prefix.png").is_file()
     assert (artifacts / "plots/accuracy_vs_prefill_fraction.png").is_file()
