@@ -58,20 +58,22 @@ def _transfers(cfg: DictConfig, pair: Pair, kinds: tuple[str, ...]) -> tuple[dic
 def latency(cfg: DictConfig) -> None:
     """Artifact storage and apply latency per support vs target re-prefill, over prefix lengths."""
     pair = load(cfg)
-    transfers, storage = _transfers(cfg, pair, SUPPORTS_COMPARED)
-    lengths = list(cfg.eval.latency.prefix_lens)
-    ids = _prefix_ids(cfg, pair, max(lengths))
-    results = {
-        kind: {n: handoff_latency(t, ids[:, :n], cfg.eval.latency.repeats, cfg.eval.latency.warmup) for n in lengths}
-        for kind, t in transfers.items()
-    }
-    figure, axis = plt.subplots(figsize=(6, 4))
-    for kind, by_length in results.items():
-        axis.plot(lengths, [by_length[n]["apply_ms_p50"] for n in lengths], "o-", label=f"apply {kind}")
-    axis.plot(lengths, [results["local"][n]["prefill_ms_p50"] for n in lengths], "k--", label="target re-prefill")
-    axis.set(xlabel="prefix tokens", ylabel="ms (p50)", xscale="log", yscale="log", title=cfg.pair.name)
-    axis.legend()
-    with tracking.job_run(cfg, f"{cfg.pair.name}:latency", tags(cfg, pair, "latency")) as run:
+    with tracking.job_run(cfg, f"{cfg.pair.name}:latency", tags(cfg, pair, "latency")) as run:  # spans the job
+        transfers, storage = _transfers(cfg, pair, SUPPORTS_COMPARED)
+        lengths = list(cfg.eval.latency.prefix_lens)
+        ids = _prefix_ids(cfg, pair, max(lengths))
+        results = {
+            kind: {
+                n: handoff_latency(t, ids[:, :n], cfg.eval.latency.repeats, cfg.eval.latency.warmup) for n in lengths
+            }
+            for kind, t in transfers.items()
+        }
+        figure, axis = plt.subplots(figsize=(6, 4))
+        for kind, by_length in results.items():
+            axis.plot(lengths, [by_length[n]["apply_ms_p50"] for n in lengths], "o-", label=f"apply {kind}")
+        axis.plot(lengths, [results["local"][n]["prefill_ms_p50"] for n in lengths], "k--", label="target re-prefill")
+        axis.set(xlabel="prefix tokens", ylabel="ms (p50)", xscale="log", yscale="log", title=cfg.pair.name)
+        axis.legend()
         for kind, by_length in results.items():
             run.metrics({f"{name}.{kind}": value for name, value in storage[kind].items()})
             for n, metrics in by_length.items():
@@ -96,28 +98,28 @@ def latency(cfg: DictConfig) -> None:
 def handoff(cfg: DictConfig) -> None:
     """End-to-end TTFT of a handoff (map + new turn + first token) vs re-prefill vs same-model cache hit."""
     pair = load(cfg)
-    transfer = _transfers(cfg, pair, (cfg.support.kind,))[0][cfg.support.kind]
-    h = cfg.eval.handoff
-    ids = _prefix_ids(cfg, pair, max(h.prefix_lens) + h.new_turn)
-    results, out_of_memory = {}, []
-    for n in h.prefix_lens:
-        prefix, turn = ids[:, :n], ids[:, n : n + h.new_turn]
-        try:
-            results[n] = handoff_ttft(transfer, prefix, turn, h.repeats, h.prefill_repeats, h.warmup)
-        except torch.OutOfMemoryError:
-            out_of_memory.append(n)
-            print(f"prefix {n:>6}: out of GPU memory")
-            continue
-        finally:
-            if torch.cuda.is_available():
-                torch.cuda.empty_cache()
-        print(f"prefix {n:>6}: " + ", ".join(f"{k} {v:.2f}" for k, v in results[n].items()))
-    figure, axis = plt.subplots(figsize=(6, 4))
-    for path in ("transfer", "prefill", "cache_hit"):
-        axis.plot(list(results), [m[f"ttft_{path}_ms_p50"] for m in results.values()], "o-", label=path)
-    axis.set(xlabel="prefix tokens", ylabel="TTFT ms (p50)", xscale="log", yscale="log", title=cfg.pair.name)
-    axis.legend()
-    with tracking.job_run(cfg, f"{cfg.pair.name}:handoff", tags(cfg, pair, "handoff")) as run:
+    with tracking.job_run(cfg, f"{cfg.pair.name}:handoff", tags(cfg, pair, "handoff")) as run:  # spans the job
+        transfer = _transfers(cfg, pair, (cfg.support.kind,))[0][cfg.support.kind]
+        h = cfg.eval.handoff
+        ids = _prefix_ids(cfg, pair, max(h.prefix_lens) + h.new_turn)
+        results, out_of_memory = {}, []
+        for n in h.prefix_lens:
+            prefix, turn = ids[:, :n], ids[:, n : n + h.new_turn]
+            try:
+                results[n] = handoff_ttft(transfer, prefix, turn, h.repeats, h.prefill_repeats, h.warmup)
+            except torch.OutOfMemoryError:
+                out_of_memory.append(n)
+                print(f"prefix {n:>6}: out of GPU memory")
+                continue
+            finally:
+                if torch.cuda.is_available():
+                    torch.cuda.empty_cache()
+            print(f"prefix {n:>6}: " + ", ".join(f"{k} {v:.2f}" for k, v in results[n].items()))
+        figure, axis = plt.subplots(figsize=(6, 4))
+        for path in ("transfer", "prefill", "cache_hit"):
+            axis.plot(list(results), [m[f"ttft_{path}_ms_p50"] for m in results.values()], "o-", label=path)
+        axis.set(xlabel="prefix tokens", ylabel="TTFT ms (p50)", xscale="log", yscale="log", title=cfg.pair.name)
+        axis.legend()
         for n, metrics in results.items():
             run.metrics(metrics, step=n)
         run.dict({"ttft": {str(n): m for n, m in results.items()}, "out_of_memory": out_of_memory}, "handoff.json")
@@ -158,59 +160,59 @@ def construction(cfg: DictConfig) -> None:
     paths = list(dict.fromkeys(("generic", "streaming", cfg.fit.statistics)))  # generic first: the reference
     cuda = traces.source_k.is_cuda
     run_tags["fused_backend"] = "triton" if cuda and triton_available() else "emulate (torch, CPU: not a kernel time)"
-    budgets = [b for b in cfg.eval.construction.budgets if b <= cfg.budget.sequences] or [cfg.budget.sequences]
-    out = Path(cfg.paths.home) / "mappers" / f"construction-{cfg.pair.name}"
-    rows: dict[int, dict[str, float]] = {}
-    for budget in budgets:
-        subset = traces.select_rows(torch.nonzero(traces.sequence_index < budget)[:, 0])
-        timing: dict[str, list[float]] = {path: [] for path in paths}
-        mappers, peaks = {}, {}
-        for path in paths:
-            for _ in range(cfg.eval.construction.repeats):
-                _synchronize()
-                baseline = _reset_peak() if cuda else 0
-                began = time.perf_counter()
-                mappers[path] = fit_mapper(
-                    subset,
-                    layers,
-                    heads,
-                    cfg.support.kind,
-                    cfg.weighting.kind,
-                    cfg.fit.lam,
-                    cfg.fit.lam_relative,
-                    cfg.fit.chunk_rows,
-                    path,
-                    alpha_cap=cfg.weighting.alpha_cap,
+    with tracking.job_run(cfg, f"{cfg.pair.name}:construction", run_tags) as run:  # spans the measurement
+        budgets = [b for b in cfg.eval.construction.budgets if b <= cfg.budget.sequences] or [cfg.budget.sequences]
+        out = Path(cfg.paths.home) / "mappers" / f"construction-{cfg.pair.name}"
+        rows: dict[int, dict[str, float]] = {}
+        for budget in budgets:
+            subset = traces.select_rows(torch.nonzero(traces.sequence_index < budget)[:, 0])
+            timing: dict[str, list[float]] = {path: [] for path in paths}
+            mappers, peaks = {}, {}
+            for path in paths:
+                for _ in range(cfg.eval.construction.repeats):
+                    _synchronize()
+                    baseline = _reset_peak() if cuda else 0
+                    began = time.perf_counter()
+                    mappers[path] = fit_mapper(
+                        subset,
+                        layers,
+                        heads,
+                        cfg.support.kind,
+                        cfg.weighting.kind,
+                        cfg.fit.lam,
+                        cfg.fit.lam_relative,
+                        cfg.fit.chunk_rows,
+                        path,
+                        alpha_cap=cfg.weighting.alpha_cap,
+                    )
+                    save_mapper(mappers[path], out / path, cfg.fit.coefficient_dtype)
+                    _synchronize()
+                    timing[path].append(time.perf_counter() - began)
+                    if cuda:
+                        peaks[path] = torch.cuda.max_memory_allocated() - baseline
+            rows[budget] = {f"{p}_seconds": float(torch.tensor(t).median()) for p, t in timing.items()}
+            for path in paths[1:]:
+                rows[budget][f"{path}_max_relative_difference"] = _max_relative(mappers["generic"], mappers[path])
+            rows[budget] |= {
+                "max_relative_difference": max(rows[budget][f"{p}_max_relative_difference"] for p in paths[1:]),
+                "rows": subset.rows,
+                **{f"{p}_scratch_bytes": _scratch_bytes(p, heads, layers, subset, cfg.fit.chunk_rows) for p in paths},
+                **{f"{p}_peak_bytes": value for p, value in peaks.items()},  # CUDA: allocated above the traces
+            }
+            print(
+                f"{budget:>5} sequences ({subset.rows} rows): "
+                + ", ".join(
+                    f"{p} {rows[budget][f'{p}_seconds']:.3f} s"
+                    + (f" (max rel diff {rows[budget][f'{p}_max_relative_difference']:.2e})" if p != "generic" else "")
+                    for p in paths
                 )
-                save_mapper(mappers[path], out / path, cfg.fit.coefficient_dtype)
-                _synchronize()
-                timing[path].append(time.perf_counter() - began)
-                if cuda:
-                    peaks[path] = torch.cuda.max_memory_allocated() - baseline
-        rows[budget] = {f"{p}_seconds": float(torch.tensor(t).median()) for p, t in timing.items()}
-        for path in paths[1:]:
-            rows[budget][f"{path}_max_relative_difference"] = _max_relative(mappers["generic"], mappers[path])
-        rows[budget] |= {
-            "max_relative_difference": max(rows[budget][f"{p}_max_relative_difference"] for p in paths[1:]),
-            "rows": subset.rows,
-            **{f"{p}_scratch_bytes": _scratch_bytes(p, heads, layers, subset, cfg.fit.chunk_rows) for p in paths},
-            **{f"{p}_peak_bytes": value for p, value in peaks.items()},  # CUDA: allocated above the traces
-        }
-        print(
-            f"{budget:>5} sequences ({subset.rows} rows): "
-            + ", ".join(
-                f"{p} {rows[budget][f'{p}_seconds']:.3f} s"
-                + (f" (max rel diff {rows[budget][f'{p}_max_relative_difference']:.2e})" if p != "generic" else "")
-                for p in paths
             )
-        )
-        del subset, mappers
-    figure, axis = plt.subplots(figsize=(6, 4))
-    for path in paths:
-        axis.plot(budgets, [rows[b][f"{path}_seconds"] for b in budgets], "o-", label=path)
-    axis.set(xlabel="calibration sequences", ylabel="construction s (median)", yscale="log", title=cfg.pair.name)
-    axis.legend()
-    with tracking.job_run(cfg, f"{cfg.pair.name}:construction", run_tags) as run:
+            del subset, mappers
+        figure, axis = plt.subplots(figsize=(6, 4))
+        for path in paths:
+            axis.plot(budgets, [rows[b][f"{path}_seconds"] for b in budgets], "o-", label=path)
+        axis.set(xlabel="calibration sequences", ylabel="construction s (median)", yscale="log", title=cfg.pair.name)
+        axis.legend()
         for budget, metrics in rows.items():
             run.metrics(metrics, step=budget)
         run.figure(figure, "plots/construction_vs_budget.png")

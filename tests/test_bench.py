@@ -73,6 +73,22 @@ def test_handoff_job_json_backend_and_import(ws, tmp_path):  # noqa: F811
     assert run.data.metrics["ttft_transfer_ms_p50"] > 0 and run.data.tags["job"] == "handoff"
 
 
+def test_a_bench_job_that_fails_leaves_a_failed_record(ws, tmp_path, monkeypatch):  # noqa: F811
+    """The tracked run spans the job: a measurement that raises ends it FAILED with the error, not without a record."""
+    records = tmp_path / "records"
+    cfg = config(ws, "+experiment=handoff", *SYNTHETIC, "tracking.backend=json", f"tracking.json_dir={records}")
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("planted: the measurement broke")
+
+    monkeypatch.setattr(src.bench, "handoff_ttft", broken)
+    with pytest.raises(RuntimeError, match="planted"):
+        src.bench.handoff(cfg)
+    (record_file,) = records.glob("*/record.json")
+    record = json.loads(record_file.read_text())
+    assert record["status"] == "FAILED" and "planted" in record["tags"]["error"]
+
+
 def test_transport_counts_the_source_cache_bytes():
     cache = DynamicCache()
     for layer in range(3):  # [batch, kv_heads, seq, head_dim]
