@@ -27,6 +27,15 @@ run() {
   [ "$LAST_RC" -eq 0 ] || echo "FAILED (rc $LAST_RC): $*" | tee -a "$OUT/log.txt"
 }
 pack() { [ -d "$OUT/trk" ] && tar czf "$OUT/trk-$stage.tgz" -C "$OUT" trk && rm -rf "$OUT/trk"; }
+step() {  # step N ARGS…: one step of a resumable queue (routed, routed2), unless an earlier call on this machine
+  # finished it ($HOME/<stage>.done) or FROM=N skips it (a later lease on a fresh machine)
+  local n=$1; shift
+  [ "$n" -lt "${FROM:-1}" ] || [ "$n" -le "$(cat "$HOME/$stage.done" 2>/dev/null || echo 0)" ] && return
+  [ $((DEADLINE - SECONDS)) -lt 60 ] && { echo "SKIPPED (out of time): step $n" | tee -a "$OUT/log.txt"; exit 0; }
+  run "$@"  # a step cut by the deadline (rc 124) runs again next call; a failed one is not retried
+  [ "$LAST_RC" -eq 124 ] || echo "$n" > "$HOME/$stage.done"
+  mkdir -p "$HOME/valid" && cp -r "$OUT/trk/." "$HOME/valid/" 2>/dev/null || true  # records outlive $OUT
+}
 trap pack EXIT
 METHODS=+method=head_local,head_local_attn_repair,full_head_k4,block_pca,cyclic_shift
 DIAGNOSE=(eval.diagnose.fidelity=true eval.diagnose.swaps=true)
@@ -99,13 +108,6 @@ case $stage in
     PAS=(+workload=passage workload.limit=${PASSAGE_LIMIT:-100})
     BACK=pair=qwen25coder_1p5b_to_0p5b
     LEVER=(eval.levers.native_sink=4 eval.levers.recompute=0.25 eval.levers.recompute_rule=deviation)
-    step() {  # step N ARGS…: run unless an earlier call finished it
-      local n=$1; shift
-      [ "$n" -le "$(cat "$HOME/routed.done" 2>/dev/null || echo 0)" ] && return
-      [ $((DEADLINE - SECONDS)) -lt 60 ] && { echo "SKIPPED (out of time): step $n" | tee -a "$OUT/log.txt"; exit 0; }
-      run "$@"  # a step cut by the deadline (rc 124) runs again next call; a failed one is not retried
-      [ "$LAST_RC" -eq 124 ] || echo "$n" > "$HOME/routed.done"
-    }
     step 1 "${R[@]}" "${FEW[@]}"
     step 2 "${R[@]}" "${PAS[@]}"
     step 3 "${R[@]}" "${FEW[@]}" $BACK
@@ -123,14 +125,6 @@ case $stage in
     R=(+experiment=routed "${CAPACITY[@]}" workload.warmup=2 eval.diagnose.fidelity=true)  # + mapped-history fidelity
     BACK=pair=qwen25coder_1p5b_to_0p5b
     VALID=(+workload=passage workload.split=valid workload.limit=50 eval.levers.native_sink=4)
-    step() {  # FROM=N skips the steps before N (a later lease on a fresh machine)
-      local n=$1; shift
-      [ "$n" -lt "${FROM:-1}" ] || [ "$n" -le "$(cat "$HOME/routed2.done" 2>/dev/null || echo 0)" ] && return
-      [ $((DEADLINE - SECONDS)) -lt 60 ] && { echo "SKIPPED (out of time): step $n" | tee -a "$OUT/log.txt"; exit 0; }
-      run "$@"
-      [ "$LAST_RC" -eq 124 ] || echo "$n" > "$HOME/routed2.done"
-      mkdir -p "$HOME/valid" && cp -r "$OUT/trk/." "$HOME/valid/" 2>/dev/null || true  # records outlive $OUT
-    }
     chosen() {  # step N DIRECTION PAIR: the passage run with the lever the validation grid chose, or nothing
       local lever
       lever=$(python3 -m src.choose "$HOME/valid" --workload passage --direction "$2" 2>>"$OUT/log.txt") || lever=

@@ -221,10 +221,16 @@ def quality(rows: list[Row]) -> str:
     return "\n\n".join(sections)
 
 
+def _ci(row: Row, name: str) -> str:
+    """'value [low, high]' of a metric logged with its `_low` / `_high` paired bootstrap CI."""
+    return (
+        f"{_fmt(_metric(row, name))} [{_fmt(_metric(row, name + '_low'), 0)}, {_fmt(_metric(row, name + '_high'), 0)}]"
+    )
+
+
 def _loss(row: Row, prefix: str) -> str:
-    """'loss [low, high]' in points of one `<prefix>.loss_points` with its paired bootstrap CI."""
-    low, high = _metric(row, f"{prefix}.loss_points_low"), _metric(row, f"{prefix}.loss_points_high")
-    return f"{_fmt(_metric(row, f'{prefix}.loss_points'), 1)} [{_fmt(low, 0)}, {_fmt(high, 0)}]"
+    """Loss in points of `<prefix>.loss_points` with its CI."""
+    return _ci(row, f"{prefix}.loss_points")
 
 
 def _routed_label(row: Row) -> str:

@@ -54,9 +54,12 @@ def _design(
     return torch.einsum("hbkc,kcw->hbkw", blocks, basis[layers]).flatten(2)  # [H_t, b, k·w]
 
 
-def _mixed(rows: torch.Tensor, mix: torch.Tensor, span: slice) -> torch.Tensor:
+def _mixed(rows: torch.Tensor, mix: torch.Tensor | None, span: slice) -> torch.Tensor:
     """Rows [H_t, b, p] of whole sequences (t rows each) as the target's attention mixes them: row t ↦ Σ_s M_ts·x_s,
-    mix [H_t, S, t, t] — the V fit then weighs an error as the receiver's attention output carries it."""
+    mix [H_t, S, t, t] — the V fit then weighs an error as the receiver's attention output carries it. No mix: the
+    rows as they are."""
+    if mix is None:
+        return rows
     t = mix.shape[-1]
     blocks = mix[:, span.start // t : span.stop // t].to(rows.dtype)  # [H_t, b/t, t, t]
     return (blocks @ rows.unflatten(1, (-1, t))).flatten(1, 2)
@@ -128,10 +131,8 @@ def fit_mapper(
                 alpha_stats[component].append(stats["alpha"])
             mix = traces.mix[layer] if component == "v" and v_space == "attention" else None  # [H_t, S, t, t]
             chunk = lambda span, rows=source_rows, y=target_rows, w=weights, ls=layers, pc=pca, m=mix: (
-                _design(rows, ls, head_index, pc, span, token_rows)
-                if m is None
-                else _mixed(_design(rows, ls, head_index, pc, span, token_rows), m, span),
-                y[:, span] if m is None else _mixed(y[:, span], m, span),
+                _mixed(_design(rows, ls, head_index, pc, span, token_rows), m, span),
+                _mixed(y[:, span], m, span),
                 None if w is None else w[:, span],
             )
             if statistics == "generic":

@@ -26,8 +26,8 @@ class Handoff:
 
 def handoff(transfer: KVTransfer, source_cache, input_ids: torch.Tensor) -> Handoff:
     """Mapped cache when the transfer is safe, else — deterministically — the target's own prefill. Ids the target
-    cannot read are a ValueError: no path, the fallback included, could serve them."""
-    check_ids(transfer.target, input_ids)
+    cannot read are refused by the transfer and then a ValueError from the fallback's prefill (`forward.check_ids`):
+    no path could serve them."""
     try:
         return Handoff(cache=transfer(source_cache, input_ids=input_ids), mode="transfer", reason=None)
     except TransferError as refusal:

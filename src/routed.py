@@ -79,14 +79,16 @@ def quality(items: list[dict], n_boot: int, seed: int, prefix: str = "task") -> 
         correct = {mode: s.correct(METRICS[task][0]) for mode, s in scores.items()}
         pairs[task] = (correct["native_target"], correct["routed"])
         floors[task] = (correct["native_source"], correct["routed"])
-        metrics |= _points(f"{prefix}.{task}.below_source_points", _mean_loss_ci({task: floors[task]}, n_boot, seed))
+        metrics |= _points(
+            f"{prefix}.{task}.below_source_points", _mean_difference_ci({task: floors[task]}, n_boot, seed)
+        )
         for mode in scores:
             per_task[task][f"nll_{mode}"] = float(np.mean([row["nll"][mode] for row in rows]))
         metrics |= {f"{prefix}.{task}.{key}": value for key, value in per_task[task].items()}
     mean = summarize(per_task)
-    interval = _mean_loss_ci(pairs, n_boot, seed)
+    interval = _mean_difference_ci(pairs, n_boot, seed)
     mean |= {"loss_points_low": 100 * interval.low, "loss_points_high": 100 * interval.high}
-    metrics |= _points(f"{prefix}.mean.below_source_points", _mean_loss_ci(floors, n_boot, seed))
+    metrics |= _points(f"{prefix}.mean.below_source_points", _mean_difference_ci(floors, n_boot, seed))
     for mode in ("routed", "native_target", "native_source"):
         mean[f"nll_{mode}"] = float(np.mean([row[f"nll_{mode}"] for row in per_task.values()]))
     return metrics | {f"{prefix}.mean.{key}": value for key, value in mean.items()}
@@ -96,8 +98,9 @@ def _points(name: str, interval: Interval) -> dict[str, float]:
     return {name: 100 * interval.estimate, f"{name}_low": 100 * interval.low, f"{name}_high": 100 * interval.high}
 
 
-def _mean_loss_ci(pairs: dict[str, tuple[np.ndarray, np.ndarray]], n_boot: int, seed: int) -> Interval:
-    """Mean over tasks of acc(target) − acc(routed), percentile CI from resampling items within each task."""
+def _mean_difference_ci(pairs: dict[str, tuple[np.ndarray, np.ndarray]], n_boot: int, seed: int) -> Interval:
+    """Mean over tasks of acc(first) − acc(second) (target − routed: the loss; source − routed: below the source),
+    percentile CI from resampling items within each task."""
     rng = np.random.default_rng(seed)
     differences = [t.astype(np.float64) - r.astype(np.float64) for t, r in pairs.values()]  # per task [N_t]
     boot = np.mean([d[rng.integers(0, d.size, (n_boot, d.size))].mean(1) for d in differences], axis=0)  # [n_boot]

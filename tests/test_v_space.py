@@ -3,6 +3,8 @@ sampled rows (`attention_mixing`) is the model's own attention pooled onto them,
 ordinary fit when the attention is the identity, recovers a known exact map, and streams like the reference; traces
 with mixing split only into whole sequences."""
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -59,7 +61,7 @@ def _fit(traces, v_space, statistics="generic", chunk_rows=4096):
 
 def test_identity_attention_fits_like_the_ordinary_fit(traces):
     eye = torch.eye(traces.mix.shape[-1]).expand_as(traces.mix).clone()
-    plain, mixed = _fit(traces, "token"), _fit(traces.__class__(**{**traces.__dict__, "mix": eye}), "attention")
+    plain, mixed = _fit(traces, "token"), _fit(replace(traces, mix=eye), "attention")
     for name in ("weight_k", "bias_k", "weight_v", "bias_v"):
         torch.testing.assert_close(getattr(mixed, name), getattr(plain, name), rtol=1e-5, atol=1e-6)
     real = _fit(traces, "attention")
@@ -92,7 +94,7 @@ def test_mixing_traces_split_into_whole_sequences_only(traces):
     with pytest.raises(ValueError, match="whole sequences"):
         traces.select_rows(torch.arange(t + 1))
     with pytest.raises(ValueError, match="needs traces collected with the target's attention mixing"):
-        _fit(traces.__class__(**{**traces.__dict__, "mix": None}), "attention")
+        _fit(replace(traces, mix=None), "attention")
     with pytest.raises(ValueError, match="unknown v_space"):
         _fit(traces, "query")
 
