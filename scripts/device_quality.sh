@@ -127,7 +127,7 @@ case $stage in
     VALID=(+workload=passage workload.split=valid workload.limit=50 eval.levers.native_sink=4)
     chosen() {  # step N DIRECTION PAIR: the passage run with the lever the validation grid chose, or nothing
       local lever
-      lever=$(python3 -m src.choose "$HOME/valid" --workload passage --direction "$2" 2>>"$OUT/log.txt") || lever=
+      lever=$(python3 -m src.choose "$HOME/valid" --workload passage --direction "$2" --data "$HOME/data" 2>>"$OUT/log.txt") || lever=
       echo "chosen on validation items ($2): ${lever:-NONE}" | tee -a "$OUT/log.txt"
       [ -n "$lever" ] && step "$1" "${R[@]}" +workload=passage workload.limit=100 $lever "$3"
     }

@@ -242,7 +242,8 @@ def _routed_label(row: Row) -> str:
     if levers and row.get("params.eval.levers.recompute") not in (None, "0", "0.0"):
         levers.append(f"rule={row.get('params.eval.levers.recompute_rule')}")
     arrow = str(row.get("tags.direction", "?")).replace("qwen25coder_", "").replace("_to_", " → ")
-    return f"{row.get('tags.workload')} | {arrow} | {', '.join(levers) or 'pure transfer'}"
+    items = " (validation items)" if row.get("tags.split") == "valid" else ""
+    return f"{row.get('tags.workload')}{items} | {arrow} | {', '.join(levers) or 'pure transfer'}"
 
 
 def _gate(row: Row) -> str:
@@ -340,17 +341,61 @@ def routed_switches(rows: list[Row]) -> str:
     return "\n".join(lines)
 
 
+def _items(row: Row) -> list[dict]:
+    return json.loads((Path(str(row["record"])).parent / "artifacts/routed/items.json").read_text())["items"]
+
+
+def routed_paired(rows: list[Row]) -> str:
+    """Levers compared on the same items (src/routed.py `paired_gain`): within one direction, workload and item
+    split, every two recompute runs whose prefill spent differs by ≤ 5 points (equal compute), and every lever run
+    against pure transfer. Accuracy of the first minus the second, points [95 % CI]."""
+    from src.routed import paired_gain
+
+    group = lambda r: (r.get("tags.direction"), r.get("tags.workload"), r.get("tags.split", "test"))
+    recompute = lambda r: float(r.get("params.eval.levers.recompute") or 0) > 0
+    pure = lambda r: _routed_label(r).endswith("pure transfer")
+    pairs = []
+    for i, first in enumerate(rows):
+        for second in rows[i + 1 :]:
+            if group(first) != group(second):
+                continue
+            spent = abs(_metric(first, "prefill_fraction") - _metric(second, "prefill_fraction"))
+            if recompute(first) and recompute(second) and spent <= 0.05:
+                pairs.append((first, second))
+            elif pure(first) != pure(second):
+                pairs.append((second, first) if pure(first) else (first, second))
+    lines = [
+        "| workload | direction | run A | run B | prefill A / B | acc A − B, pt [95 % CI] |",
+        "|---|---|---|---|---|---|",
+    ]
+    for first, second in pairs:
+        found = paired_gain(
+            _items(first), _items(second), int(first["params.eval.tasks.n_boot"]), int(first["params.seed"])
+        )
+        workload, arrow, levers = _routed_label(first).split(" | ")
+        lines.append(
+            f"| {workload} | {arrow} | {levers} | {_routed_label(second).split(' | ')[2]} "
+            f"| {_fmt(_metric(first, 'prefill_fraction'), 0, 100)} / {_fmt(_metric(second, 'prefill_fraction'), 0, 100)} % "
+            f"| {100 * found.estimate:+.1f} [{100 * found.low:+.0f}, {100 * found.high:+.0f}] |"
+        )
+    return "\n".join(lines)
+
+
 @dataclass(frozen=True)
 class Table:
-    run_set: str  # a folder under results/
+    run_sets: tuple[str, ...]  # folders under results/
     render: Callable[[list[Row]], str]
 
 
+ROUTED, LEVERS = "routed-h200-2026-12-03", "routed2-h200-2026-12-03"
 TABLES: dict[str, Table] = {
-    "quickstart": Table("quickstart-cpu", quickstart),
-    "routed": Table("routed-h200-2026-12-03", routed),
-    "routed_tasks": Table("routed-h200-2026-12-03", routed_tasks),
-    "routed_switches": Table("routed-h200-2026-12-03", routed_switches),
+    "quickstart": Table(("quickstart-cpu",), quickstart),
+    "routed": Table((ROUTED,), routed),
+    "routed_tasks": Table((ROUTED,), routed_tasks),
+    "routed_switches": Table((ROUTED,), routed_switches),
+    "routed_levers": Table((LEVERS,), routed),
+    "routed_levers_tasks": Table((LEVERS,), routed_tasks),
+    "routed_levers_paired": Table((ROUTED, LEVERS), routed_paired),
 }
 
 
@@ -359,10 +404,12 @@ def build(name: str, results: Path = RESULTS) -> str:
     if name not in TABLES:
         raise ValueError(f"no table {name!r} in scripts/tables.py TABLES (registered: {sorted(TABLES)})")
     table = TABLES[name]
-    rows = record_rows(results / table.run_set)
+    rows = [row for run_set in table.run_sets for row in record_rows(results / run_set)]
     if not rows:
-        raise ValueError(f"table {name!r}: {results / table.run_set} holds no FINISHED record.json")
-    return table.render(rows)
+        raise ValueError(
+            f"table {name!r}: {[str(results / s) for s in table.run_sets]}: none holds a FINISHED record.json"
+        )
+    return table.render(sorted(rows, key=lambda row: (row["start_time"], row["name"])))
 
 
 def marked(text: str) -> dict[str, str]:

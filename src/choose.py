@@ -1,13 +1,14 @@
 """Choose the levers of a routed workload on its validation items, never on the items that are reported.
 
-A lever grid runs with `workload.split=valid` (src/tasks.py `subsample`: the items between the test items) into
+A lever grid runs with `workload.split=valid` (src/tasks.py `subsample`: items no reported test run scores) into
 JSON records (tracking.backend=json); this reads them and prints the chosen run's lever overrides, which the
 reported run (`workload.split=test`, the default) then uses. The rule is fixed before any run (the gate's
 threshold, conf/gate/default.yaml): among the runs whose every task loses ≤ max_loss_points, the one that spends
 the least prefill; when none does, the one with the least mean loss (ties: less prefill). Reads no MLflow, so it
-runs on the GPU machine between the two stages.
+runs on the GPU machine between the two stages. With `--data`, each run is re-scored on its items outside every
+reported test subsample (`tasks.reported`; records made before that split rule shared a few items with test runs).
 
-    python -m src.choose RECORDS_DIR [--workload passage] [--direction qwen25coder_0.5b_to_1.5b]
+    python -m src.choose RECORDS_DIR [--workload passage] [--direction qwen25coder_0.5b_to_1.5b] [--data shared/data]
 """
 
 from __future__ import annotations
@@ -19,12 +20,17 @@ import sys
 from pathlib import Path
 
 from src.gate import DEFAULTS, task_losses
+from src.routed import quality
+from src.tasks import load_task, reported
 
 LEVERS = "eval.levers."
 
 
-def validation_runs(directory: Path, workload: str | None = None, direction: str | None = None) -> list[dict]:
-    """FINISHED routed records on validation items under `directory`: {name, params, tags, metrics}."""
+def validation_runs(
+    directory: Path, workload: str | None = None, direction: str | None = None, data: Path | None = None
+) -> list[dict]:
+    """FINISHED routed records on validation items under `directory`: {name, params, tags, metrics}; with `data`
+    (the task files) the quality metrics are recomputed on the run's items that no reported test run scores."""
     runs = []
     for path in sorted(Path(directory).glob("**/record.json")):
         record = json.loads(path.read_text())
@@ -34,8 +40,24 @@ def validation_runs(directory: Path, workload: str | None = None, direction: str
         if workload not in (None, tags.get("workload")) or direction not in (None, tags.get("direction")):
             continue
         metrics = {m["key"]: m["value"] for m in record["metrics"] if m["step"] is None}
+        if data is not None:
+            metrics |= held_out_quality(path.parent, record["params"], data)
         runs.append({"name": record["name"], "params": record["params"], "tags": tags, "metrics": metrics})
     return runs
+
+
+def held_out_quality(run: Path, params: dict, data: Path) -> dict[str, float]:
+    """The routed quality metrics of a run re-scored without the items a reported test run scores."""
+    items = json.loads((run / "artifacts/routed/items.json").read_text())["items"]
+    limit = None if params["workload.limit"] in (None, "None") else int(params["workload.limit"])
+    counts = {task: len(load_task(task, data)) for task in {item["task"] for item in items}}
+    kept = [item for item in items if item["index"] not in reported(counts[item["task"]], limit)]
+    if len(kept) < len(items):
+        print(
+            f"{run.name}: {len(items) - len(kept)} of {len(items)} items are reported test items: dropped",
+            file=sys.stderr,
+        )
+    return quality(kept, int(params["eval.tasks.n_boot"]), int(params["seed"]))
 
 
 def choose(runs: list[dict], max_loss: float | None = None) -> dict:
@@ -64,8 +86,9 @@ def main() -> None:
     parser.add_argument("--workload")
     parser.add_argument("--direction")
     parser.add_argument("--max-loss", type=float)
+    parser.add_argument("--data", type=Path, help="task files: re-score each run without reported test items")
     args = parser.parse_args()
-    runs = validation_runs(args.directory, args.workload, args.direction)
+    runs = validation_runs(args.directory, args.workload, args.direction, args.data)
     try:
         chosen = choose(runs, args.max_loss)
     except ValueError as error:

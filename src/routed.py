@@ -108,6 +108,23 @@ def _mean_difference_ci(pairs: dict[str, tuple[np.ndarray, np.ndarray]], n_boot:
     return Interval(float(np.mean([d.mean() for d in differences])), float(low), float(high))
 
 
+def paired_gain(first: list[dict], second: list[dict], n_boot: int, seed: int) -> Interval:
+    """Accuracy of the routed session of run `first` minus that of run `second` on the items both scored (matched by
+    task and index), mean over tasks with the stratified paired bootstrap CI: levers compared on the same items."""
+    key = lambda item: (item["task"], item["index"])
+    theirs = {key(item): item for item in second}
+    shared = [item for item in first if key(item) in theirs]
+    if not shared:
+        raise ValueError("the two runs share no scored item: a paired comparison needs the same items")
+    pairs = {}
+    for task in sorted({item["task"] for item in shared}):
+        rows = [item for item in shared if item["task"] == task]
+        mine = task_scores(rows, "routed").correct(METRICS[task][0])
+        other = task_scores([theirs[key(item)] for item in rows], "routed").correct(METRICS[task][0])
+        pairs[task] = (mine, other)
+    return _mean_difference_ci(pairs, n_boot, seed)
+
+
 def timing(items: list[dict]) -> dict[str, float]:
     """TTFT p50/p95 per path, overall and by prefix length, and the end-to-end speedup of the run's own handoffs:
     the median over handoffs of re-prefill TTFT / routed TTFT (paired), and the ratio of the p50s."""

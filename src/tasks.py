@@ -84,20 +84,33 @@ def choice_lengths(item: Item) -> list[int]:
     return [len(c) for c in item.contexts]
 
 
-SPLITS = ("test", "valid")  # the scored items that are reported | the items between them, for choices only
+SPLITS = ("test", "valid")  # the scored items that are reported | items no reported run scores, for choices only
+REPORTED_LIMITS = (50, 100)  # the item limits of reported (test) runs: no validation item is one of their items
 
 
 def subsample(count: int, limit: int | None, split: str = "test") -> list[int]:
     """test: indices 0, s, 2s, … (`limit` of them, s = ⌊count/limit⌋) — the same items for every run and method;
-    valid: the midpoints ⌊s/2⌋, ⌊s/2⌋ + s, … — as many, disjoint from test (s ≥ 2), for tuning and selection only."""
+    valid: `limit` indices spread evenly over those no test run scores (`reported`), for tuning and selection only."""
     if split not in SPLITS:
         raise ValueError(f"unknown item split {split!r}; choose one of {SPLITS}")
     if limit is not None and limit < 1:
         raise ValueError(f"limit must be ≥ 1, got {limit}")
-    step = 1 if limit is None or limit >= count else count // limit
-    if split == "valid" and step < 2:
-        raise ValueError(f"no validation items: {count} items, {limit} scored — set a limit ≤ {count // 2}")
-    return list(range(step // 2 if split == "valid" else 0, step * min(limit or count, count), step))
+    if split == "test":
+        step = 1 if limit is None or limit >= count else count // limit
+        return list(range(0, step * min(limit or count, count), step))
+    free = sorted(set(range(count)) - reported(count, limit))
+    if limit is None or len(free) < limit:
+        raise ValueError(
+            f"no validation items: {len(free)} of {count} items are outside every reported test subsample "
+            f"(limits {limit} and {REPORTED_LIMITS}), {limit} asked — set a smaller limit"
+        )
+    step = len(free) // limit
+    return free[step // 2 :: step][:limit]
+
+
+def reported(count: int, limit: int | None) -> set[int]:
+    """The indices a test run scores at `limit` or at any reported limit (`REPORTED_LIMITS`)."""
+    return {i for cap in {limit, *REPORTED_LIMITS} for i in subsample(count, cap)}
 
 
 def load_task(name: str, data_root: str | Path, limit: int | None = None, split: str = "test") -> list[Item]:

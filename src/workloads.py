@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 from src.corpus import CORPORA, FEWSHOT_FILES
-from src.tasks import DEV_FILES, LOADERS, Item, load_task
+from src.tasks import DEV_FILES, LOADERS, Item, load_task, reported
 
 SHOT_FILES = {  # lm-eval's few-shot split where shared/data has one (MMLU: the 5 dev exemplars per subject)
     "arc_easy": DEV_FILES["arc_easy"],
@@ -106,9 +106,11 @@ def fewshot(
     pool (`_pool`) when it holds k, else from the whole pool; drawn per item with a seeded sampler (MMLU: the
     subject's first k, lm-eval's first_n — topped up from the subject's unscored test items where some of its 5 dev
     exemplars repeat a test question). split="valid" scores the validation items (`tasks.subsample`), whose shots are
-    never a test item either; a test item's shots may be validation items (choices never read test items)."""
+    never a reported test item either (`tasks.reported`); a test item's shots may be validation items (choices never
+    read test items)."""
     scored = load_task(task, data_root, limit, split)
-    excluded = scored if split == "test" else load_task(task, data_root, limit) + scored
+    everything = _items(data_root, task)
+    excluded = scored if split == "test" else [everything[i] for i in sorted(reported(len(everything), limit))] + scored
     by_header: dict[str, list[tuple[str, Item]]] = {}
     for source, item in _pool(data_root, task, excluded, calibration):
         by_header.setdefault(_header(item.contexts[0])[0], []).append((source, item))

@@ -12,6 +12,7 @@ import pytest
 from src.choose import choose, overrides, validation_runs
 
 REPO = Path(__file__).resolve().parents[1]
+DATA = REPO.parent / "shared/data"
 
 
 def _record(root: Path, name: str, levers: dict, losses: dict, prefill: float, **tags) -> None:
@@ -69,3 +70,33 @@ def test_cli_without_validation_runs_says_so(tmp_path):
     assert (
         done.stderr.startswith("choose: no finished routed runs on validation items") and "Traceback" not in done.stderr
     )
+
+
+def _item(index: int, routed_right: bool) -> dict:
+    """A boolq item whose native sessions answer right and the routed one as told (label 0, two choices)."""
+    right, wrong = [[-0.1, 1.0], [-2.0, 0.0]], [[-2.0, 0.0], [-0.1, 1.0]]
+    scores = {"native_target": right, "native_source": right, "routed": right if routed_right else wrong}
+    handoff = {"prefill_fraction": 0.5}
+    nll = {"native_target": 0.1, "native_source": 0.1, "routed": 0.1 if routed_right else 2.0}
+    return {"task": "boolq", "index": index, "label": 0, "lengths": [2, 3], "history_tokens": 80, "turn_tokens": 10} | {
+        "scores": scores,
+        "nll": nll,
+        "handoff": handoff,
+    }
+
+
+def test_data_rescoring_drops_the_items_a_reported_test_run_scores(tmp_path):
+    """Item 32 of boolq is a test item at limit 100 (stride 32): with --data the run is re-scored without it."""
+    _record(tmp_path, "leaky", {"recompute": 0.1}, {"boolq": 50.0}, 0.2)
+    (tmp_path / "leaky/record.json").write_text(
+        (tmp_path / "leaky/record.json")
+        .read_text()
+        .replace('"fit.k": "24"', '"fit.k": "24", "workload.limit": "50", "eval.tasks.n_boot": "200", "seed": "0"')
+    )
+    (tmp_path / "leaky/artifacts/routed").mkdir(parents=True)
+    items = [_item(32, routed_right=False), _item(33, routed_right=True), _item(97, routed_right=True)]
+    (tmp_path / "leaky/artifacts/routed/items.json").write_text(json.dumps({"items": items}))
+    (logged,) = validation_runs(tmp_path)
+    (rescored,) = validation_runs(tmp_path, data=DATA)
+    assert logged["metrics"]["task.boolq.loss_points"] == 50.0
+    assert rescored["metrics"]["task.boolq.loss_points"] == 0.0 and rescored["metrics"]["prefill_fraction"] == 0.2

@@ -14,7 +14,7 @@ import torch
 import yaml
 from omegaconf import OmegaConf
 
-from src.routed import handoffs, quality, timing
+from src.routed import handoffs, paired_gain, quality, timing
 from src.routed_runs import Run, bucket, multiturn, rollback, single_turn, switches
 from src.routing import Policy, bind
 from src.tasks import Item, load_task
@@ -200,3 +200,28 @@ def test_routed_job_end_to_end_on_the_tiny_random_pair(items, tmp_path, monkeypa
     verdicts = {v.criterion.split(":")[0]: v.status for v in judge_run(metrics, tags)}
     assert verdicts["quality"] == "MISSING"  # random weights
     assert verdicts["routed workload run"] == ("PASS" if items == "test" else "FAIL")  # validation items never gate
+
+
+def _scored(task: str, index: int, right: bool) -> dict:
+    """An item whose routed session answers right or not (label 0, two choices)."""
+    choices = [[-0.1, 1.0], [-2.0, 0.0]] if right else [[-2.0, 0.0], [-0.1, 1.0]]
+    return {"task": task, "index": index, "label": 0, "lengths": [2, 3], "history_tokens": 8, "turn_tokens": 2} | {
+        "scores": {"routed": choices},
+        "handoff": {"prefill_fraction": 0.5},
+    }
+
+
+def test_paired_gain_compares_two_runs_on_their_shared_items():
+    """A − B on the items both scored (B's extra item is ignored), mean over tasks; no shared item is an error."""
+    first = [_scored("boolq", 0, True), _scored("boolq", 32, True), _scored("piqa", 0, False)]
+    second = [
+        _scored("boolq", 0, False),
+        _scored("boolq", 32, True),
+        _scored("piqa", 0, False),
+        _scored("piqa", 9, True),
+    ]
+    found = paired_gain(first, second, n_boot=200, seed=0)
+    assert found.estimate == pytest.approx(0.25)  # boolq +0.5, piqa 0 (its item 9 is B's alone)
+    assert paired_gain(second, first, 200, 0).estimate == pytest.approx(-0.25)
+    with pytest.raises(ValueError, match="share no scored item"):
+        paired_gain(first, [_scored("boolq", 1, True)], 200, 0)

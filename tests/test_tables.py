@@ -70,7 +70,7 @@ def test_rows_skip_unfinished_records_and_keep_steps(tmp_path):
 def test_rebuild_replaces_only_between_markers(tmp_path, monkeypatch):
     _record(tmp_path / "set", "only", "FINISHED", {"nll_transfer": 5.0})
     monkeypatch.setattr(
-        tables, "TABLES", {"demo": tables.Table("set", lambda rows: f"| runs |\n|---|\n| {len(rows)} |")}
+        tables, "TABLES", {"demo": tables.Table(("set",), lambda rows: f"| runs |\n|---|\n| {len(rows)} |")}
     )
     text = "before\n<!-- table: demo -->\n| old |\n<!-- /table -->\nafter\n"
     assert (
@@ -82,8 +82,8 @@ def test_rebuild_replaces_only_between_markers(tmp_path, monkeypatch):
         tables.rebuild("no markers\n", tmp_path)
     with pytest.raises(ValueError, match="no table 'nameless'"):
         tables.rebuild(text + "<!-- table: nameless -->\n<!-- /table -->\n", tmp_path)
-    monkeypatch.setitem(tables.TABLES, "demo", tables.Table("empty", lambda rows: ""))
-    with pytest.raises(ValueError, match="holds no FINISHED record.json"):
+    monkeypatch.setitem(tables.TABLES, "demo", tables.Table(("empty",), lambda rows: ""))
+    with pytest.raises(ValueError, match="none holds a FINISHED record.json"):
         tables.rebuild(text, tmp_path)
 
 

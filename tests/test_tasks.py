@@ -10,7 +10,16 @@ from pathlib import Path
 
 import pytest
 
-from src.tasks import METRICS, TASKS, Item, choice_lengths, hellaswag_preprocess, load_task, subsample
+from src.tasks import (
+    METRICS,
+    REPORTED_LIMITS,
+    TASKS,
+    Item,
+    choice_lengths,
+    hellaswag_preprocess,
+    load_task,
+    subsample,
+)
 
 DATA = Path(__file__).resolve().parents[2] / "shared/data"
 if not (DATA / "eval").is_dir():
@@ -175,15 +184,18 @@ def test_subsample_is_systematic():
         subsample(10, 0)
 
 
-@pytest.mark.parametrize(("count", "limit"), [(10, 3), (2_376, 100), (10, 5), (1_000, 7)])
-def test_validation_items_sit_between_the_test_items(count, limit):
-    """As many validation items as test items, none of them a test item (choices read valid, reports read test)."""
-    test, valid = subsample(count, limit), subsample(count, limit, "valid")
-    assert len(valid) == len(test) == limit and not set(valid) & set(test) and max(valid) < count
-    assert subsample(10, 3, "valid") == [1, 4, 7]
+@pytest.mark.parametrize(("count", "limit"), [(1_000, 3), (2_376, 100), (3_270, 50), (1_172, 7), (1_000, 50)])
+def test_validation_items_are_no_reported_test_item(count, limit):
+    """As many validation items as asked, none of them an item a test run scores at its own limit or at any
+    reported limit (a grid at 50 items chose the lever a 100-item test run reports: 3 items were shared)."""
+    valid = subsample(count, limit, "valid")
+    assert len(valid) == len(set(valid)) == limit and max(valid) < count
+    for cap in {limit, *REPORTED_LIMITS}:
+        assert not set(valid) & set(subsample(count, cap)), cap
+    assert set(subsample(3_270, 50, "valid")) & set(subsample(3_270, 100)) == set()
 
 
-@pytest.mark.parametrize(("count", "limit"), [(10, None), (10, 10), (10, 6), (10, 25)])
+@pytest.mark.parametrize(("count", "limit"), [(10, None), (10, 3), (100, 1), (300, 150), (5_000, None)])
 def test_no_validation_items_when_the_test_items_leave_no_gap(count, limit):
     with pytest.raises(ValueError, match="no validation items"):
         subsample(count, limit, "valid")
