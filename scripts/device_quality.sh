@@ -131,8 +131,9 @@ case $stage in
       echo "chosen on validation items ($2): ${lever:-NONE}" | tee -a "$OUT/log.txt"
       [ -n "$lever" ] && step "$1" "${R[@]}" +workload=passage workload.limit=100 $lever "$3"
     }
-    # priority order (lease 2, 2026-12-03): the lever grid on validation items, the chosen lever on test items, V fitted
-    # where it is read, long histories (where latency can win), then what the first lease left unmeasured
+    # priority order (lease 2, 2026-12-03, ran steps 1–6): the lever grid on validation items, the chosen lever on test
+    # items; then (next lease: FROM=7) V fitted where it is read, calibration the target wrote, long histories (where
+    # latency can win), then what the first lease left unmeasured
     step 1 "${R[@]}" "${VALID[@]}" eval.levers.recompute=0.25 eval.levers.recompute_rule=deviation,attention,recency
     step 2 "${R[@]}" "${VALID[@]}" eval.levers.recompute=0.1,0.4 eval.levers.recompute_rule=deviation
     step 3 "${R[@]}" "${VALID[@]}" eval.levers.recompute=0.25 eval.levers.recompute_rule=deviation,attention,recency $BACK
@@ -140,15 +141,17 @@ case $stage in
     chosen 5 qwen25coder_0.5b_to_1.5b pair=qwen25coder_0p5b_to_1p5b || true
     chosen 6 qwen25coder_1.5b_to_0.5b $BACK || true
     step 7 "${R[@]}" +workload=passage workload.limit=100 fit.v_space=attention  # lever 3: V fitted where it is read
-    step 8 "${R[@]}" +workload=fewshot workload.limit=50 "workload.tasks=[arc_easy,arc_challenge]" \
+    step 8 "${R[@]}" +workload=passage workload.limit=100 budget=paper_greedy  # lever 4: calibration the target wrote
+    step 9 "${R[@]}" +workload=fewshot workload.limit=50 "workload.tasks=[arc_easy,arc_challenge]" \
       workload.shots.arc_easy=100 workload.shots.arc_challenge=100  # 3.0–4.2K-token histories: where latency can win
-    step 9 "${R[@]}" +workload=fewshot workload.limit=100 $BACK
-    step 10 "${R[@]}" +workload=fewshot workload.limit=100 fit.v_space=attention "workload.tasks=[arc_easy,piqa,hellaswag]"
-    step 11 "${R[@]}" +workload=fewshot workload.limit=100 "workload.tasks=[mmlu]"
-    step 12 "${R[@]}" +workload=fewshot workload.policy=auto workload.limit=50 "workload.tasks=[arc_easy,arc_challenge]" \
+    step 10 "${R[@]}" +workload=fewshot workload.limit=100 $BACK
+    step 11 "${R[@]}" +workload=fewshot workload.limit=100 fit.v_space=attention "workload.tasks=[arc_easy,piqa,hellaswag]"
+    step 12 "${R[@]}" +workload=fewshot workload.limit=100 budget=paper_greedy "workload.tasks=[arc_easy,piqa,hellaswag]"
+    step 13 "${R[@]}" +workload=fewshot workload.limit=100 "workload.tasks=[mmlu]"
+    step 14 "${R[@]}" +workload=fewshot workload.policy=auto workload.limit=50 "workload.tasks=[arc_easy,arc_challenge]" \
       workload.shots.arc_easy=100 workload.shots.arc_challenge=100  # the cost-aware router picks its path per handoff
     COMMON=(tracking.backend=json "tracking.json_dir=$OUT/trk" "paths.data=$HOME/data" pair.device=cuda)
-    step 13 "${PAPER[@]}"
+    step 15 "${PAPER[@]}"
     echo "routed2 queue done" | tee -a "$OUT/log.txt" ;;
   *) echo "unknown stage $stage" >&2; exit 2 ;;
 esac

@@ -1,4 +1,5 @@
-"""A model's own work on a prefix: the ordinary prefill, and a prefill stopped after its first layers."""
+"""A model's own work on a prefix: the ordinary prefill, a prefill stopped after its first layers, and its greedy
+continuation (calibration text written by the receiver itself)."""
 
 from __future__ import annotations
 
@@ -62,3 +63,28 @@ def prefill_layers(model: PreTrainedModel, input_ids: torch.Tensor, layers: int)
     finally:
         handle.remove()
     return cache
+
+
+@torch.no_grad()
+def greedy_continuation(
+    model: PreTrainedModel, input_ids: torch.Tensor, keep: int, vocab_size: int, batch_size: int = 64
+) -> torch.Tensor:
+    """input_ids [N, T] with tokens keep..T − 1 of each row replaced by the model's greedy continuation of tokens
+    0..keep − 1 (argmax over the first `vocab_size` logits, the ids both models of a pair read; no stop token):
+    [N, T] on the input's device. keep = T returns the ids unchanged."""
+    total = input_ids.shape[1]
+    if not 1 <= keep <= total:
+        raise ValueError(f"greedy_continuation keeps 1..{total} tokens of each row, got {keep}")
+    check_ids(model, input_ids)
+    device, out = next(model.parameters()).device, input_ids.clone()
+    for start in range(0, input_ids.shape[0], batch_size):
+        tokens = input_ids[start : start + batch_size, :keep].to(device)  # [B, keep]
+        cache = DynamicCache(config=model.config)
+        written = []
+        for _ in range(total - keep):
+            logits = model(tokens, past_key_values=cache, use_cache=True, logits_to_keep=1).logits  # [B, 1, V]
+            tokens = logits[:, -1, :vocab_size].argmax(-1, keepdim=True)  # [B, 1]
+            written.append(tokens)
+        if written:
+            out[start : start + batch_size, keep:] = torch.cat(written, 1).to(out.device)
+    return out

@@ -11,8 +11,8 @@ that run on that workload:
   rollback  rollback_verified = 1: every refusal kind replayed on the workload's items fell back to a bit-identical
             re-prefill
 A criterion with no logged measurement is MISSING and fails: nothing passes by default. The run judged is the one
-given (--run), else the latest finished routed run of each (workload, direction) — never the best of several. The exit
-status is non-zero unless every judged run passes.
+given (--run), else the latest finished routed run on test items of each (workload, direction) — never the best of
+several; runs on validation items are never judged. The exit status is non-zero unless every judged run passes.
 
     python -m src.gate --experiment routed [--run RUN_ID] [--parent RUN_ID] [--uri sqlite:///mlruns/mlflow.db]
 """
@@ -162,14 +162,15 @@ def check(
         groups.setdefault(key, []).append(candidate)
     failed = False
     for (workload, direction), candidates in sorted(groups.items()):
-        judged = candidates[0]
+        on_test = [c for c in candidates if c.data.tags.get("split", "test") == "test"]
+        judged = (on_test or candidates)[0]  # a later run on validation items never shadows the reported one
         verdicts = judge_run(judged.data.metrics, judged.data.tags, min_speedup, max_loss, max_half_width)
         passed = all(v.passed for v in verdicts)
         failed |= not passed
         print(
             f"\n{workload} · {direction}: {'PASS' if passed else 'FAIL'} — run {judged.info.run_name} "
-            f"({judged.info.run_id[:8]}, weights={judged.data.tags.get('weights')}; latest of {len(candidates)}, "
-            "not the best)"
+            f"({judged.info.run_id[:8]}, weights={judged.data.tags.get('weights')}; latest of {len(on_test or candidates)} "
+            f"on test items, not the best; {len(candidates) - len(on_test)} on validation items not judged)"
         )
         for v in verdicts:
             print(f"  {v.status:<12} {v.criterion:<34} measured {v.measured}  (threshold {v.threshold})")

@@ -21,6 +21,7 @@ from src.artifact import ArtifactError, Mapper, load_mapper, save_mapper
 from src.corpus import token_sequences
 from src.eval.accuracy import TaskScores, score_task
 from src.fit import fit_transfer
+from src.forward import greedy_continuation
 from src.models import Pair, describe_kv, fingerprint, load_pair
 from src.synthetic import synthetic_mapper, synthetic_traces
 from src.tasks import load_task
@@ -77,6 +78,9 @@ def calibration(cfg: DictConfig, pair: Pair) -> tuple[Traces, str]:
         )
         return traces, f"synthetic-{cfg.seed}"
     ids = text_ids(cfg, pair, budget.corpus, budget.sequences, budget.seq_len)
+    if budget.continuation:  # the target's own greedy continuation of each window's head (calibration like it writes)
+        keep = budget.seq_len - round(budget.continuation * budget.seq_len)
+        ids = greedy_continuation(pair.target, ids, keep, vocab_size(pair))
     mixing = cfg.fit.v_space == "attention"  # the target's attention between sampled rows, for the V fit
     key = cache_key(
         fingerprint(pair.source),

@@ -201,6 +201,21 @@ def test_the_latest_run_is_judged_not_the_best(uri, experiment, capsys):
     assert gate(uri, experiment, run="0" * 32) == 1
 
 
+def test_a_later_validation_run_does_not_shadow_the_reported_one(uri, experiment, capsys):
+    """The grid that chooses a lever runs after the reported run: the gate still judges the test-item run; with
+    only validation runs it refuses (FAIL), never passes."""
+    reported = plant(uri, experiment, PASSING, REAL)
+    plant(uri, experiment, PASSING | {"task.mmlu.loss_points": 4.0}, REAL | {"split": "valid"})
+    assert gate(uri, experiment) == 0
+    out = capsys.readouterr().out
+    assert f"({reported[:8]}" in out and "1 on validation items not judged" in out
+
+
+def test_only_validation_runs_never_pass(uri, experiment):
+    plant(uri, experiment, PASSING, REAL | {"split": "valid"})
+    assert gate(uri, experiment) == 1
+
+
 def test_every_workload_and_direction_must_pass(uri, experiment, capsys):
     plant(uri, experiment, PASSING, REAL)
     plant(uri, experiment, PASSING | {"rollback_verified": 0.0}, REAL | {"direction": "large_to_small"})
