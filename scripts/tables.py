@@ -268,9 +268,7 @@ def _floor(row: Row) -> str:
         items = json.loads((Path(str(row["record"])).parent / "artifacts/routed/items.json").read_text())["items"]
         found = quality(items, int(row["params.eval.tasks.n_boot"]), int(row["params.seed"]))
         row = row | {f"metrics.{key}": value for key, value in found.items()}
-    return (
-        f"{_fmt(_metric(row, name))} [{_fmt(_metric(row, name + '_low'), 0)}, {_fmt(_metric(row, name + '_high'), 0)}]"
-    )
+    return _ci(row, name)
 
 
 def routed(rows: list[Row]) -> str:
