@@ -28,9 +28,9 @@ run() {
 }
 pack() { [ -d "$OUT/trk" ] && tar czf "$OUT/trk-$stage.tgz" -C "$OUT" trk && rm -rf "$OUT/trk"; }
 step() {  # step N ARGS…: one step of a resumable queue (routed, routed2), unless an earlier call on this machine
-  # finished it ($HOME/<stage>.done) or FROM=N skips it (a later lease on a fresh machine)
+  # finished it ($HOME/<stage>.done) or FROM=N / TO=N leave it out (a later lease on a fresh machine, one step alone)
   local n=$1; shift
-  [ "$n" -lt "${FROM:-1}" ] || [ "$n" -le "$(cat "$HOME/$stage.done" 2>/dev/null || echo 0)" ] && return
+  [ "$n" -lt "${FROM:-1}" ] || [ "$n" -gt "${TO:-99}" ] || [ "$n" -le "$(cat "$HOME/$stage.done" 2>/dev/null || echo 0)" ] && return
   [ $((DEADLINE - SECONDS)) -lt 60 ] && { echo "SKIPPED (out of time): step $n" | tee -a "$OUT/log.txt"; exit 0; }
   run "$@"  # a step cut by the deadline (rc 124) runs again next call; a failed one is not retried
   [ "$LAST_RC" -eq 124 ] || echo "$n" > "$HOME/$stage.done"
@@ -142,7 +142,7 @@ case $stage in
     chosen 6 qwen25coder_1.5b_to_0.5b $BACK || true
     step 7 "${R[@]}" +workload=passage workload.limit=100 fit.v_space=attention  # lever 3: V fitted where it is read
     step 8 "${R[@]}" +workload=passage workload.limit=100 budget=paper_greedy  # lever 4: calibration the target wrote
-    step 9 "${R[@]}" +workload=fewshot workload.limit=50 "workload.tasks=[arc_easy,arc_challenge]" \
+    step 9 "${R[@]}" +workload=fewshot workload.limit=40 "workload.tasks=[arc_easy,arc_challenge]" \
       workload.shots.arc_easy=100 workload.shots.arc_challenge=100  # 3.0–4.2K-token histories: where latency can win
     step 10 "${R[@]}" +workload=fewshot workload.limit=100 $BACK
     step 11 "${R[@]}" +workload=fewshot workload.limit=100 fit.v_space=attention "workload.tasks=[arc_easy,piqa,hellaswag]"
