@@ -8,6 +8,7 @@
 #   bash scripts/device_quality.sh systems    issue-4 timings on random weights (needs only setup)
 #   bash scripts/device_quality.sh routed     routed workloads through the router session (src/routed.py), both directions
 #   bash scripts/device_quality.sh routed2    what `routed` left (2026-12-03), the lever chosen on validation items
+#   bash scripts/device_quality.sh routed3    100-shot ARC at bf16 with the items the gate's CI needs, then the rest
 # The GPU image has no hydra/mlflow: hydra comes from the carried wheels, tracking writes JSON records
 # that come back as one tarball in $OUT and are imported here with `python -m src.tracking import DIR`.
 set -euo pipefail
@@ -153,5 +154,19 @@ case $stage in
     COMMON=(tracking.backend=json "tracking.json_dir=$OUT/trk" "paths.data=$HOME/data" pair.device=cuda)
     step 15 "${PAPER[@]}"
     echo "routed2 queue done" | tee -a "$OUT/log.txt" ;;
+  routed3)  # the next lease's queue ($HOME/routed3.done): the gate's verdict on long histories needs its quality CI
+    # at ± 2 points — ≈ 500 items per task (5 % of 100-shot ARC items flip, routed3-h200-2026-12-04) — and the
+    # latency at the dtype a server runs (bf16). Step 1 fits the bf16 mapper (cached on the machine) on a small run,
+    # so step 2, its own call, only scores (≈ 1,000 items); then what routed2 left
+    R=(+experiment=routed "${CAPACITY[@]}" workload.warmup=2 pair.dtype=bfloat16 pair.compute_dtype=bfloat16)
+    LONG=(+workload=fewshot "workload.tasks=[arc_easy,arc_challenge]" workload.shots.arc_easy=100
+      workload.shots.arc_challenge=100)
+    step 1 "${R[@]}" "${LONG[@]}" workload.limit=20 eval.diagnose.fidelity=true
+    step 2 "${R[@]}" "${LONG[@]}" workload.limit=${LONG_LIMIT:-500}
+    step 3 "${R[@]}" "${LONG[@]}" workload.limit=100 workload.policy=auto  # the cost-aware router picks per handoff
+    step 4 "${R[@]}" +workload=fewshot workload.limit=100 pair=qwen25coder_1p5b_to_0p5b
+    COMMON=(tracking.backend=json "tracking.json_dir=$OUT/trk" "paths.data=$HOME/data" pair.device=cuda)
+    step 5 "${PAPER[@]}"
+    echo "routed3 queue done" | tee -a "$OUT/log.txt" ;;
   *) echo "unknown stage $stage" >&2; exit 2 ;;
 esac

@@ -28,6 +28,7 @@ import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime
+from functools import partial
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -241,8 +242,14 @@ def _routed_label(row: Row) -> str:
     ]
     if levers and row.get("params.eval.levers.recompute") not in (None, "0", "0.0"):
         levers.append(f"rule={row.get('params.eval.levers.recompute_rule')}")
+    if row.get("params.fit.v_space", "token") != "token":  # lever 3: the mapper fitted where the receiver reads
+        levers.append(f"V fit in {row['params.fit.v_space']} space")
+    if row.get("params.budget.continuation") not in (None, "0", "0.0"):  # lever 4: calibration the target wrote
+        levers.append(f"calibration {float(row['params.budget.continuation']):.0%} target-greedy")
     arrow = str(row.get("tags.direction", "?")).replace("qwen25coder_", "").replace("_to_", " → ")
     items = " (validation items)" if row.get("tags.split") == "valid" else ""
+    shots = {int(row.get(f"params.workload.shots.{task}", 0)) for task in ("arc_easy", "arc_challenge")}
+    items += f" ({max(shots)} shots)" if row.get("tags.workload") == "fewshot" and max(shots) > 25 else ""
     return f"{row.get('tags.workload')}{items} | {arrow} | {', '.join(levers) or 'pure transfer'}"
 
 
@@ -343,10 +350,11 @@ def _items(row: Row) -> list[dict]:
     return json.loads((Path(str(row["record"])).parent / "artifacts/routed/items.json").read_text())["items"]
 
 
-def routed_paired(rows: list[Row]) -> str:
+def routed_paired(rows: list[Row], run_set: str | None = None) -> str:
     """Levers compared on the same items (src/routed.py `paired_gain`): within one direction, workload and item
     split, every two recompute runs whose prefill spent differs by ≤ 5 points (equal compute), and every lever run
-    against pure transfer. Accuracy of the first minus the second, points [95 % CI]."""
+    against pure transfer (with `run_set`: only pairs with a run of that results/ folder). Accuracy of the first
+    minus the second, points [95 % CI]."""
     from src.routed import paired_gain
 
     group = lambda r: (r.get("tags.direction"), r.get("tags.workload"), r.get("tags.split", "test"))
@@ -355,7 +363,11 @@ def routed_paired(rows: list[Row]) -> str:
     pairs = []
     for i, first in enumerate(rows):
         for second in rows[i + 1 :]:
-            if group(first) != group(second):
+            if group(first) != group(second) or (
+                run_set
+                and run_set not in Path(str(first["record"])).parts
+                and run_set not in Path(str(second["record"])).parts
+            ):
                 continue
             spent = abs(_metric(first, "prefill_fraction") - _metric(second, "prefill_fraction"))
             if recompute(first) and recompute(second) and spent <= 0.05:
@@ -385,7 +397,7 @@ class Table:
     render: Callable[[list[Row]], str]
 
 
-ROUTED, LEVERS = "routed-h200-2026-12-03", "routed2-h200-2026-12-03"
+ROUTED, LEVERS, FITS = "routed-h200-2026-12-03", "routed2-h200-2026-12-03", "routed3-h200-2026-12-04"
 TABLES: dict[str, Table] = {
     "quickstart": Table(("quickstart-cpu",), quickstart),
     "routed": Table((ROUTED,), routed),
@@ -394,6 +406,9 @@ TABLES: dict[str, Table] = {
     "routed_levers": Table((LEVERS,), routed),
     "routed_levers_tasks": Table((LEVERS,), routed_tasks),
     "routed_levers_paired": Table((ROUTED, LEVERS), routed_paired),
+    "routed_fits": Table((FITS,), routed),
+    "routed_fits_tasks": Table((FITS,), routed_tasks),
+    "routed_fits_paired": Table((ROUTED, FITS), partial(routed_paired, run_set=FITS)),
 }
 
 

@@ -51,7 +51,7 @@ def held_out_quality(run: Path, params: dict, data: Path) -> dict[str, float]:
     items = json.loads((run / "artifacts/routed/items.json").read_text())["items"]
     limit = None if params["workload.limit"] in (None, "None") else int(params["workload.limit"])
     counts = {task: len(load_task(task, data)) for task in {item["task"] for item in items}}
-    kept = [item for item in items if item["index"] not in reported(counts[item["task"]], limit)]
+    kept = [item for item in items if item["index"] not in reported(counts[item["task"]], limit, item["task"])]
     if len(kept) < len(items):
         print(
             f"{run.name}: {len(items) - len(kept)} of {len(items)} items are reported test items: dropped",

@@ -11,8 +11,10 @@ that run on that workload:
   rollback  rollback_verified = 1: every refusal kind replayed on the workload's items fell back to a bit-identical
             re-prefill
 A criterion with no logged measurement is MISSING and fails: nothing passes by default. The run judged is the one
-given (--run), else the latest finished routed run on test items of each (workload, direction) — never the best of
-several; runs on validation items are never judged. The exit status is non-zero unless every judged run passes.
+given (--run), else the latest finished routed run on test items of each (workload, direction, history length) —
+never the best of several; runs on validation items are never judged. The history length is the longest TTFT bucket
+the run logged (`ttft.routed.le_<N>_ms_p50`): a run on longer histories is another operating point and never
+shadows the verdict on shorter ones. The exit status is non-zero unless every judged run passes.
 
     python -m src.gate --experiment routed [--run RUN_ID] [--parent RUN_ID] [--uri sqlite:///mlruns/mlflow.db]
 """
@@ -22,6 +24,7 @@ from __future__ import annotations
 import argparse
 import math
 import sys
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -128,6 +131,17 @@ def judge_run(
     return verdicts
 
 
+def history_regime(metrics: dict[str, float]) -> str:
+    """`≤ N tokens` for the longest history-length bucket with routed TTFTs in the run (src/routed.py timing), or
+    `any length` when it logged none."""
+    found = (key.split(".") for key in metrics if key.startswith("ttft.routed.") and key.endswith("_ms_p50"))
+    edges = [parts[2].removesuffix("_ms_p50") for parts in found if len(parts) == 3]
+    if not edges:
+        return "any length"
+    longest = max(edges, key=lambda edge: (edge.startswith("gt_"), int(edge[3:])))
+    return f"{'>' if longest.startswith('gt_') else '≤'} {int(longest[3:])} tokens"
+
+
 def check(
     uri: str,
     experiment: str,
@@ -156,21 +170,26 @@ def check(
         where = f" under {parent}" if parent else ""
         print(f"gate: FAIL — no finished routed run{f' {run}' if run else 's'} in {experiment!r}{where}")
         return 1
-    groups: dict[tuple[str, str], list] = {}
-    for candidate in runs:  # newest first
-        key = (candidate.data.tags.get("workload", "unknown"), candidate.data.tags.get("direction", "unknown"))
-        groups.setdefault(key, []).append(candidate)
+    on_test = lambda run: run.data.tags.get("split", "test") == "test"
+    workload = lambda run: (run.data.tags.get("workload", "unknown"), run.data.tags.get("direction", "unknown"))
+    tested = {workload(run) for run in runs if on_test(run)}
+    groups: dict[tuple[str, str, str], list] = {}
+    for candidate in runs:  # newest first; a (workload, direction) with test runs is judged on them only
+        if on_test(candidate) or workload(candidate) not in tested:
+            regime = history_regime(candidate.data.metrics) if on_test(candidate) else "any length"
+            groups.setdefault((*workload(candidate), regime), []).append(candidate)
+    validation = Counter(workload(run) for run in runs if not on_test(run))
     failed = False
-    for (workload, direction), candidates in sorted(groups.items()):
-        on_test = [c for c in candidates if c.data.tags.get("split", "test") == "test"]
-        judged = (on_test or candidates)[0]  # a later run on validation items never shadows the reported one
+    for (name, direction, regime), candidates in sorted(groups.items()):
+        judged = candidates[0]  # the latest; a later run on validation items never shadows the reported one
         verdicts = judge_run(judged.data.metrics, judged.data.tags, min_speedup, max_loss, max_half_width)
         passed = all(v.passed for v in verdicts)
         failed |= not passed
         print(
-            f"\n{workload} · {direction}: {'PASS' if passed else 'FAIL'} — run {judged.info.run_name} "
-            f"({judged.info.run_id[:8]}, weights={judged.data.tags.get('weights')}; latest of {len(on_test or candidates)} "
-            f"on test items, not the best; {len(candidates) - len(on_test)} on validation items not judged)"
+            f"\n{name} · {direction} · histories {regime}: {'PASS' if passed else 'FAIL'} — run "
+            f"{judged.info.run_name} ({judged.info.run_id[:8]}, weights={judged.data.tags.get('weights')}; latest of "
+            f"{sum(on_test(c) for c in candidates)} on test items, not the best; "
+            f"{validation[(name, direction)]} on validation items not judged)"
         )
         for v in verdicts:
             print(f"  {v.status:<12} {v.criterion:<34} measured {v.measured}  (threshold {v.threshold})")

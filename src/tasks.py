@@ -86,9 +86,11 @@ def choice_lengths(item: Item) -> list[int]:
 
 SPLITS = ("test", "valid")  # the scored items that are reported | items no reported run scores, for choices only
 REPORTED_LIMITS = (50, 100)  # the item limits of reported (test) runs: no validation item is one of their items
+# … and of one task's: the 100-shot ARC runs (40 items, 2026-12-04; 20, 100 and 500 queued: device_quality.sh routed3)
+REPORTED_TASK_LIMITS = {"arc_easy": (20, 40, 500), "arc_challenge": (20, 40, 500)}
 
 
-def subsample(count: int, limit: int | None, split: str = "test") -> list[int]:
+def subsample(count: int, limit: int | None, split: str = "test", task: str = "") -> list[int]:
     """test: indices 0, s, 2s, … (`limit` of them, s = ⌊count/limit⌋) — the same items for every run and method;
     valid: `limit` indices spread evenly over those no test run scores (`reported`), for tuning and selection only."""
     if split not in SPLITS:
@@ -98,19 +100,20 @@ def subsample(count: int, limit: int | None, split: str = "test") -> list[int]:
     if split == "test":
         step = 1 if limit is None or limit >= count else count // limit
         return list(range(0, step * min(limit or count, count), step))
-    free = sorted(set(range(count)) - reported(count, limit))
+    free = sorted(set(range(count)) - reported(count, limit, task))
     if limit is None or len(free) < limit:
         raise ValueError(
             f"no validation items: {len(free)} of {count} items are outside every reported test subsample "
-            f"(limits {limit} and {REPORTED_LIMITS}), {limit} asked — set a smaller limit"
+            f"(limits {limit}, {REPORTED_LIMITS} and {REPORTED_TASK_LIMITS.get(task, ())}), {limit} asked — set a smaller limit"
         )
     step = len(free) // limit
     return free[step // 2 :: step][:limit]
 
 
-def reported(count: int, limit: int | None) -> set[int]:
-    """The indices a test run scores at `limit` or at any reported limit (`REPORTED_LIMITS`)."""
-    return {i for cap in {limit, *REPORTED_LIMITS} for i in subsample(count, cap)}
+def reported(count: int, limit: int | None, task: str = "") -> set[int]:
+    """The indices a test run scores at `limit` or at any reported limit (`REPORTED_LIMITS`, and the task's own)."""
+    caps = {limit, *REPORTED_LIMITS, *REPORTED_TASK_LIMITS.get(task, ())}
+    return {i for cap in caps for i in subsample(count, cap)}
 
 
 def load_task(name: str, data_root: str | Path, limit: int | None = None, split: str = "test") -> list[Item]:
@@ -121,7 +124,7 @@ def load_task(name: str, data_root: str | Path, limit: int | None = None, split:
     if not path.is_file():
         raise FileNotFoundError(f"task {name!r} not found at {path}; set paths.data to the shared/data folder")
     items = LOADERS[name](path)
-    return [items[i] for i in subsample(len(items), limit, split)]
+    return [items[i] for i in subsample(len(items), limit, split, name)]
 
 
 # --------------------------------------------------------------------------- per-task rendering

@@ -110,7 +110,9 @@ def fewshot(
     read test items)."""
     scored = load_task(task, data_root, limit, split)
     everything = _items(data_root, task)
-    excluded = scored if split == "test" else [everything[i] for i in sorted(reported(len(everything), limit))] + scored
+    excluded = (
+        scored if split == "test" else [everything[i] for i in sorted(reported(len(everything), limit, task))] + scored
+    )
     by_header: dict[str, list[tuple[str, Item]]] = {}
     for source, item in _pool(data_root, task, excluded, calibration):
         by_header.setdefault(_header(item.contexts[0])[0], []).append((source, item))

@@ -12,7 +12,7 @@ import pytest
 from mlflow import MlflowClient
 from mlflow.entities import Metric
 
-from src.gate import check, judge_run
+from src.gate import check, history_regime, judge_run
 
 REPO = Path(__file__).resolve().parents[1]
 PASSING = {
@@ -185,11 +185,11 @@ def test_a_planted_passing_run_passes_and_a_random_one_fails(uri, experiment, ca
     good = plant(uri, experiment, PASSING, REAL)
     assert gate(uri, experiment) == 0
     out = capsys.readouterr().out
-    assert "fewshot · small_to_large: PASS — run planted" in out and good[:8] in out
+    assert "fewshot · small_to_large · histories any length: PASS — run planted" in out and good[:8] in out
     assert out.rstrip().endswith("gate: PASS") and "MISSING" not in out
     plant(uri, experiment, PASSING | {"ttft_speedup": 50.0}, REAL | {"weights": "random", "workload": "passage"})
     assert gate(uri, experiment) == 1
-    assert "passage · small_to_large: FAIL" in capsys.readouterr().out
+    assert "passage · small_to_large · histories any length: FAIL" in capsys.readouterr().out
 
 
 def test_the_latest_run_is_judged_not_the_best(uri, experiment, capsys):
@@ -211,6 +211,22 @@ def test_a_later_validation_run_does_not_shadow_the_reported_one(uri, experiment
     assert f"({reported[:8]}" in out and "1 on validation items not judged" in out
 
 
+def test_history_regime_is_the_longest_timed_bucket():
+    assert history_regime({"ttft.routed.le_512_ms_p50": 1.0, "ttft.routed.le_2048_ms_p50": 2.0}) == "≤ 2048 tokens"
+    assert history_regime({"ttft.routed.le_512_ms_p95": 1.0, "ttft.routed.gt_32768_ms_p50": 2.0}) == "> 32768 tokens"
+    assert history_regime({"ttft.routed_ms_p50": 1.0}) == "any length"
+
+
+def test_a_run_on_longer_histories_does_not_shadow_shorter_ones(uri, experiment, capsys):
+    """100-shot histories pass latency where short ones fail: each length is its own operating point, judged on its
+    latest run, and the gate passes only when every one does."""
+    plant(uri, experiment, PASSING | {"ttft_speedup": 1.2, "ttft.routed.le_512_ms_p50": 9.0}, REAL)
+    plant(uri, experiment, PASSING | {"ttft.routed.le_8192_ms_p50": 12.0}, REAL)
+    assert gate(uri, experiment) == 1
+    out = capsys.readouterr().out
+    assert "histories ≤ 512 tokens: FAIL" in out and "histories ≤ 8192 tokens: PASS" in out
+
+
 def test_only_validation_runs_never_pass(uri, experiment):
     plant(uri, experiment, PASSING, REAL | {"split": "valid"})
     assert gate(uri, experiment) == 1
@@ -221,7 +237,7 @@ def test_every_workload_and_direction_must_pass(uri, experiment, capsys):
     plant(uri, experiment, PASSING | {"rollback_verified": 0.0}, REAL | {"direction": "large_to_small"})
     assert gate(uri, experiment) == 1
     out = capsys.readouterr().out
-    assert "small_to_large: PASS" in out and "large_to_small: FAIL" in out
+    assert "small_to_large · histories any length: PASS" in out and "large_to_small · histories any length: FAIL" in out
 
 
 def test_parent_filter(uri, experiment):

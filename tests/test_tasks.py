@@ -13,6 +13,7 @@ import pytest
 from src.tasks import (
     METRICS,
     REPORTED_LIMITS,
+    REPORTED_TASK_LIMITS,
     TASKS,
     Item,
     choice_lengths,
@@ -193,6 +194,17 @@ def test_validation_items_are_no_reported_test_item(count, limit):
     for cap in {limit, *REPORTED_LIMITS}:
         assert not set(valid) & set(subsample(count, cap)), cap
     assert set(subsample(3_270, 50, "valid")) & set(subsample(3_270, 100)) == set()
+
+
+@pytest.mark.parametrize("task", sorted(REPORTED_TASK_LIMITS))
+def test_a_tasks_own_reported_limits_are_no_validation_items(task):
+    """The 100-shot ARC run reported 40 items per task: its items are never that task's validation items, and the
+    other tasks' validation items do not move (the recorded validation grids keep their items)."""
+    count = 1_172
+    valid = subsample(count, 30, "valid", task)
+    for cap in REPORTED_TASK_LIMITS[task]:
+        assert not set(valid) & set(subsample(count, cap)), cap
+    assert subsample(count, 30, "valid", "boolq") == subsample(count, 30, "valid")
 
 
 @pytest.mark.parametrize(("count", "limit"), [(10, None), (10, 3), (100, 1), (300, 150), (5_000, None)])
