@@ -161,12 +161,28 @@ case $stage in
     R=(+experiment=routed "${CAPACITY[@]}" workload.warmup=2 pair.dtype=bfloat16 pair.compute_dtype=bfloat16)
     LONG=(+workload=fewshot "workload.tasks=[arc_easy,arc_challenge]" workload.shots.arc_easy=100
       workload.shots.arc_challenge=100)
+    affordable() {  # items per task that fit the time left, from step 1's seconds per scored turn (timing, not scores)
+      python3 - "$HOME/valid" $((DEADLINE - SECONDS - 90)) <<'PY'
+import json, pathlib, sys
+runs = [json.loads(p.read_text()) for p in pathlib.Path(sys.argv[1]).glob("*/record.json")]
+runs = [r for r in runs if r["status"] == "FINISHED" and r["params"].get("workload.shots.arc_easy") == "100"]
+last = max(runs, key=lambda r: r["end_time"])
+turns = sum(m["value"] for m in last["metrics"] if m["key"].endswith(".items") and ".mean." not in m["key"])
+per_turn = (last["end_time"] - last["start_time"]) / 1e3 / turns
+print(min(500, int(int(sys.argv[2]) / per_turn / 2)))
+PY
+    }
     step 1 "${R[@]}" "${LONG[@]}" workload.limit=20 eval.diagnose.fidelity=true
-    step 2 "${R[@]}" "${LONG[@]}" workload.limit=${LONG_LIMIT:-500}
-    step 3 "${R[@]}" "${LONG[@]}" workload.limit=100 workload.policy=auto  # the cost-aware router picks per handoff
-    step 4 "${R[@]}" +workload=fewshot workload.limit=100 pair=qwen25coder_1p5b_to_0p5b
+    [ "$(cat "$HOME/$stage.done" 2>/dev/null || echo 0)" -ge 2 ] || LONG_LIMIT=${LONG_LIMIT:-$(affordable || true)}
+    echo "100-shot items per task: ${LONG_LIMIT:-none}" | tee -a "$OUT/log.txt"
+    step 2 "${R[@]}" "${LONG[@]}" workload.limit=${LONG_LIMIT:-200}  # its own call (step 1's call: TO=1); a limit
+    # other than 20 / 500 joins tasks.REPORTED_TASK_LIMITS when it is reported
+    R32=(+experiment=routed "${CAPACITY[@]}" workload.warmup=2 eval.diagnose.fidelity=true)  # fp32, as routed/routed2
+    step 3 "${R32[@]}" +workload=passage workload.limit=100 fit.v_space=attention pair=qwen25coder_1p5b_to_0p5b  # lever 3 reversed
+    step 4 "${R[@]}" "${LONG[@]}" workload.limit=100 workload.policy=auto  # the cost-aware router picks per handoff
+    step 5 "${R[@]}" +workload=fewshot workload.limit=100 pair=qwen25coder_1p5b_to_0p5b
     COMMON=(tracking.backend=json "tracking.json_dir=$OUT/trk" "paths.data=$HOME/data" pair.device=cuda)
-    step 5 "${PAPER[@]}"
+    step 6 "${PAPER[@]}"
     echo "routed3 queue done" | tee -a "$OUT/log.txt" ;;
   *) echo "unknown stage $stage" >&2; exit 2 ;;
 esac
