@@ -232,6 +232,19 @@ def test_interpreted_kernel_equals_reference(name, interpreted):
     assert flags.tolist() == (mapper.source_layers == 1).any(1).int().tolist()
 
 
+@interpreter
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_interpreted_kernel_at_the_real_pairs_capacity_shapes(dtype, interpreted):
+    """Qwen2.5-Coder 0.5B → 1.5B at the capacity point (Head-Local k = 24: 1,536-wide designs, d_s 64 → d_t 128,
+    2 KV heads each), the map the routed bf16 runs apply through Triton; two of the 28 target layers."""
+    shape = dict(L_s=24, L_t=2, H_s=2, H_t=2, d_s=64, d_t=128, batch=1, seq=5)
+    keys, values, tables = _case(shape)
+    mapper = _random_mapper(24, 2, 2, 2, 64, 128, support="local", k=24, dtype=dtype)
+    args = (keys, values, mapper, *tables, "half", "half", torch.float32)
+    ours = map_cache(*args, backend="triton", config=SMALL, precision="ieee")
+    _assert_match(ours, map_cache_ref(*args), TOLERANCE["ieee" if dtype == torch.float32 else "bf16"])
+
+
 # --------------------------------------------------------------------------- CUDA
 
 
