@@ -97,3 +97,18 @@ def test_correlation_over_the_runs_that_logged_both(tmp_path):
         line.startswith("attention_output_cosine vs task.mean.retention: Spearman ρ +0.80 [") and "over 4 runs" in line
     )
     assert "at least 3 are needed" in tables.correlation(rows[:2], "attention_output_cosine", "task.mean.retention")
+
+
+def test_routed_labels_name_every_mapper_change_and_long_histories():
+    """A run whose mapper differs (V fitted in attention space, target-written calibration) is never labelled pure
+    transfer (it would pair with pure transfer as its own baseline), and a 100-shot history says so."""
+    base = {"tags.workload": "passage", "tags.direction": "qwen25coder_0.5b_to_1.5b", "params.fit.v_space": "token"}
+    assert tables._routed_label(base) == "passage | 0.5b → 1.5b | pure transfer"
+    vattn = base | {"params.fit.v_space": "attention"}
+    assert tables._routed_label(vattn).endswith("| V fit in attention space")
+    greedy = base | {"params.budget.continuation": "0.5"}
+    assert tables._routed_label(greedy).endswith("| calibration 50% target-greedy")
+    long = base | {"tags.workload": "fewshot", "params.workload.shots.arc_easy": "100"}
+    assert tables._routed_label(long).startswith("fewshot (100 shots) |")
+    short = long | {"params.workload.shots.arc_easy": "25"}
+    assert tables._routed_label(short).startswith("fewshot |")
