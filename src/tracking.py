@@ -70,11 +70,37 @@ def _git(*args: str) -> str:
         return "unknown"
 
 
+ROOT = Path(__file__).resolve().parents[1]
+CODE_DIRS = ("src", "kernels", "conf")  # what a run executes and reads as configuration
+
+
+def code_digest(root: Path = ROOT) -> str:
+    """sha256 (16 hex) over the relative paths and bytes of every file under src/, kernels/ and conf/: names the code
+    a run ran even where git metadata is stale (the device's copy of the tree keeps its first HEAD). Compare with a
+    commit by `python -m src.tracking digest --rev REV`."""
+    digest = hashlib.sha256()
+    files = (path for name in CODE_DIRS for path in (root / name).rglob("*") if path.is_file())
+    for path in sorted(p for p in files if "__pycache__" not in p.parts and p.suffix != ".pyc"):
+        digest.update(path.relative_to(root).as_posix().encode() + b"\0" + path.read_bytes() + b"\0")
+    return digest.hexdigest()[:16]
+
+
+def digest_at(rev: str, root: Path = ROOT) -> str:
+    """`code_digest` of the tree at git revision `rev` of the repository at `root` (extracted with `git archive`)."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as folder:
+        archive = subprocess.run(["git", "archive", rev, *CODE_DIRS], cwd=root, capture_output=True, check=True)
+        subprocess.run(["tar", "-x", "-C", folder], input=archive.stdout, check=True)
+        return code_digest(Path(folder))
+
+
 def environment_tags() -> dict[str, str]:
-    """Versions and hardware of this process: git, Python, torch, transformers, CUDA, driver, GPU."""
+    """Versions and hardware of this process: git, the code digest, Python, torch, transformers, CUDA, driver, GPU."""
     tags = {
         "git_commit": _git("rev-parse", "HEAD"),
         "git_dirty": str(bool(_git("status", "--porcelain", "--untracked-files=no"))),
+        "code_digest": code_digest(),
         "python": platform.python_version(),
         "torch": torch.__version__,
         "transformers": transformers.__version__,
@@ -366,8 +392,12 @@ def main() -> None:
     export.add_argument("directory")
     for command in (replay, export):
         command.add_argument("--uri", default=tracking.uri)
+    digest = commands.add_parser("digest", help="the code digest of this tree, or of a commit (match a record's tag)")
+    digest.add_argument("--rev", help="a git revision (default: the working tree)")
     args = parser.parse_args()
-    if args.command == "import":
+    if args.command == "digest":
+        print(digest_at(args.rev) if args.rev else code_digest())
+    elif args.command == "import":
         print(f"imported {import_records(args.directory, args.uri, args.artifacts)} run(s) into {args.uri}")
     else:
         print(f"exported {export_records(args.experiment, args.directory, args.uri)} run(s) to {args.directory}")

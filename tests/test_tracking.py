@@ -149,3 +149,26 @@ def test_json_record_renamed_then_imported_and_exported_unchanged(store, tmp_pat
     metric = lambda m: (m["key"], m["value"], m["step"] or 0)  # MLflow stores an unstepped metric at step 0
     assert sorted(map(metric, exported["metrics"])) == sorted(map(metric, record["metrics"]))
     assert json.loads((path.parent / "artifacts/tasks/item_scores.json").read_text()) == {"items": [1, 0, 1]}
+
+
+def test_code_digest_names_the_code_a_run_ran(tmp_path):
+    """The digest covers src/, kernels/ and conf/ (not caches), changes with one byte, and `digest_at` reproduces it
+    from a commit: a record's `code_digest` tag says which commit's code ran even where git metadata is stale."""
+    import subprocess
+
+    for name, text in (("src/a.py", "x = 1\n"), ("kernels/k.py", "y = 2\n"), ("conf/c.yaml", "z: 3\n")):
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text(text)
+    git = lambda *args: subprocess.run(["git", "-C", str(tmp_path), *args], check=True, capture_output=True)
+    git("init", "-q")
+    git("add", ".")
+    git("-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "one")
+    first = tracking.code_digest(tmp_path)
+    assert tracking.digest_at("HEAD", tmp_path) == first and len(first) == 16
+    (tmp_path / "src/__pycache__").mkdir()
+    (tmp_path / "src/__pycache__/a.cpython-311.pyc").write_bytes(b"\0")
+    (tmp_path / "README.md").write_text("not code\n")
+    assert tracking.code_digest(tmp_path) == first
+    (tmp_path / "conf/c.yaml").write_text("z: 4\n")
+    assert tracking.code_digest(tmp_path) != first == tracking.digest_at("HEAD", tmp_path)
+    assert tracking.environment_tags()["code_digest"] == tracking.code_digest()
