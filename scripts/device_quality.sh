@@ -58,7 +58,12 @@ case $stage in
       mkdir -p "$KVRELAY_HOME/gguf/${name%%:*}"
       cat "$HOME/stage/${name#*:}".part-* > "$KVRELAY_HOME/gguf/${name%%:*}/${name#*:}"
     done
-    python3 scripts/fetch_models.py qwen25coder_0p5b qwen25coder_1p5b 2>&1 | grep -v "it/s\]" | tail -4
+    pids=()  # both conversions at once: de-quantizing a GGUF keeps one core busy (1.5B: 73 s on 2026-12-04)
+    for name in qwen25coder_0p5b qwen25coder_1p5b; do
+      python3 scripts/fetch_models.py "$name" > "$OUT/fetch-$name.txt" 2>&1 & pids+=($!)
+    done
+    for pid in "${pids[@]}"; do wait "$pid"; done  # a failed conversion stops the stage (set -e)
+    grep -hv "it/s\]" "$OUT"/fetch-*.txt | tail -8
     mkdir -p "$OUT/trk" ;;
   attribution)  # paper budget on Gutenberg: the Table-2 rows, then the budget sweep (NLL + R² only)
     run budget=paper "$METHODS" "${DIAGNOSE[@]}" tracking.experiment=real_attribution
