@@ -9,7 +9,7 @@
 #   bash scripts/device_quality.sh systems    issue-4 timings on random weights (needs only setup)
 #   bash scripts/device_quality.sh routed     routed workloads through the router session (src/routed.py), both directions
 #   bash scripts/device_quality.sh routed2    what `routed` left (2026-12-03), the lever chosen on validation items
-#   bash scripts/device_quality.sh routed3    175-shot ARC at bf16 with the items the gate's CI needs, then the rest
+#   bash scripts/device_quality.sh routed3    200-shot ARC at bf16 with the items the gate's CI needs, then the rest
 # The GPU image has no hydra/mlflow: hydra comes from the carried wheels, tracking writes JSON records
 # that come back as one tarball in $OUT and are imported here with `python -m src.tracking import DIR`.
 set -euo pipefail
@@ -162,13 +162,15 @@ case $stage in
     echo "routed2 queue done" | tee -a "$OUT/log.txt" ;;
   routed3)  # the next lease's queue ($HOME/routed3.done). The 6.57x of routed2 step 9 was measured with fp32 models;
     # at bf16 (what a server runs) the pair's shapes bench gives 1.19x at 4K and 5.0x at 16K, and the length guard
-    # refuses maps past 8 x 1,024 tokens: the gate can pass latency only near 6-8K tokens. So: 175-shot ARC (ARC-C up
-    # to ~7.9K tokens) at bf16 with the Triton apply, with the items the quality CI needs (+-2 pt: >= 500 per task at 5 %
-    # of 100-shot items flip). Step 1 fits the bf16 mapper (cached on the machine) on a 20-item run and times it
-    # (TO=1 in the models call); step 2, its own call, scores as many items per task as the call affords (<= 1,000)
+    # refuses maps past 8 x 1,024 tokens: the gate can pass latency only near 6-8K tokens. So: 200-shot ARC (histories
+    # of the Qwen tokenizer, counted here with budget=paper_mix's shot pool: ARC-E median 6.3K, ARC-C 7.4K, max 7,959 at
+    # 800 items) at bf16 with the Triton apply, with the items the quality CI needs (+-2 pt: >= 500 per task at 5 % of
+    # 100-shot items flip; ARC-C's unscored test items are the shot pool, so <= 800). Step 1 fits the bf16 mapper
+    # (cached on the machine) on a 20-item run and times it (TO=1 in the models call); step 2, its own call, scores as
+    # many items per task as the call affords
     R=(+experiment=routed "${CAPACITY[@]}" workload.warmup=2 pair.dtype=bfloat16 pair.compute_dtype=bfloat16
       pair.apply_backend=auto)
-    SHOTS=${SHOTS:-175}  # ARC-C histories up to ≈ 7.9K tokens (4.3–6.0 chars per token): inside the guard
+    SHOTS=${SHOTS:-200}
     LONG=(+workload=fewshot "workload.tasks=[arc_easy,arc_challenge]" workload.shots.arc_easy=$SHOTS
       workload.shots.arc_challenge=$SHOTS)
     affordable() {  # items per task that fit the time left, from step 1's seconds per scored turn (timing, not scores)
@@ -179,7 +181,7 @@ runs = [r for r in runs if r["status"] == "FINISHED" and r["params"].get("worklo
 last = max(runs, key=lambda r: r["end_time"])
 turns = sum(m["value"] for m in last["metrics"] if m["key"].endswith(".items") and ".mean." not in m["key"])
 per_turn = (last["end_time"] - last["start_time"]) / 1e3 / turns
-print(min(1000, int(int(sys.argv[2]) / per_turn / 2)))
+print(min(800, int(int(sys.argv[2]) / per_turn / 2)))
 PY
     }
     step 1 "${R[@]}" "${LONG[@]}" workload.limit=20 eval.diagnose.fidelity=true
