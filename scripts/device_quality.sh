@@ -173,14 +173,15 @@ case $stage in
     SHOTS=${SHOTS:-200}
     LONG=(+workload=fewshot "workload.tasks=[arc_easy,arc_challenge]" workload.shots.arc_easy=$SHOTS
       workload.shots.arc_challenge=$SHOTS)
-    affordable() {  # items per task that fit the time left, from step 1's seconds per scored turn (timing, not scores)
-      python3 - "$HOME/valid" $((DEADLINE - SECONDS - 90)) "$SHOTS" <<'PY'
+    affordable() {  # items per task that fit the time left (less 120 s: start, loads, warm-up, rollback replay), from
+      # step 1's seconds per scored turn — its routed and all-native sessions with their scoring (throughput.*), no
+      # fidelity: timing, never scores
+      python3 - "$HOME/valid" $((DEADLINE - SECONDS - 120)) "$SHOTS" <<'PY'
 import json, pathlib, sys
 runs = [json.loads(p.read_text()) for p in pathlib.Path(sys.argv[1]).glob("*/record.json")]
 runs = [r for r in runs if r["status"] == "FINISHED" and r["params"].get("workload.shots.arc_easy") == sys.argv[3]]
-last = max(runs, key=lambda r: r["end_time"])
-turns = sum(m["value"] for m in last["metrics"] if m["key"].endswith(".items") and ".mean." not in m["key"])
-per_turn = (last["end_time"] - last["start_time"]) / 1e3 / turns
+metrics = {m["key"]: m["value"] for m in max(runs, key=lambda r: r["end_time"])["metrics"]}
+per_turn = 1 / metrics["throughput.routed_items_per_s"] + 1 / metrics["throughput.reprefill_items_per_s"]
 print(min(800, int(int(sys.argv[2]) / per_turn / 2)))
 PY
     }
