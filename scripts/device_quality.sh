@@ -29,7 +29,7 @@ run() {
   [ "$LAST_RC" -eq 0 ] || echo "FAILED (rc $LAST_RC): $*" | tee -a "$OUT/log.txt"
 }
 pack() { [ -d "$OUT/trk" ] && tar czf "$OUT/trk-$stage.tgz" -C "$OUT" trk && rm -rf "$OUT/trk"; }
-step() {  # step N ARGS…: one step of a resumable queue (routed, routed2), unless an earlier call on this machine
+step() {  # step N ARGS…: one step of a resumable queue (routed, routed2, routed3), unless an earlier call on this machine
   # finished it ($HOME/<stage>.done) or FROM=N / TO=N leave it out (a later lease on a fresh machine, one step alone)
   local n=$1; shift
   [ "$n" -lt "${FROM:-1}" ] || [ "$n" -gt "${TO:-99}" ] || [ "$n" -le "$(cat "$HOME/$stage.done" 2>/dev/null || echo 0)" ] && return
@@ -188,8 +188,8 @@ PY
     step 1 "${R[@]}" "${LONG[@]}" workload.limit=20 eval.diagnose.fidelity=true
     [ "$(cat "$HOME/$stage.done" 2>/dev/null || echo 0)" -ge 2 ] || LONG_LIMIT=${LONG_LIMIT:-$(affordable || true)}
     echo "$SHOTS-shot items per task: ${LONG_LIMIT:-none}" | tee -a "$OUT/log.txt"
-    step 2 "${R[@]}" "${LONG[@]}" workload.limit=${LONG_LIMIT:-200}  # its own call; a limit other than 20 / 500
-    # joins tasks.REPORTED_TASK_LIMITS when it is reported
+    step 2 "${R[@]}" "${LONG[@]}" workload.limit=${LONG_LIMIT:-200}  # its own call; its limit joins
+    # tasks.REPORTED_TASK_LIMITS when it is reported
     step 3 "${R[@]}" +workload=fewshot "workload.tasks=[arc_easy,arc_challenge]" workload.shots.arc_easy=100 \
       workload.shots.arc_challenge=100 workload.limit=40  # routed2 step 9's items at bf16: the dtype's latency effect
     R32=(+experiment=routed "${CAPACITY[@]}" workload.warmup=2 eval.diagnose.fidelity=true)  # fp32, as routed/routed2

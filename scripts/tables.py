@@ -31,8 +31,11 @@ from datetime import UTC, datetime
 from functools import partial
 from pathlib import Path
 
+from omegaconf import OmegaConf
+
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS, BENCHMARKS = ROOT / "results", ROOT / "BENCHMARKS.md"
+FEWSHOT_SHOTS = dict(OmegaConf.load(ROOT / "conf/workload/fewshot.yaml").shots)  # a run with more shows its count
 sys.path.insert(0, str(ROOT))  # the gate's verdicts (src/gate.py) for the routed tables
 MARKED = re.compile(r"(<!-- table: (\S+) -->\n)(.*?)(<!-- /table -->)", re.S)
 VARIANTS = ("own", "kv", "token", "relu")  # src/probe.py, in that order
@@ -248,8 +251,8 @@ def _routed_label(row: Row) -> str:
         levers.append(f"calibration {float(row['params.budget.continuation']):.0%} target-greedy")
     arrow = str(row.get("tags.direction", "?")).replace("qwen25coder_", "").replace("_to_", " → ")
     items = " (validation items)" if row.get("tags.split") == "valid" else ""
-    shots = {int(row.get(f"params.workload.shots.{task}", 0)) for task in ("arc_easy", "arc_challenge")}
-    items += f" ({max(shots)} shots)" if row.get("tags.workload") == "fewshot" and max(shots) > 25 else ""
+    longer = [n for task, k in FEWSHOT_SHOTS.items() if (n := int(row.get(f"params.workload.shots.{task}", k))) > k]
+    items += f" ({max(longer)} shots)" if row.get("tags.workload") == "fewshot" and longer else ""
     return f"{row.get('tags.workload')}{items} | {arrow} | {', '.join(levers) or 'pure transfer'}"
 
 

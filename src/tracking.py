@@ -25,6 +25,8 @@ import platform
 import re
 import shutil
 import subprocess
+import sys
+import tempfile
 import time
 import traceback
 from collections.abc import Iterator
@@ -87,10 +89,10 @@ def code_digest(root: Path = ROOT) -> str:
 
 def digest_at(rev: str, root: Path = ROOT) -> str:
     """`code_digest` of the tree at git revision `rev` of the repository at `root` (extracted with `git archive`)."""
-    import tempfile
-
+    archive = subprocess.run(["git", "archive", rev, *CODE_DIRS], cwd=root, capture_output=True)
+    if archive.returncode:
+        raise ValueError(f"no code digest at {rev!r}: {archive.stderr.decode().strip()}")
     with tempfile.TemporaryDirectory() as folder:
-        archive = subprocess.run(["git", "archive", rev, *CODE_DIRS], cwd=root, capture_output=True, check=True)
         subprocess.run(["tar", "-x", "-C", folder], input=archive.stdout, check=True)
         return code_digest(Path(folder))
 
@@ -381,7 +383,7 @@ class MLflowParentRun(Callback):
 
 
 def main() -> None:
-    tracking = OmegaConf.load(Path(__file__).resolve().parents[1] / "conf/tracking/mlflow.yaml")
+    tracking = OmegaConf.load(ROOT / "conf/tracking/mlflow.yaml")
     parser = argparse.ArgumentParser(description="JSON tracking records ⇄ the MLflow store")
     commands = parser.add_subparsers(dest="command", required=True)
     replay = commands.add_parser("import", help="replay the records under DIR (e.g. from the GPU machine) as runs")
@@ -396,7 +398,10 @@ def main() -> None:
     digest.add_argument("--rev", help="a git revision (default: the working tree)")
     args = parser.parse_args()
     if args.command == "digest":
-        print(digest_at(args.rev) if args.rev else code_digest())
+        try:
+            print(digest_at(args.rev) if args.rev else code_digest())
+        except ValueError as error:
+            sys.exit(f"digest: {error}")
     elif args.command == "import":
         print(f"imported {import_records(args.directory, args.uri, args.artifacts)} run(s) into {args.uri}")
     else:

@@ -172,3 +172,8 @@ def test_code_digest_names_the_code_a_run_ran(tmp_path):
     (tmp_path / "conf/c.yaml").write_text("z: 4\n")
     assert tracking.code_digest(tmp_path) != first == tracking.digest_at("HEAD", tmp_path)
     assert tracking.environment_tags()["code_digest"] == tracking.code_digest()
+
+
+def test_code_digest_of_an_unknown_revision_is_a_clear_error():
+    with pytest.raises(ValueError, match="no code digest at 'no-such-revision'"):
+        tracking.digest_at("no-such-revision")
