@@ -249,21 +249,32 @@ def _routed_label(row: Row) -> str:
         levers.append(f"V fit in {row['params.fit.v_space']} space")
     if row.get("params.budget.continuation") not in (None, "0", "0.0"):  # lever 4: calibration the target wrote
         levers.append(f"calibration {float(row['params.budget.continuation']):.0%} target-greedy")
+    if row.get("params.workload.policy", "map") != "map":  # the session chose per handoff (src/session.py)
+        levers.insert(0, f"policy {row['params.workload.policy']}")
     arrow = str(row.get("tags.direction", "?")).replace("qwen25coder_", "").replace("_to_", " → ")
-    items = " (validation items)" if row.get("tags.split") == "valid" else ""
+    notes = ["validation items"] if row.get("tags.split") == "valid" else []
     longer = [n for task, k in FEWSHOT_SHOTS.items() if (n := int(row.get(f"params.workload.shots.{task}", k))) > k]
-    items += f" ({max(longer)} shots)" if row.get("tags.workload") == "fewshot" and longer else ""
+    notes += [f"{max(longer)} shots"] if row.get("tags.workload") == "fewshot" and longer else []
+    notes += ["bf16"] if row.get("params.pair.dtype") == "bfloat16" else []  # the models' weights and compute
+    items = f" ({', '.join(notes)})" if notes else ""
     return f"{row.get('tags.workload')}{items} | {arrow} | {', '.join(levers) or 'pure transfer'}"
 
 
 def _gate(row: Row) -> str:
     """The gate's verdict on this run (src/gate.py judge_run), with the criteria that did not pass."""
     from src.gate import judge_run
+    from src.routed import same_work
 
     metrics = {k[len("metrics.") :]: v for k, v in row.items() if k.startswith("metrics.")}
+    if "ttft.same_work_ratio" not in metrics:  # a record that predates the metric: from its per-item scores
+        metrics |= same_work(_items(row))
     tags = {k[len("tags.") :]: str(v) for k, v in row.items() if k.startswith("tags.")}
     failing = [v for v in judge_run(metrics, tags) if not v.passed]
-    names = {"latency: end-to-end TTFT speedup": "latency", "quality: loss vs all-re-prefill": "quality"}
+    names = {
+        "latency: end-to-end TTFT speedup": "latency",
+        "latency harness: same work alike": "latency harness",
+        "quality: loss vs all-re-prefill": "quality",
+    }
     reasons = ", ".join(f"{names.get(v.criterion, v.criterion)} {v.status}" for v in failing)
     return f"FAIL ({reasons})" if failing else "PASS"
 
@@ -354,13 +365,13 @@ def _items(row: Row) -> list[dict]:
 
 
 def routed_paired(rows: list[Row], run_set: str | None = None) -> str:
-    """Levers compared on the same items (src/routed.py `paired_gain`): within one direction, workload and item
-    split, every two recompute runs whose prefill spent differs by ≤ 5 points (equal compute), and every lever run
-    against pure transfer (with `run_set`: only pairs with a run of that results/ folder). Accuracy of the first
-    minus the second, points [95 % CI]."""
+    """Levers compared on the same items (src/routed.py `paired_gain`): within one direction and workload (its shots,
+    dtype and item split), every two recompute runs whose prefill spent differs by ≤ 5 points (equal compute), and every lever run
+    against pure transfer (with `run_set`: only pairs with a run of that results/ folder), when they share at least
+    half the items of the smaller run. Accuracy of the first minus the second, points [95 % CI]."""
     from src.routed import paired_gain
 
-    group = lambda r: (r.get("tags.direction"), r.get("tags.workload"), r.get("tags.split", "test"))
+    group = lambda r: _routed_label(r).split(" | ")[:2]  # workload (its shots, dtype, item split) and direction
     recompute = lambda r: float(r.get("params.eval.levers.recompute") or 0) > 0
     pure = lambda r: _routed_label(r).endswith("pure transfer")
     pairs = []
@@ -378,18 +389,21 @@ def routed_paired(rows: list[Row], run_set: str | None = None) -> str:
             elif pure(first) != pure(second):
                 pairs.append((second, first) if pure(first) else (first, second))
     lines = [
-        "| workload | direction | run A | run B | prefill A / B | acc A − B, pt [95 % CI] |",
-        "|---|---|---|---|---|---|",
+        "| workload | direction | run A | run B | prefill A / B | items paired | acc A − B, pt [95 % CI] |",
+        "|---|---|---|---|---|---|---|",
     ]
+    key = lambda item: (item["task"], item["index"])
     for first, second in pairs:
-        found = paired_gain(
-            _items(first), _items(second), int(first["params.eval.tasks.n_boot"]), int(first["params.seed"])
-        )
+        mine, theirs = _items(first), _items(second)
+        shared = len({key(item) for item in mine} & {key(item) for item in theirs})
+        if 2 * shared < min(len(mine), len(theirs)):  # other item limits: a few items in common say nothing
+            continue
+        found = paired_gain(mine, theirs, int(first["params.eval.tasks.n_boot"]), int(first["params.seed"]))
         workload, arrow, levers = _routed_label(first).split(" | ")
         lines.append(
             f"| {workload} | {arrow} | {levers} | {_routed_label(second).split(' | ')[2]} "
             f"| {_fmt(_metric(first, 'prefill_fraction'), 0, 100)} / {_fmt(_metric(second, 'prefill_fraction'), 0, 100)} % "
-            f"| {100 * found.estimate:+.1f} [{100 * found.low:+.0f}, {100 * found.high:+.0f}] |"
+            f"| {shared} | {100 * found.estimate:+.1f} [{100 * found.low:+.0f}, {100 * found.high:+.0f}] |"
         )
     return "\n".join(lines)
 
@@ -401,6 +415,7 @@ class Table:
 
 
 ROUTED, LEVERS, FITS = "routed-h200-2026-12-03", "routed2-h200-2026-12-03", "routed3-h200-2026-12-04"
+BF16 = "routed4-h200-2026-12-04"
 TABLES: dict[str, Table] = {
     "quickstart": Table(("quickstart-cpu",), quickstart),
     "routed": Table((ROUTED,), routed),
@@ -412,6 +427,9 @@ TABLES: dict[str, Table] = {
     "routed_fits": Table((FITS,), routed),
     "routed_fits_tasks": Table((FITS,), routed_tasks),
     "routed_fits_paired": Table((ROUTED, FITS), partial(routed_paired, run_set=FITS)),
+    "routed_bf16": Table((BF16,), routed),
+    "routed_bf16_tasks": Table((BF16,), routed_tasks),
+    "routed_bf16_paired": Table((ROUTED, LEVERS, FITS, BF16), partial(routed_paired, run_set=BF16)),
 }
 
 

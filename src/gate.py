@@ -6,15 +6,20 @@ that run on that workload:
   quality   every task's loss against the all-re-prefill session (the native target) ≤ 1 absolute point, printed with
             its paired 95% CI; UNDERPOWERED (not a pass) when a CI's half-width exceeds 2 points — more items are
             needed before PASS can be claimed; real pretrained weights only (random weights carry no quality evidence)
+  harness   where the routed session re-prefilled (policy auto, a refusal), it did the baseline's own work: the
+            median of re-prefill / routed TTFT over those handoffs must lie within [1/skew, skew]
+            (ttft.same_work_ratio), else the clock, not the transfer, made the speedup; printed as not checkable
+            when every handoff mapped
   prefill   the prefill fraction the handoffs actually spent, printed (a run that re-prefills everything cannot
             show the speedup)
   rollback  rollback_verified = 1: every refusal kind replayed on the workload's items fell back to a bit-identical
             re-prefill
 A criterion with no logged measurement is MISSING and fails: nothing passes by default. The run judged is the one
-given (--run), else the latest finished routed run on test items of each (workload, direction, history length) —
-never the best of several; runs on validation items are never judged. The history length is the longest TTFT bucket
-the run logged (`ttft.routed.le_<N>_ms_p50`): a run on longer histories is another operating point and never
-shadows the verdict on shorter ones. The exit status is non-zero unless every judged run passes.
+given (--run), else the latest finished routed run on test items of each (workload, direction, history length,
+policy) — never the best of several; runs on validation items are never judged. The history length is the longest
+TTFT bucket the run logged (`ttft.routed.le_<N>_ms_p50`): a run on longer histories is another operating point and
+never shadows the verdict on shorter ones; so is a session policy other than `map` (tag `policy`, e.g. `auto`). The
+exit status is non-zero unless every judged run passes.
 
     python -m src.gate --experiment routed [--run RUN_ID] [--parent RUN_ID] [--uri sqlite:///mlruns/mlflow.db]
 """
@@ -23,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import sys
 from collections import Counter
 from dataclasses import dataclass
@@ -33,6 +39,7 @@ from omegaconf import OmegaConf
 CONF = Path(__file__).resolve().parents[1] / "conf"
 DEFAULTS = OmegaConf.load(CONF / "gate/default.yaml")  # the one home of every threshold's default
 TASK_PREFIX, TASK_SUFFIX = "task.", ".loss_points"
+EPSILON = 1e-9  # a loss of exactly the threshold passes: one item in 100 is (0.54 − 0.53) × 100 = 1.0000000000000009
 
 
 @dataclass
@@ -74,7 +81,7 @@ def _quality(metrics: dict[str, float], tags: dict[str, str], max_loss: float, m
             lines.append(f"{task} {loss:+.2f} (no CI)")
             continue
         finite = all(math.isfinite(x) for x in (loss, low, high))
-        failed |= not finite or loss > max_loss
+        failed |= not finite or loss > max_loss + EPSILON
         wide |= finite and (high - low) / 2 > max_half_width
         lines.append(f"{task} {loss:+.2f} [{low:+.2f}, {high:+.2f}]")
     mean = [metrics.get(f"task.mean.loss_points{end}") for end in ("", "_low", "_high")]
@@ -84,12 +91,23 @@ def _quality(metrics: dict[str, float], tags: dict[str, str], max_loss: float, m
     return Verdict(criterion, "; ".join(lines), threshold, status)
 
 
+def _harness(metrics: dict[str, float], skew: float) -> Verdict:
+    criterion, threshold = "latency harness: same work alike", f"re-prefill / routed within [{1 / skew:.2f}, {skew}]×"
+    ratio = metrics.get("ttft.same_work_ratio")
+    if ratio is None:
+        return Verdict(criterion, "not checkable: no re-prefilled handoff in this run", threshold, "REPORTED")
+    items = metrics.get("ttft.same_work_items", math.nan)
+    status = "PASS" if 1 / skew <= ratio <= skew else "FAIL"  # nan fails
+    return Verdict(criterion, f"{ratio:.2f}× on {items:.0f} re-prefilled handoffs", threshold, status)
+
+
 def judge_run(
     metrics: dict[str, float],
     tags: dict[str, str],
     min_speedup: float | None = None,
     max_loss: float | None = None,
     max_half_width: float | None = None,
+    max_skew: float | None = None,
 ) -> list[Verdict]:
     """The criteria for one run's metrics and tags (thresholds default to conf/gate/default.yaml)."""
     min_speedup = DEFAULTS.min_speedup if min_speedup is None else min_speedup
@@ -109,6 +127,7 @@ def judge_run(
     status = "MISSING" if speedup is None else "PASS" if speedup >= min_speedup else "FAIL"  # nan fails
     measured = "—" if speedup is None else f"{speedup:.2f}× (p50 {metrics.get('ttft.routed_ms_p50', math.nan):.1f} ms)"
     verdicts.append(Verdict("latency: end-to-end TTFT speedup", measured, f"≥ {min_speedup}×", status))
+    verdicts.append(_harness(metrics, DEFAULTS.max_harness_skew if max_skew is None else max_skew))
     verdicts.append(_quality(metrics, tags, max_loss, max_half_width))
     fraction = metrics.get("prefill_fraction")
     verdicts.append(
@@ -142,6 +161,25 @@ def history_regime(metrics: dict[str, float]) -> str:
     return f"{'>' if longest.startswith('gt_') else '≤'} {int(longest[3:])} tokens"
 
 
+def _with_same_work(run) -> dict[str, float]:
+    """The run's metrics; a record that predates `ttft.same_work_ratio` is checked from its per-item artifact
+    (routed/items.json, src/routed.py `same_work`), when it has one."""
+    from mlflow.artifacts import load_dict
+    from mlflow.exceptions import MlflowException
+
+    metrics = dict(run.data.metrics)
+    if "ttft.same_work_ratio" in metrics:
+        return metrics
+    os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")  # one small file, no bar in the verdict
+    try:
+        items = load_dict(f"{run.info.artifact_uri}/routed/items.json")["items"]
+    except (MlflowException, OSError, KeyError):
+        return metrics
+    from src.routed import same_work
+
+    return metrics | same_work(items)
+
+
 def check(
     uri: str,
     experiment: str,
@@ -150,6 +188,7 @@ def check(
     max_loss: float | None = None,
     max_half_width: float | None = None,
     run: str | None = None,
+    max_skew: float | None = None,
 ) -> int:
     """Print the verdict of each judged run; 0 when every one passes, else 1."""
     import mlflow
@@ -177,12 +216,14 @@ def check(
     for candidate in runs:  # newest first; a (workload, direction) with test runs is judged on them only
         if on_test(candidate) or workload(candidate) not in tested:
             regime = history_regime(candidate.data.metrics) if on_test(candidate) else "any length"
+            policy = candidate.data.tags.get("policy", "map")  # a session that chooses per handoff: its own point
+            regime += "" if policy == "map" else f", policy {policy}"
             groups.setdefault((*workload(candidate), regime), []).append(candidate)
     validation = Counter(workload(run) for run in runs if not on_test(run))
     failed = False
     for (name, direction, regime), candidates in sorted(groups.items()):
         judged = candidates[0]  # the latest; a later run on validation items never shadows the reported one
-        verdicts = judge_run(judged.data.metrics, judged.data.tags, min_speedup, max_loss, max_half_width)
+        verdicts = judge_run(_with_same_work(judged), judged.data.tags, min_speedup, max_loss, max_half_width, max_skew)
         passed = all(v.passed for v in verdicts)
         failed |= not passed
         print(
@@ -207,6 +248,7 @@ def main() -> None:
     parser.add_argument("--min-speedup", type=float, default=DEFAULTS.min_speedup)
     parser.add_argument("--max-loss-points", type=float, default=DEFAULTS.max_loss_points)
     parser.add_argument("--max-ci-half-width", type=float, default=DEFAULTS.max_ci_half_width)
+    parser.add_argument("--max-harness-skew", type=float, default=DEFAULTS.max_harness_skew)
     args = parser.parse_args()
     sys.exit(
         check(
@@ -217,6 +259,7 @@ def main() -> None:
             args.max_loss_points,
             args.max_ci_half_width,
             args.run,
+            args.max_harness_skew,
         )
     )
 

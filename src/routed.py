@@ -150,7 +150,18 @@ def timing(items: list[dict]) -> dict[str, float]:
     if paired:
         metrics["ttft_speedup"] = float(np.median(paired))
         metrics["ttft_speedup_of_p50"] = metrics["ttft.reprefill_ms_p50"] / metrics["ttft.routed_ms_p50"]
-    return metrics
+    return metrics | same_work(timed)
+
+
+def same_work(items: list[dict]) -> dict[str, float]:
+    """Median re-prefill / routed TTFT over the turns the routed session re-prefilled too (the baseline's own work,
+    timed seconds apart): ≈ 1 when the harness times the same work alike (src/gate.py checks it); {} when none."""
+    same = [
+        i["ttft"]["reprefill"] / i["ttft"]["routed"]
+        for i in items
+        if {"routed", "reprefill"} <= set(i["ttft"] or {}) and (i.get("handoff") or {}).get("path") == "reprefill"
+    ]
+    return {"ttft.same_work_ratio": float(np.median(same)), "ttft.same_work_items": float(len(same))} if same else {}
 
 
 def handoffs(records: list[dict], turns: int) -> dict[str, float]:

@@ -11,6 +11,7 @@ target already holds its own history and reads the new turn.
 from __future__ import annotations
 
 import copy
+import math
 import time
 from dataclasses import asdict, dataclass, field, replace
 
@@ -23,7 +24,7 @@ from src.eval.scoring import score_continuations
 from src.routing import CostModel, Policy, Route, bind
 from src.session import Session
 from src.tasks import METRICS, Item, choice_lengths
-from src.workloads import Chat, Example, chunks, conversations
+from src.workloads import Chat, Example, chunks, conversations, shot_ids
 
 LENGTH_EDGES = (512, 2048, 8192, 32768)  # context-length buckets of refusals and TTFT (tokens)
 MODES = ("routed", "native_target", "native_source")
@@ -67,6 +68,12 @@ class Run:
         if kind == "routed":
             return Session(self.models, self.routes, self.policy, self.costs)
         return Session(self.models, {}, Policy(mode="reprefill"), self.costs)
+
+    def warmed(self) -> None:
+        """The warm-up turns are over: forget their clock (throughput) and their costs (the `auto` policy's line must
+        not fit kernel compilation and first allocations)."""
+        self.seconds = dict.fromkeys(self.seconds, 0.0)
+        self.costs = CostModel()
 
     def encode(self, text: str) -> torch.Tensor:
         return torch.tensor(self.tokenizer.encode(text, add_special_tokens=False), dtype=torch.long)
@@ -177,12 +184,12 @@ def single_turn(run: Run, examples: list[Example]) -> tuple[list[dict], list[dic
         record, ttft["routed"], peaks["routed"] = _first_token(routed, "target", groups[0][0])
         scores["routed"] = _score(run.models["target"], routed.cache("target"), groups[0][0].numel(), groups)
         if n < run.warmup:  # untimed: kernels, allocator
-            run.seconds = dict.fromkeys(run.seconds, 0.0)
+            run.warmed()
             continue
         run.seconds["routed"] += time.perf_counter() - began
         run.items, run.tokens = run.items + 1, run.tokens + history.numel() + groups[0][0].numel()
         row = _row(example.item, history.numel(), groups[0][0].numel(), groups, scores, ttft, peaks, record)
-        rows.append(row | {"shots": list(example.shots)})
+        rows.append(row | {"shots": shot_ids(example.shots)})
         records.append(asdict(record))
     return rows, records
 
@@ -208,6 +215,8 @@ def switches(run: Run, examples: list[Example], counts) -> tuple[list[dict], lis
                 row = _row(example.item, history.numel(), turn.numel(), groups, scores, dict(ttft), dict(peaks), record)
                 per_count[count].append(row | {"switches": count})
                 records += [asdict(r) for r in routed.records]
+        if n < run.warmup:
+            run.warmed()
     return per_count[max(counts)], records, per_count
 
 
@@ -258,6 +267,7 @@ def multiturn(
     for items in [c[0] for c in chained.values() if c][: run.warmup]:  # untimed: kernels, allocator
         for kind in ("routed", "reprefill"):
             _converse(run, run.session(kind), items, escalation, True)
+    run.warmed()
     for task in tasks:
         for n, items in enumerate(chained[task]):
             began = time.perf_counter()
@@ -289,12 +299,23 @@ def _overflowing(mapper: Mapper) -> Mapper:
     return replace(mapper, weight_v=weight)
 
 
+def _max_abs_diff(cache: DynamicCache, reference: DynamicCache) -> float:
+    """max |a − b| over every layer's keys and values; inf when a layer's shapes differ."""
+    diff = 0.0
+    for a, b in zip(cache.layers, reference.layers, strict=True):
+        for x, y in ((a.keys, b.keys), (a.values, b.values)):
+            diff = max(diff, float((x.float() - y.float()).abs().max()) if x.shape == y.shape else math.inf)
+    return diff
+
+
 def rollback(
     run: Run, mapper: Mapper, replays: list[tuple[torch.Tensor, torch.Tensor]], max_new_tokens: int, bind_args
 ) -> dict[str, float]:
     """Every refusal kind on the workload's own (history, turn) ids: the routed session must report it
     (fallback_reprefill / unsupported) and then produce the greedy tokens and the target cache of a session that
-    never tried a transfer, bit for bit. `rollback.<kind>` and `rollback_verified` are 1.0 when every replay holds."""
+    never tried a transfer, bit for bit. `rollback.<kind>` and `rollback_verified` are 1.0 when every replay holds;
+    what failed is logged beside: `.refused` (every replay reported the refusal), `.tokens_equal`, `.cache_max_abs_diff`
+    (over replays and layers, inf when the lengths differ)."""
     manifest = mapper.manifest
     kinds = {  # kind → (mapper, policy overrides, poison the source's cache)
         "artifact_mismatch": (replace(mapper, manifest=manifest | {"target_fingerprint": "0" * 64}), {}, False),
@@ -307,7 +328,7 @@ def rollback(
     checks = {}
     for kind, (broken, overrides, poison) in kinds.items():
         route = {("source", "target"): bind(source, target, broken, *bind_args)}
-        held = []
+        held, refused, tokens_equal, diff = [], [], [], 0.0
         for history, turn in replays:
             outputs = []
             for session in (Session(run.models, route, replace(run.policy, **overrides)), run.session("reprefill")):
@@ -321,7 +342,15 @@ def rollback(
                 torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
                 for a, b in zip(cache.layers, reference_cache.layers, strict=True)
             )
-            held.append(record.status != "applied" and torch.equal(tokens, reference) and same_cache)
+            refused.append(record.status != "applied")
+            tokens_equal.append(torch.equal(tokens, reference))
+            diff = max(diff, _max_abs_diff(cache, reference_cache))
+            held.append(refused[-1] and tokens_equal[-1] and same_cache)
         checks[f"rollback.{kind}"] = float(bool(held) and all(held))
-    checks["rollback_verified"] = float(all(value == 1.0 for value in checks.values()))
+        checks |= {
+            f"rollback.{kind}.refused": float(all(refused)),
+            f"rollback.{kind}.tokens_equal": float(all(tokens_equal)),
+            f"rollback.{kind}.cache_max_abs_diff": diff,
+        }
+    checks["rollback_verified"] = float(all(checks[f"rollback.{kind}"] == 1.0 for kind in kinds))
     return checks

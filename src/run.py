@@ -226,7 +226,16 @@ def gate(cfg: DictConfig) -> None:
 
     g = cfg.gate
     sys.exit(
-        check(cfg.tracking.uri, g.experiment, g.parent, g.min_speedup, g.max_loss_points, g.max_ci_half_width, g.run)
+        check(
+            cfg.tracking.uri,
+            g.experiment,
+            g.parent,
+            g.min_speedup,
+            g.max_loss_points,
+            g.max_ci_half_width,
+            g.run,
+            g.max_harness_skew,
+        )
     )
 
 

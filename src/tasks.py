@@ -86,9 +86,8 @@ def choice_lengths(item: Item) -> list[int]:
 
 SPLITS = ("test", "valid")  # the scored items that are reported | items no reported run scores, for choices only
 REPORTED_LIMITS = (50, 100)  # the item limits of reported (test) runs: no validation item is one of their items
-# … and of one task's: the long-history ARC runs (40 items, 2026-12-04; 20 queued in device_quality.sh routed3, and
-# the limit its step 2 affords joins when it is reported)
-REPORTED_TASK_LIMITS = {"arc_easy": (20, 40), "arc_challenge": (20, 40)}
+# … and of one task's: the long-history ARC runs (100-shot: 40 items; 200-shot: 20 and 120 items; H200, 2026-12-04)
+REPORTED_TASK_LIMITS = {"arc_easy": (20, 40, 120), "arc_challenge": (20, 40, 120)}
 
 
 def subsample(count: int, limit: int | None, split: str = "test", task: str = "") -> list[int]:

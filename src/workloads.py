@@ -44,6 +44,15 @@ class Example:
     shots: tuple[str, ...] = ()
 
 
+def shot_ids(shots: tuple[str, ...]) -> dict[str, list[int]]:
+    """Shots ("file#index") as {file: [index, …]} in their order: what a record keeps (200 shots a few KB, not 4)."""
+    ids: dict[str, list[int]] = {}
+    for shot in shots:
+        source, index = shot.rsplit("#", 1)
+        ids.setdefault(source, []).append(int(index))
+    return ids
+
+
 def calibration_files(corpus: str) -> frozenset[str]:
     """The data files (relative to shared/data) that a calibration corpus `a+b+…` reads."""
     files = set()

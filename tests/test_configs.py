@@ -354,4 +354,5 @@ def test_sweep_and_gate_defaults():
         "min_speedup": 2.0,
         "max_loss_points": 1.0,
         "max_ci_half_width": 2.0,
+        "max_harness_skew": 1.25,
     }

@@ -54,22 +54,22 @@ def test_the_issue_loophole_no_longer_passes():
     }
     verdicts = judge_run(loophole, {"weights": "real"}, 2, 1)  # the issue's own call, thresholds from the YAML
     assert not all(v.passed for v in verdicts)
-    assert [v.status for v in verdicts] == ["MISSING", "MISSING", "UNDERPOWERED", "MISSING", "PASS"]
-    assert "piqa +1.00 [-9.00, +11.00]" in verdicts[2].measured  # printed with its CI
+    assert [v.status for v in verdicts] == ["MISSING", "MISSING", "REPORTED", "UNDERPOWERED", "MISSING", "PASS"]
+    assert "piqa +1.00 [-9.00, +11.00]" in verdicts[3].measured  # printed with its CI
     routed = loophole | {"ttft_speedup": 2.1, "prefill_fraction": 1.0}  # even as a routed run with end-to-end TTFT
-    assert statuses(routed) == ["PASS", "PASS", "UNDERPOWERED", "REPORTED", "PASS"]
+    assert statuses(routed) == ["PASS", "PASS", "REPORTED", "UNDERPOWERED", "REPORTED", "PASS"]
 
 
 def test_planted_passing_run_passes():
     verdicts = judge_run(PASSING, REAL, 2.0, 1.0, 2.0)
-    assert [v.status for v in verdicts] == ["PASS", "PASS", "PASS", "REPORTED", "PASS"]
+    assert [v.status for v in verdicts] == ["PASS", "PASS", "REPORTED", "PASS", "REPORTED", "PASS"]
     assert all(v.passed for v in verdicts)
-    assert "arc_easy +0.40 [-1.20, +1.90]" in verdicts[2].measured and "0.050" in verdicts[3].measured
+    assert "arc_easy +0.40 [-1.20, +1.90]" in verdicts[3].measured and "0.050" in verdicts[4].measured
 
 
 def test_a_run_on_validation_items_is_never_judged():
     """Validation items choose levers (`workload.split=valid`); only test items are reported and gated."""
-    assert statuses(PASSING, REAL | {"split": "valid"}) == ["FAIL", "PASS", "PASS", "REPORTED", "PASS"]
+    assert statuses(PASSING, REAL | {"split": "valid"}) == ["FAIL", "PASS", "REPORTED", "PASS", "REPORTED", "PASS"]
     assert statuses(PASSING, REAL | {"split": "test"})[0] == "PASS"
 
 
@@ -77,21 +77,38 @@ def test_a_run_on_validation_items_is_never_judged():
 def test_random_weight_runs_never_pass_quality(weights):
     tags = REAL | {"weights": weights} if weights else without(REAL, "weights")
     perfect = PASSING | {"task.arc_easy.loss_points": -5.0, "task.mmlu.loss_points": 0.0}
-    assert statuses(perfect, tags)[2] == "MISSING"
+    assert statuses(perfect, tags)[3] == "MISSING"
 
 
 @pytest.mark.parametrize(
     ("metrics", "tags", "expected"),
     [
-        (without(PASSING, "ttft_speedup"), REAL, ["PASS", "MISSING", "PASS", "REPORTED", "PASS"]),
-        (PASSING | {"handoff_speedup": 9.0, "ttft_speedup": 1.9}, REAL, ["PASS", "FAIL", "PASS", "REPORTED", "PASS"]),
-        (PASSING | {"ttft_speedup": float("nan")}, REAL, ["PASS", "FAIL", "PASS", "REPORTED", "PASS"]),
-        (without(PASSING, "prefill_fraction"), REAL, ["PASS", "PASS", "PASS", "MISSING", "PASS"]),
-        (without(PASSING, "rollback_verified"), REAL, ["PASS", "PASS", "PASS", "REPORTED", "MISSING"]),
-        (PASSING | {"rollback_verified": 0.0}, REAL, ["PASS", "PASS", "PASS", "REPORTED", "FAIL"]),
-        (PASSING, REAL | {"job": "fit_eval"}, ["MISSING", "PASS", "PASS", "REPORTED", "PASS"]),
-        (PASSING, without(REAL, "workload"), ["MISSING", "PASS", "PASS", "REPORTED", "PASS"]),
-        ({}, REAL, ["PASS", "MISSING", "MISSING", "MISSING", "MISSING"]),
+        (without(PASSING, "ttft_speedup"), REAL, ["PASS", "MISSING", "REPORTED", "PASS", "REPORTED", "PASS"]),
+        (
+            PASSING | {"handoff_speedup": 9.0, "ttft_speedup": 1.9},
+            REAL,
+            ["PASS", "FAIL", "REPORTED", "PASS", "REPORTED", "PASS"],
+        ),
+        (PASSING | {"ttft_speedup": float("nan")}, REAL, ["PASS", "FAIL", "REPORTED", "PASS", "REPORTED", "PASS"]),
+        (without(PASSING, "prefill_fraction"), REAL, ["PASS", "PASS", "REPORTED", "PASS", "MISSING", "PASS"]),
+        (without(PASSING, "rollback_verified"), REAL, ["PASS", "PASS", "REPORTED", "PASS", "REPORTED", "MISSING"]),
+        (PASSING | {"rollback_verified": 0.0}, REAL, ["PASS", "PASS", "REPORTED", "PASS", "REPORTED", "FAIL"]),
+        (PASSING, REAL | {"job": "fit_eval"}, ["MISSING", "PASS", "REPORTED", "PASS", "REPORTED", "PASS"]),
+        (PASSING, without(REAL, "workload"), ["MISSING", "PASS", "REPORTED", "PASS", "REPORTED", "PASS"]),
+        ({}, REAL, ["PASS", "MISSING", "REPORTED", "MISSING", "MISSING", "MISSING"]),
+        # the baseline's own work timed 1.9× slower than the routed session's re-prefill: the clock made the speedup
+        (
+            PASSING | {"ttft.same_work_ratio": 1.9, "ttft.same_work_items": 175.0},
+            REAL,
+            ["PASS", "PASS", "FAIL", "PASS", "REPORTED", "PASS"],
+        ),
+        (PASSING | {"ttft.same_work_ratio": 0.7}, REAL, ["PASS", "PASS", "FAIL", "PASS", "REPORTED", "PASS"]),
+        (PASSING | {"ttft.same_work_ratio": float("nan")}, REAL, ["PASS", "PASS", "FAIL", "PASS", "REPORTED", "PASS"]),
+        (
+            PASSING | {"ttft.same_work_ratio": 1.1, "ttft.same_work_items": 3.0},
+            REAL,
+            ["PASS", "PASS", "PASS", "PASS", "REPORTED", "PASS"],
+        ),
     ],
     ids=[
         "no-ttft",
@@ -103,6 +120,10 @@ def test_random_weight_runs_never_pass_quality(weights):
         "not-routed",
         "no-workload",
         "empty",
+        "harness-slow-baseline",
+        "harness-slow-routed",
+        "harness-nan",
+        "harness-alike",
     ],
 )
 def test_missing_or_failing_criteria(metrics, tags, expected):
@@ -113,6 +134,7 @@ def test_missing_or_failing_criteria(metrics, tags, expected):
     ("change", "expected"),
     [
         ({"task.mmlu.loss_points": 1.01}, "FAIL"),
+        ({"task.mmlu.loss_points": (0.54 - 0.53) * 100}, "PASS"),  # one item in 100: the threshold, float or not
         ({"task.mmlu.loss_points_high": 5.0}, "UNDERPOWERED"),  # half-width (5 + 0.9) / 2 > 2
         ({"task.mmlu.loss_points": 3.0, "task.mmlu.loss_points_high": 20.0}, "FAIL"),  # a failing loss stays FAIL
         ({"task.mmlu.loss_points": float("nan")}, "FAIL"),
@@ -126,11 +148,11 @@ def test_missing_or_failing_criteria(metrics, tags, expected):
             "PASS",
         ),  # better than native
     ],
-    ids=["loss", "wide-ci", "loss-and-wide", "nan", "no-ci", "better"],
+    ids=["loss", "one-item-in-100", "wide-ci", "loss-and-wide", "nan", "no-ci", "better"],
 )
 def test_quality_per_task_with_its_ci(change, expected):
     metrics = {k: v for k, v in (PASSING | change).items() if v is not None}
-    assert statuses(metrics)[2] == expected
+    assert statuses(metrics)[3] == expected
 
 
 def test_only_task_losses_count():
@@ -139,7 +161,7 @@ def test_only_task_losses_count():
         "switches.s8.boolq.loss_points": 0.0,
         "task.mean.max_loss_points": 0.0,
     }
-    assert statuses(others)[2] == "MISSING"
+    assert statuses(others)[3] == "MISSING"
 
 
 # --- check over an MLflow store -----------------------------------------------------------------------------------
@@ -225,6 +247,16 @@ def test_a_run_on_longer_histories_does_not_shadow_shorter_ones(uri, experiment,
     assert gate(uri, experiment) == 1
     out = capsys.readouterr().out
     assert "histories ≤ 512 tokens: FAIL" in out and "histories ≤ 8192 tokens: PASS" in out
+
+
+def test_a_run_of_another_policy_does_not_shadow_the_map_run(uri, experiment, capsys):
+    """A cost-aware session (`policy=auto`) that re-prefilled most handoffs is another operating point: the latest
+    pure-transfer run keeps its own verdict."""
+    plant(uri, experiment, PASSING | {"ttft_speedup": 1.2}, REAL)
+    plant(uri, experiment, PASSING, REAL | {"policy": "auto"})
+    assert gate(uri, experiment) == 1
+    out = capsys.readouterr().out
+    assert "histories any length: FAIL" in out and "histories any length, policy auto: PASS" in out
 
 
 def test_only_validation_runs_never_pass(uri, experiment):

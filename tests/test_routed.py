@@ -58,6 +58,18 @@ def run_of(pair, mapper=None, **policy) -> Run:
     return Run(models, routes, Policy(**policy), Bytes(96), warmup=1)
 
 
+def test_warm_up_turns_leave_no_cost_behind(pair):
+    """The `auto` policy's cost lines fit measured turns only: the warm-up's timings (kernel compilation, first
+    allocations) are forgotten, so a run with warm-up observes exactly what a run without it does (policy `map`:
+    the same paths every run, where `auto` would choose by the clock)."""
+    observed = []
+    for warmup in (0, 2):
+        run = replace(run_of(pair), warmup=warmup)
+        single_turn(run, EXAMPLES)
+        observed.append({key: len(samples) for key, samples in run.costs.samples.items()})
+    assert observed[0] == observed[1] and observed[0][("target", "prefill")] >= len(EXAMPLES)
+
+
 def scores(rows, mode):
     return np.array([s[0] for row in rows for s in row["scores"][mode]])
 
@@ -108,7 +120,33 @@ def test_rollback_replay_verifies_every_kind(pair):
     replays = [(run.encode(ex.history), run.groups(ex.item)[0][0]) for ex in EXAMPLES[:1]]
     checks = rollback(run, pair.exact, replays, 3, (pair.tokenizer_hash,))
     kinds = ("artifact_mismatch", "nonfinite_map", "nonfinite_source", "beyond_length", "failed_guard")
-    assert checks == {f"rollback.{kind}": 1.0 for kind in kinds} | {"rollback_verified": 1.0}
+    verified = {f"rollback.{kind}{end}": 1.0 for kind in kinds for end in ("", ".refused", ".tokens_equal")}
+    diffs = {f"rollback.{kind}.cache_max_abs_diff": 0.0 for kind in kinds}
+    assert checks == verified | diffs | {"rollback_verified": 1.0}
+
+
+def test_rollback_replay_says_what_broke(pair, monkeypatch):
+    """A fallback that is not plain prefill (a mark left in the target's cache) fails the replay, and the record
+    says it was the cache, not the refusal nor the tokens."""
+    from src.session import Session
+
+    honest = Session._reprefill
+
+    def marked(self, model, record, turn, status, reason):
+        found = honest(self, model, record, turn, status, reason)
+        if status == "fallback_reprefill":
+            self._reader(model).cache.layers[0].keys[..., 0, 0] += 0.5
+        return found
+
+    monkeypatch.setattr(Session, "_reprefill", marked)
+    run = run_of(pair)
+    replays = [(run.encode(ex.history), run.groups(ex.item)[0][0]) for ex in EXAMPLES[:1]]
+    checks = rollback(run, pair.exact, replays, 3, (pair.tokenizer_hash,))
+    assert checks["rollback_verified"] == 0.0 and checks["rollback.nonfinite_map"] == 0.0
+    assert (
+        checks["rollback.nonfinite_map.refused"] == 1.0 and checks["rollback.nonfinite_map.cache_max_abs_diff"] == 0.5
+    )
+    assert checks["rollback.artifact_mismatch"] == 1.0  # refused at binding: "unsupported", no fallback to mark
 
 
 def row(task, correct: bool, native: bool, history: int = 100, ttft=(10.0, 30.0, 2.0)) -> dict:
@@ -139,6 +177,12 @@ def test_metrics_from_rows():
     times = timing(rows)
     assert times["ttft_speedup"] == 3.0 and times["ttft.reprefill_ms_p50"] == 30.0
     assert "ttft.routed.le_8192_ms_p50" in times and "ttft.hit.le_512_ms_p95" in times
+    assert "ttft.same_work_ratio" not in times  # every handoff mapped: no same-work pair to check the harness on
+    rows[2] |= {"ttft": {"routed": 20.0, "reprefill": 30.0, "hit": 1.0}, "handoff": {"path": "reprefill"}}
+    rows[3] |= {"ttft": {"routed": 40.0, "reprefill": 40.0, "hit": 1.0}, "handoff": {"path": "reprefill"}}
+    rows[4] |= {"ttft": {"routed": 20.0, "reprefill": 50.0, "hit": 1.0}, "handoff": {"path": "reprefill"}}
+    times = timing(rows)  # the routed session re-prefilled 3 turns: the baseline's work, timed 1.5× slower (median)
+    assert times["ttft.same_work_ratio"] == 1.5 and times["ttft.same_work_items"] == 3.0
     records = [
         {"sender": "source", "receiver": "target", "status": "applied", "path": "map", "context": 100, "hit": 0,
          "prefill_fraction": 0.0, "bytes": 10},

@@ -20,6 +20,7 @@ from src.workloads import (
     conversations,
     fewshot,
     passage,
+    shot_ids,
 )
 
 REPO = Path(__file__).resolve().parents[1]
@@ -96,6 +97,9 @@ def test_mmlu_subjects_whose_dev_exemplars_repeat_test_questions_are_topped_up_f
         for shot in ex.shots:
             assert _source(shot) == SCORED or _source(shot) == "eval/mmlu/mmlu_dev.jsonl"
             assert _source(shot) != SCORED or int(shot.rsplit("#", 1)[1]) not in scored
+    mixed = next(ex.shots for ex, row in zip(examples, sources, strict=True) if SCORED in row)
+    ids = shot_ids(mixed)  # the record's form: every shot once, each file's in order
+    assert len(ids) == 2 and [f"{f}#{i}" for f, indices in ids.items() for i in indices] == list(mixed)
 
 
 @pytest.mark.parametrize("task", ["arc_easy", "hellaswag", "mmlu"])
