@@ -13,10 +13,11 @@ import sys
 from pathlib import Path
 
 import numpy as np
-from omegaconf import OmegaConf
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+from src.gate import DEFAULTS, items_for  # noqa: E402
+from src.routed import loss_spread  # noqa: E402
 from src.routed_runs import task_scores  # noqa: E402
 from src.tasks import METRICS  # noqa: E402
 
@@ -26,19 +27,16 @@ def main() -> None:
     parser.add_argument("runs", nargs="+", type=Path, help="run folders (record.json + artifacts/routed/items.json)")
     parser.add_argument("--half-width", type=float, help="CI half-width in points (default: the gate's)")
     args = parser.parse_args()
-    half_width = args.half_width or OmegaConf.load(ROOT / "conf/gate/default.yaml").max_ci_half_width
+    half_width = args.half_width or DEFAULTS.max_ci_half_width
     for run in args.runs:
         items = json.loads((run / "artifacts/routed/items.json").read_text())["items"]
+        spread = loss_spread(items)
         for task in sorted({item["task"] for item in items}):
             rows = [item for item in items if item["task"] == task]
-            metric = METRICS[task][0]
-            routed = task_scores(rows, "routed").correct(metric).astype(float)
-            native = task_scores(rows, "native_target").correct(metric).astype(float)
-            differences = native - routed  # per item: 1 lost, −1 gained, 0 same
-            needed = (1.96 * differences.std(ddof=1) / (half_width / 100)) ** 2
+            routed, native = (task_scores(rows, mode).correct(METRICS[task][0]) for mode in ("routed", "native_target"))
             print(
-                f"{run.name} {task}: {len(rows)} items, {np.mean(differences != 0):.1%} flip, "
-                f"≈ {int(np.ceil(needed))} items for a ±{half_width:g} pt CI"
+                f"{run.name} {task}: {len(rows)} items, {np.mean(routed != native):.1%} flip, "
+                f"≈ {items_for(spread[f'task.{task}.loss_points_sd'], half_width)} items for a ±{half_width:g} pt CI"
             )
 
 

@@ -5,7 +5,9 @@ that run on that workload:
   latency   ttft_speedup = end-to-end TTFT of the run's own handoffs, re-prefill / routed (median of paired ratios) ≥ 2
   quality   every task's loss against the all-re-prefill session (the native target) ≤ 1 absolute point, printed with
             its paired 95% CI; UNDERPOWERED (not a pass) when a CI's half-width exceeds 2 points — more items are
-            needed before PASS can be claimed; real pretrained weights only (random weights carry no quality evidence)
+            needed before PASS can be claimed, and where the loss still passes it says how many (the items that bring the
+            half-width to the bound at the run's own per-item spread, `task.<task>.loss_points_sd`); real pretrained
+            weights only (random weights carry no quality evidence)
   harness   where the routed session re-prefilled (policy auto, a refusal), it did the baseline's own work: the
             median of re-prefill / routed TTFT over those handoffs must lie within [1/skew, skew]
             (ttft.same_work_ratio), else the clock, not the transfer, made the speedup; printed as not checkable
@@ -67,6 +69,11 @@ def task_losses(metrics: dict[str, float]) -> dict[str, tuple[float, float | Non
     }
 
 
+def items_for(sd_points: float, half_width: float) -> int:
+    """Items whose paired 95 % CI half-width is `half_width` points when native − routed has this SD (points)."""
+    return math.ceil((1.96 * sd_points / half_width) ** 2)
+
+
 def _quality(metrics: dict[str, float], tags: dict[str, str], max_loss: float, max_half_width: float) -> Verdict:
     criterion, threshold = "quality: loss vs all-re-prefill", f"≤ {max_loss} pt every task, CI ± ≤ {max_half_width}"
     losses = task_losses(metrics)
@@ -82,8 +89,12 @@ def _quality(metrics: dict[str, float], tags: dict[str, str], max_loss: float, m
             continue
         finite = all(math.isfinite(x) for x in (loss, low, high))
         failed |= not finite or loss > max_loss + EPSILON
-        wide |= finite and (high - low) / 2 > max_half_width
-        lines.append(f"{task} {loss:+.2f} [{low:+.2f}, {high:+.2f}]")
+        too_wide = finite and (high - low) / 2 > max_half_width
+        wide |= too_wide
+        sd = metrics.get(f"{TASK_PREFIX}{task}{TASK_SUFFIX}_sd")
+        undecided = too_wide and sd and loss <= max_loss + EPSILON  # more items could still make it PASS
+        needs = f" (≈ {items_for(sd, max_half_width)} items for ±{max_half_width:g})" if undecided else ""
+        lines.append(f"{task} {loss:+.2f} [{low:+.2f}, {high:+.2f}]{needs}")
     mean = [metrics.get(f"task.mean.loss_points{end}") for end in ("", "_low", "_high")]
     if None not in mean:
         lines.append("mean {:+.2f} [{:+.2f}, {:+.2f}]".format(*mean))
@@ -161,23 +172,21 @@ def history_regime(metrics: dict[str, float]) -> str:
     return f"{'>' if longest.startswith('gt_') else '≤'} {int(longest[3:])} tokens"
 
 
-def _with_same_work(run) -> dict[str, float]:
-    """The run's metrics; a record that predates `ttft.same_work_ratio` is checked from its per-item artifact
-    (routed/items.json, src/routed.py `same_work`), when it has one."""
+def _backfilled(run) -> dict[str, float]:
+    """The run's metrics; a record that predates `ttft.same_work_ratio` and `task.<task>.loss_points_sd` gets them from
+    its per-item artifact (routed/items.json, src/routed.py `same_work`, `loss_spread`), when it has one."""
     from mlflow.artifacts import load_dict
     from mlflow.exceptions import MlflowException
 
     metrics = dict(run.data.metrics)
-    if "ttft.same_work_ratio" in metrics:
-        return metrics
     os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")  # one small file, no bar in the verdict
     try:
         items = load_dict(f"{run.info.artifact_uri}/routed/items.json")["items"]
     except (MlflowException, OSError, KeyError):
         return metrics
-    from src.routed import same_work
+    from src.routed import loss_spread, same_work
 
-    return metrics | same_work(items)
+    return loss_spread(items) | same_work(items) | metrics
 
 
 def check(
@@ -223,7 +232,7 @@ def check(
     failed = False
     for (name, direction, regime), candidates in sorted(groups.items()):
         judged = candidates[0]  # the latest; a later run on validation items never shadows the reported one
-        verdicts = judge_run(_with_same_work(judged), judged.data.tags, min_speedup, max_loss, max_half_width, max_skew)
+        verdicts = judge_run(_backfilled(judged), judged.data.tags, min_speedup, max_loss, max_half_width, max_skew)
         passed = all(v.passed for v in verdicts)
         failed |= not passed
         print(

@@ -12,6 +12,7 @@ Random weights: timing and plumbing only (tagged), never quality. The runners li
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 from dataclasses import replace
 
@@ -91,7 +92,19 @@ def quality(items: list[dict], n_boot: int, seed: int, prefix: str = "task") -> 
     metrics |= _points(f"{prefix}.mean.below_source_points", _mean_difference_ci(floors, n_boot, seed))
     for mode in ("routed", "native_target", "native_source"):
         mean[f"nll_{mode}"] = float(np.mean([row[f"nll_{mode}"] for row in per_task.values()]))
-    return metrics | {f"{prefix}.mean.{key}": value for key, value in mean.items()}
+    return metrics | loss_spread(items, prefix) | {f"{prefix}.mean.{key}": value for key, value in mean.items()}
+
+
+def loss_spread(items: list[dict], prefix: str = "task") -> dict[str, float]:
+    """`<prefix>.<task>.loss_points_sd`: the standard deviation over items of native − routed correctness (1 lost, −1
+    gained, 0 same), in points — what a paired CI's width scales with, so the items a CI needs (src/gate.py)."""
+    spread = {}
+    for task in sorted({item["task"] for item in items}):
+        rows = [item for item in items if item["task"] == task]
+        native, routed = (task_scores(rows, mode).correct(METRICS[task][0]) for mode in ("native_target", "routed"))
+        differences = native.astype(np.float64) - routed.astype(np.float64)  # [N]
+        spread[f"{prefix}.{task}.loss_points_sd"] = 100 * float(differences.std(ddof=1)) if len(rows) > 1 else math.nan
+    return spread
 
 
 def _points(name: str, interval: Interval) -> dict[str, float]:

@@ -155,6 +155,16 @@ def test_quality_per_task_with_its_ci(change, expected):
     assert statuses(metrics)[3] == expected
 
 
+def test_an_underpowered_task_says_how_many_items_would_decide_it():
+    """(1.96 · SD / half-width)² items: printed where more items could still pass, not where the loss already fails."""
+    wide = PASSING | {"task.mmlu.loss_points_high": 5.0, "task.mmlu.loss_points_sd": 20.0}
+    (quality,) = [v for v in judge_run(wide, REAL, 2.0, 1.0, 2.0) if v.criterion.startswith("quality")]
+    assert quality.status == "UNDERPOWERED" and "mmlu +1.00 [-0.90, +5.00] (≈ 385 items for ±2)" in quality.measured
+    lost = wide | {"task.mmlu.loss_points": 3.0}
+    (quality,) = [v for v in judge_run(lost, REAL, 2.0, 1.0, 2.0) if v.criterion.startswith("quality")]
+    assert quality.status == "FAIL" and "items for" not in quality.measured
+
+
 def test_only_task_losses_count():
     others = without(PASSING, *[k for k in PASSING if k.startswith("task.")]) | {
         "task.mean.loss_points": 0.0,

@@ -167,6 +167,9 @@ def test_metrics_from_rows():
     assert metrics["task.mean.loss_points"] == pytest.approx(-12.5)
     assert metrics["task.mean.loss_points_low"] < -12.5 < metrics["task.mean.loss_points_high"]
     assert metrics["task.piqa.nll_routed"] == 1.0 and metrics["task.piqa.prefill_fraction"] == 0.25
+    # per-item native − routed: piqa 1 on a quarter of the items, mmlu −1 on half (what a paired CI scales with)
+    assert metrics["task.piqa.loss_points_sd"] == pytest.approx(100 * np.std([1, 0, 0, 0] * 10, ddof=1))
+    assert metrics["task.mmlu.loss_points_sd"] == pytest.approx(100 * np.std([0, -1] * 20, ddof=1))
     # the source (always wrong here) minus the routed session: escalation helped, so below zero
     assert metrics["task.piqa.below_source_points"] == pytest.approx(-75.0)
     assert metrics["task.mmlu.below_source_points"] == metrics["task.mmlu.below_source_points_high"] == -100.0
