@@ -10,6 +10,7 @@
 #   bash scripts/device_quality.sh routed     routed workloads through the router session (src/routed.py), both directions
 #   bash scripts/device_quality.sh routed2    what `routed` left (2026-12-03), the lever chosen on validation items
 #   bash scripts/device_quality.sh routed3    200-shot ARC at bf16 with the items the gate's CI needs, then the rest
+#   bash scripts/device_quality.sh harness    the bf16 clock and rollback of routed3 (2026-12-04), diagnosed
 # The GPU image has no hydra/mlflow: hydra comes from the carried wheels, tracking writes JSON records
 # that come back as one tarball in $OUT and are imported here with `python -m src.tracking import DIR`.
 set -euo pipefail
@@ -201,5 +202,20 @@ PY
     COMMON=(tracking.backend=json "tracking.json_dir=$OUT/trk" "paths.data=$HOME/data" pair.device=cuda)
     step 7 "${PAPER[@]}"
     echo "routed3 queue done" | tee -a "$OUT/log.txt" ;;
+  harness)  # routed3 (2026-12-04) left two doubts at bf16: every timed path carried ≈ 40 ms more after the first two
+    # turns (the `auto` run timed the baseline's own re-prefill 1.82x slower than its session's), and the 120-item
+    # run's rollback replay failed 3 of 5 kinds. Step 1 refits the bf16 mapper and re-runs the 120-item run — its
+    # rollback replay now logs refused / tokens_equal / cache_max_abs_diff per kind; steps 2-3 are the 20-item run
+    # with the default allocator and with expandable segments (tag env.PYTORCH_CUDA_ALLOC_CONF), then `auto`: read
+    # them with scripts/ttft_drift.py and the gate's harness row. Own experiment: never gated with the reported runs.
+    R=(+experiment=routed "${CAPACITY[@]}" workload.warmup=2 pair.dtype=bfloat16 pair.compute_dtype=bfloat16
+      pair.apply_backend=auto +workload=fewshot "workload.tasks=[arc_easy,arc_challenge]" workload.shots.arc_easy=200
+      workload.shots.arc_challenge=200 tracking.experiment=routed_harness)
+    step 1 "${R[@]}" workload.limit=120
+    step 2 "${R[@]}" workload.limit=20
+    PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True step 3 "${R[@]}" workload.limit=20 \
+      tracking.experiment=routed_harness_expandable  # its own record folder (the env is no param)
+    step 4 "${R[@]}" workload.limit=20 workload.policy=auto
+    echo "harness queue done" | tee -a "$OUT/log.txt" ;;
   *) echo "unknown stage $stage" >&2; exit 2 ;;
 esac

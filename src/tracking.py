@@ -21,6 +21,7 @@ import contextlib
 import hashlib
 import importlib.util
 import json
+import os
 import platform
 import re
 import shutil
@@ -74,6 +75,7 @@ def _git(*args: str) -> str:
 
 ROOT = Path(__file__).resolve().parents[1]
 CODE_DIRS = ("src", "kernels", "conf")  # what a run executes and reads as configuration
+TIMING_ENV = ("PYTORCH_CUDA_ALLOC_CONF", "CUDA_LAUNCH_BLOCKING", "CUBLAS_WORKSPACE_CONFIG", "OMP_NUM_THREADS")
 
 
 def code_digest(root: Path = ROOT) -> str:
@@ -98,7 +100,8 @@ def digest_at(rev: str, root: Path = ROOT) -> str:
 
 
 def environment_tags() -> dict[str, str]:
-    """Versions and hardware of this process: git, the code digest, Python, torch, transformers, CUDA, driver, GPU."""
+    """Versions and hardware of this process: git, the code digest, Python, torch, transformers, CUDA, driver, GPU,
+    and the environment variables that change timings or kernels (`env.<NAME>`, where set)."""
     tags = {
         "git_commit": _git("rev-parse", "HEAD"),
         "git_dirty": str(bool(_git("status", "--porcelain", "--untracked-files=no"))),
@@ -108,7 +111,7 @@ def environment_tags() -> dict[str, str]:
         "transformers": transformers.__version__,
         "cuda": str(torch.version.cuda),
         "host": platform.machine(),
-    }
+    } | {f"env.{name}": os.environ[name] for name in TIMING_ENV if name in os.environ}
     if torch.cuda.is_available():
         tags["gpu"] = torch.cuda.get_device_name()
         smi = subprocess.run(

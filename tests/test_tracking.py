@@ -174,6 +174,14 @@ def test_code_digest_names_the_code_a_run_ran(tmp_path):
     assert tracking.environment_tags()["code_digest"] == tracking.code_digest()
 
 
+def test_timing_environment_is_recorded_where_set(monkeypatch):
+    """A run under PYTORCH_CUDA_ALLOC_CONF (or another knob that changes timings) says so in its tags."""
+    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
+    assert "env.PYTORCH_CUDA_ALLOC_CONF" not in tracking.environment_tags()
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+    assert tracking.environment_tags()["env.PYTORCH_CUDA_ALLOC_CONF"] == "expandable_segments:True"
+
+
 def test_code_digest_of_an_unknown_revision_is_a_clear_error():
     with pytest.raises(ValueError, match="no code digest at 'no-such-revision'"):
         tracking.digest_at("no-such-revision")
