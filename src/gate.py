@@ -92,7 +92,7 @@ def _quality(metrics: dict[str, float], tags: dict[str, str], max_loss: float, m
         too_wide = finite and (high - low) / 2 > max_half_width
         wide |= too_wide
         sd = metrics.get(f"{TASK_PREFIX}{task}{TASK_SUFFIX}_sd")
-        undecided = too_wide and sd and loss <= max_loss + EPSILON  # more items could still make it PASS
+        undecided = too_wide and math.isfinite(sd or math.nan) and loss <= max_loss + EPSILON  # more items may PASS
         needs = f" (≈ {items_for(sd, max_half_width)} items for ±{max_half_width:g})" if undecided else ""
         lines.append(f"{task} {loss:+.2f} [{low:+.2f}, {high:+.2f}]{needs}")
     mean = [metrics.get(f"task.mean.loss_points{end}") for end in ("", "_low", "_high")]

@@ -300,11 +300,12 @@ def _overflowing(mapper: Mapper) -> Mapper:
 
 
 def _max_abs_diff(cache: DynamicCache, reference: DynamicCache) -> float:
-    """max |a − b| over every layer's keys and values; inf when a layer's shapes differ."""
+    """max |a − b| over every layer's keys and values; inf when a layer's shapes differ or a value is NaN."""
     diff = 0.0
     for a, b in zip(cache.layers, reference.layers, strict=True):
         for x, y in ((a.keys, b.keys), (a.values, b.values)):
-            diff = max(diff, float((x.float() - y.float()).abs().max()) if x.shape == y.shape else math.inf)
+            found = float((x.float() - y.float()).abs().max()) if x.shape == y.shape else math.inf
+            diff = max(diff, math.inf if math.isnan(found) else found)
     return diff
 
 

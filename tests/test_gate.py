@@ -3,6 +3,7 @@ passes, random-weight runs never pass quality, a missing criterion fails, a wide
 of a (workload, direction) is judged — never the best — and the CLI / Hydra `job=gate` exit statuses."""
 
 import itertools
+import math
 import subprocess
 import sys
 from pathlib import Path
@@ -160,6 +161,8 @@ def test_an_underpowered_task_says_how_many_items_would_decide_it():
     wide = PASSING | {"task.mmlu.loss_points_high": 5.0, "task.mmlu.loss_points_sd": 20.0}
     (quality,) = [v for v in judge_run(wide, REAL, 2.0, 1.0, 2.0) if v.criterion.startswith("quality")]
     assert quality.status == "UNDERPOWERED" and "mmlu +1.00 [-0.90, +5.00] (≈ 385 items for ±2)" in quality.measured
+    (quality,) = [v for v in judge_run(wide | {"task.mmlu.loss_points_sd": math.nan}, REAL) if "quality" in v.criterion]
+    assert quality.status == "UNDERPOWERED" and "items for" not in quality.measured  # one item: no spread, no plan
     lost = wide | {"task.mmlu.loss_points": 3.0}
     (quality,) = [v for v in judge_run(lost, REAL, 2.0, 1.0, 2.0) if v.criterion.startswith("quality")]
     assert quality.status == "FAIL" and "items for" not in quality.measured

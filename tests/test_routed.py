@@ -149,6 +149,22 @@ def test_rollback_replay_says_what_broke(pair, monkeypatch):
     assert checks["rollback.artifact_mismatch"] == 1.0  # refused at binding: "unsupported", no fallback to mark
 
 
+def test_cache_difference_names_nan_and_length_as_infinite():
+    from transformers import DynamicCache
+
+    from src.routed_runs import _max_abs_diff
+
+    def cache(values: torch.Tensor) -> DynamicCache:
+        found = DynamicCache()
+        found.update(torch.zeros_like(values), values, 0)
+        return found
+
+    zeros = cache(torch.zeros(1, 1, 3, 2))
+    assert _max_abs_diff(zeros, cache(torch.full((1, 1, 3, 2), 0.25))) == 0.25
+    assert _max_abs_diff(zeros, cache(torch.full((1, 1, 3, 2), float("nan")))) == float("inf")  # max() skips NaN
+    assert _max_abs_diff(zeros, cache(torch.zeros(1, 1, 4, 2))) == float("inf")
+
+
 def row(task, correct: bool, native: bool, history: int = 100, ttft=(10.0, 30.0, 2.0)) -> dict:
     pick = lambda ok: [[-1.0, 1.0], [-2.0, 0.0]] if ok else [[-2.0, 0.0], [-1.0, 1.0]]
     return {
