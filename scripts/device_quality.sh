@@ -207,7 +207,8 @@ PY
     # run's rollback replay failed 3 of 5 kinds. Step 1 refits the bf16 mapper and re-runs the 120-item run — its
     # rollback replay now logs refused / tokens_equal / cache_max_abs_diff per kind; steps 2-3 are the 20-item run
     # with the default allocator and with expandable segments (tag env.PYTORCH_CUDA_ALLOC_CONF), then `auto`: read
-    # them with scripts/ttft_drift.py and the gate's harness row. Own experiment: never gated with the reported runs.
+    # them with scripts/ttft_drift.py and the gate's harness row; step 5 re-runs step 1 under cuBLAS's reproducible
+    # workspace. Own experiments: never gated with the reported runs.
     R=(+experiment=routed "${CAPACITY[@]}" workload.warmup=2 pair.dtype=bfloat16 pair.compute_dtype=bfloat16
       pair.apply_backend=auto +workload=fewshot "workload.tasks=[arc_easy,arc_challenge]" workload.shots.arc_easy=200
       workload.shots.arc_challenge=200 tracking.experiment=routed_harness)
@@ -216,6 +217,9 @@ PY
     PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True step 3 "${R[@]}" workload.limit=20 \
       tracking.experiment=routed_harness_expandable  # its own record folder (the env is no param)
     step 4 "${R[@]}" workload.limit=20 workload.policy=auto
+    # if step 1's replay broke again with a tiny cache difference: cuBLAS's reproducible workspace (cuBLAS docs,
+    # "Results reproducibility"; tag env.CUBLAS_WORKSPACE_CONFIG) tells GPU arithmetic from a fallback bug
+    CUBLAS_WORKSPACE_CONFIG=:4096:8 step 5 "${R[@]}" workload.limit=120 tracking.experiment=routed_harness_cublas
     echo "harness queue done" | tee -a "$OUT/log.txt" ;;
   *) echo "unknown stage $stage" >&2; exit 2 ;;
 esac
