@@ -262,12 +262,9 @@ def _routed_label(row: Row) -> str:
 
 def _gate(row: Row) -> str:
     """The gate's verdict on this run (src/gate.py judge_run), with the criteria that did not pass."""
-    from src.gate import judge_run
-    from src.routed import same_work
+    from src.gate import backfill, judge_run
 
-    metrics = {k[len("metrics.") :]: v for k, v in row.items() if k.startswith("metrics.")}
-    if "ttft.same_work_ratio" not in metrics:  # a record that predates the metric: from its per-item scores
-        metrics |= same_work(_items(row))
+    metrics = backfill({k[len("metrics.") :]: v for k, v in row.items() if k.startswith("metrics.")}, _items(row))
     tags = {k[len("tags.") :]: str(v) for k, v in row.items() if k.startswith("tags.")}
     failing = [v for v in judge_run(metrics, tags) if not v.passed]
     names = {

@@ -103,6 +103,8 @@ def _quality(metrics: dict[str, float], tags: dict[str, str], max_loss: float, m
 
 
 def _harness(metrics: dict[str, float], skew: float) -> Verdict:
+    if not skew >= 1:  # [1/skew, skew] would be empty (or nan): every run would fail for a typo
+        raise ValueError(f"gate max_harness_skew must be ≥ 1 (a ratio band [1/skew, skew]), not {skew}")
     criterion, threshold = "latency harness: same work alike", f"re-prefill / routed within [{1 / skew:.2f}, {skew}]×"
     ratio = metrics.get("ttft.same_work_ratio")
     if ratio is None:
@@ -172,9 +174,16 @@ def history_regime(metrics: dict[str, float]) -> str:
     return f"{'>' if longest.startswith('gt_') else '≤'} {int(longest[3:])} tokens"
 
 
+def backfill(metrics: dict[str, float], items: list[dict]) -> dict[str, float]:
+    """A record that predates `ttft.same_work_ratio` and `task.<task>.loss_points_sd` gets them from its per-item
+    scores (routed/items.json; src/routed.py `same_work`, `loss_spread`); logged metrics win."""
+    from src.routed import loss_spread, same_work
+
+    return loss_spread(items) | same_work(items) | metrics
+
+
 def _backfilled(run) -> dict[str, float]:
-    """The run's metrics; a record that predates `ttft.same_work_ratio` and `task.<task>.loss_points_sd` gets them from
-    its per-item artifact (routed/items.json, src/routed.py `same_work`, `loss_spread`), when it has one."""
+    """The run's metrics, backfilled from its items artifact when it has one."""
     from mlflow.artifacts import load_dict
     from mlflow.exceptions import MlflowException
 
@@ -184,9 +193,7 @@ def _backfilled(run) -> dict[str, float]:
         items = load_dict(f"{run.info.artifact_uri}/routed/items.json")["items"]
     except (MlflowException, OSError, KeyError):
         return metrics
-    from src.routed import loss_spread, same_work
-
-    return loss_spread(items) | same_work(items) | metrics
+    return backfill(metrics, items)
 
 
 def check(
@@ -259,8 +266,8 @@ def main() -> None:
     parser.add_argument("--max-ci-half-width", type=float, default=DEFAULTS.max_ci_half_width)
     parser.add_argument("--max-harness-skew", type=float, default=DEFAULTS.max_harness_skew)
     args = parser.parse_args()
-    sys.exit(
-        check(
+    try:
+        status = check(
             args.uri,
             args.experiment,
             args.parent,
@@ -270,7 +277,9 @@ def main() -> None:
             args.run,
             args.max_harness_skew,
         )
-    )
+    except ValueError as error:  # a threshold that cannot hold
+        parser.error(str(error))
+    sys.exit(status)
 
 
 if __name__ == "__main__":

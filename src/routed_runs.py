@@ -339,14 +339,11 @@ def rollback(
                 record = session.switch_to("target", turn)
                 outputs.append((record, session.generate("target", [], max_new_tokens), session.cache("target")))
             (record, tokens, cache), (_, reference, reference_cache) = outputs
-            same_cache = all(
-                torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
-                for a, b in zip(cache.layers, reference_cache.layers, strict=True)
-            )
+            gap = _max_abs_diff(cache, reference_cache)  # 0 exactly when every key and value is equal
             refused.append(record.status != "applied")
             tokens_equal.append(torch.equal(tokens, reference))
-            diff = max(diff, _max_abs_diff(cache, reference_cache))
-            held.append(refused[-1] and tokens_equal[-1] and same_cache)
+            diff = max(diff, gap)
+            held.append(refused[-1] and tokens_equal[-1] and gap == 0.0)
         checks[f"rollback.{kind}"] = float(bool(held) and all(held))
         checks |= {
             f"rollback.{kind}.refused": float(all(refused)),

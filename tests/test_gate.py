@@ -168,6 +168,12 @@ def test_an_underpowered_task_says_how_many_items_would_decide_it():
     assert quality.status == "FAIL" and "items for" not in quality.measured
 
 
+@pytest.mark.parametrize("skew", [0.8, float("nan")])
+def test_a_skew_band_that_cannot_hold_is_a_clear_error(skew):
+    with pytest.raises(ValueError, match="max_harness_skew must be ≥ 1"):
+        judge_run(PASSING, REAL, 2.0, 1.0, 2.0, skew)
+
+
 def test_only_task_losses_count():
     others = without(PASSING, *[k for k in PASSING if k.startswith("task.")]) | {
         "task.mean.loss_points": 0.0,

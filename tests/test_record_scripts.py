@@ -28,3 +28,6 @@ def test_ttft_drift_shows_the_baseline_timed_apart_from_the_same_work():
     assert "speedup (median paired) 1.80×; same work (re-prefill / routed where both re-prefilled) 1.82× on 175" in out
     assert "speedup (median paired) 1.18×; same work (re-prefill / routed where both re-prefilled) —" in out
     assert out.count("turns ") == 8  # four blocks per run
+    assert "auto estimates: map 60–2,257 ms; re-prefill 69–86 ms" in out
+    assert "199 s, 0.83 s per scored turn (loads, fit, replay included): 1.66× the 0.50 s" in out
+    assert "turn 0 (6,214 tokens):   31.0 /   47.5 /   27.8" in out  # the clean first turns BENCHMARKS quotes
