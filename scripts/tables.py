@@ -249,7 +249,7 @@ def _routed_label(row: Row) -> str:
         levers.append(f"V fit in {row['params.fit.v_space']} space")
     if row.get("params.budget.continuation") not in (None, "0", "0.0"):  # lever 4: calibration the target wrote
         levers.append(f"calibration {float(row['params.budget.continuation']):.0%} target-greedy")
-    if row.get("params.workload.policy", "map") != "map":  # the session chose per handoff (src/session.py)
+    if row.get("params.workload.policy", "map") != "map":  # the session chose per handoff (src/runtime/session.py)
         levers.insert(0, f"policy {row['params.workload.policy']}")
     arrow = str(row.get("tags.direction", "?")).replace("qwen25coder_", "").replace("_to_", " → ")
     notes = ["validation items"] if row.get("tags.split") == "valid" else []

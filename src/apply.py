@@ -7,7 +7,7 @@ selected source blocks, one head-batched matmul, re-apply the target's RoPE at t
 mapper with token features (src/support.py) also needs the prefix's token ids: a layer-0 target prefill
 gives its features and, exactly, target layer 0. Every input a call cannot map (cache type, layout,
 sparsity, shapes, dtype, device, positions, token ids, non-finite values) is refused with a `TransferError`
-naming it — and any other failure inside a call is turned into one too — so `handoff` (src/handoff.py)
+naming it — and any other failure inside a call is turned into one too — so `handoff` (src/runtime/splice.py)
 always rolls back to plain prefill.
 """
 

@@ -26,11 +26,11 @@ from src.eval.accuracy import compare, summarize
 from src.eval.diagnose import cache_fidelity
 from src.eval.latency import percentiles
 from src.eval.metrics import Interval
-from src.handoff import Levers
 from src.models import Pair
 from src.pipeline import build_mapper, calibration, load, tags, vocab_size
 from src.routed_runs import LENGTH_EDGES, Run, bucket, multiturn, rollback, single_turn, switches, task_scores
-from src.routing import Policy, Route, bind
+from src.runtime.levers import Levers
+from src.runtime.routing import Policy, Route, bind
 from src.tasks import METRICS
 from src.workloads import Bytes, calibration_files, fewshot, passage
 

@@ -21,8 +21,8 @@ from transformers import DynamicCache, PreTrainedModel
 from src.artifact import Mapper
 from src.eval.accuracy import TaskScores, encode_pair
 from src.eval.scoring import score_continuations
-from src.routing import CostModel, Policy, Route, bind
-from src.session import Session
+from src.runtime.routing import CostModel, Policy, Route, bind
+from src.runtime.session import Session
 from src.tasks import METRICS, Item, choice_lengths
 from src.workloads import Chat, Example, chunks, conversations, shot_ids
 

@@ -27,7 +27,6 @@ from src.eval.latency import handoff_latency
 from src.eval.metrics import mapper_r2
 from src.eval.nll import horizon_nll
 from src.eval.rollback import verify_rollback
-from src.handoff import Levers
 from src.models import Pair, describe_kv
 from src.pipeline import (
     build_mapper,
@@ -42,6 +41,7 @@ from src.pipeline import (
 )
 from src.probe import probe_features
 from src.routed import routed
+from src.runtime.levers import Levers
 from src.select import layers_for_support
 from src.support import head_assignment
 from src.tasks import load_task

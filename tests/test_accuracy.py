@@ -21,8 +21,8 @@ from src.eval.accuracy import TaskScores, by_length, compare, encode_pair, score
 from src.eval.diagnose import cache_fidelity, swap_nll
 from src.eval.nll import continuation_nll
 from src.forward import prefill
-from src.handoff import Levers
 from src.models import Pair, tokenizer_hash
+from src.runtime.levers import Levers
 from src.tasks import load_task
 from tests.conftest import calibration_ids, tiny
 from tests.exact_pair import exact_pair

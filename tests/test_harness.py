@@ -17,8 +17,8 @@ from tokenizers.models import WordLevel
 from transformers import PreTrainedTokenizerFast
 
 from src.apply import KVTransfer
-from src.handoff import NO_LEVERS, Levers
 from src.models import Pair, tokenizer_hash
+from src.runtime.levers import NO_LEVERS, Levers
 from tests.conftest import TINY, CountingTransfer, tiny
 from tests.exact_pair import exact_pair
 

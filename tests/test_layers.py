@@ -2,8 +2,8 @@
 
 Floors, bottom to top (a module may import its own floor and the floors below it):
 models, rope, task data, tracking → corpus, traces, statistics, support, weighting, artifact → selection, map
-arithmetic, forward passes, Fused-Fit kernel → fit, probe, synthetic, apply kernel → apply → handoff policy,
-recompute → router session → eval → pipeline (cfg → objects), workloads → jobs (bench, routed, sweep, gate,
+arithmetic, forward passes, Fused-Fit kernel → fit, probe, synthetic, apply kernel → apply → runtime room (levers, recompute,
+the receiver engine → the one splice → routing → router session) → eval → pipeline (cfg → objects), workloads → jobs (bench, routed, sweep, gate,
 distributed) → run (dispatch). A new module must be given a floor here before it can land.
 """
 
@@ -19,8 +19,10 @@ FLOORS = [
     {"src.select", "src.maps", "src.forward", "kernels.fused_fit"},
     {"src.fit", "src.probe", "src.synthetic", "kernels.apply_map"},
     {"src.apply"},
-    {"src.handoff", "src.recompute"},
-    {"src.session", "src.routing"},
+    {"src.runtime.levers", "src.runtime.recompute", "src.runtime.engine"},
+    {"src.runtime.splice"},
+    {"src.runtime.routing"},
+    {"src.runtime.session"},
     {"src.eval"},  # the package: every src.eval.* module
     {"src.pipeline", "src.workloads"},
     {"src.bench", "src.routed", "src.routed_runs", "src.sweep", "src.gate", "src.distributed"},
@@ -89,3 +91,20 @@ def test_the_contract_sees_the_known_edges():
     """The graph is built from the real files (a contract that reads nothing passes vacuously)."""
     assert "kernels.apply_map" in GRAPH["src.apply"] and "src.maps" in GRAPH["kernels.apply_map"]
     assert "src.pipeline" in GRAPH["src.bench"] and "src.bench" in GRAPH["src.run"]
+
+
+SPLICE_STEPS = ("recompute_in_place", "deviation_scores", "attention_scores", "select_tokens")
+
+
+def test_one_splice():
+    """The splice steps are called from one place (src/runtime/splice.py): a second copy of the splice — in the
+    session, offline scoring, NLL or latency — fails here."""
+    callers = {}
+    for path in MODULES:
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Call):
+                name = getattr(node.func, "id", None) or getattr(node.func, "attr", None)
+                if name in SPLICE_STEPS:
+                    callers.setdefault(name, set()).add(module_name(path))
+    assert set(callers) == set(SPLICE_STEPS), callers
+    assert all(modules == {"src.runtime.splice"} for modules in callers.values()), callers

@@ -1,4 +1,4 @@
-"""Native sink, hold-back, native layers and recompute around a mapped prefix (src.handoff.spliced_cache, Levers);
+"""Native sink, hold-back, native layers and recompute around a mapped prefix (src.runtime.splice.spliced_cache, Levers);
 the recompute mechanics and rules on a cross-model exact pair are in test_recompute.py."""
 
 import pytest
@@ -7,8 +7,9 @@ import torch
 from src.apply import KVTransfer
 from src.fit import fit_transfer
 from src.forward import prefill, prefill_layers
-from src.handoff import Levers, spliced_cache
 from src.models import vocabulary_hash
+from src.runtime.levers import Levers
+from src.runtime.splice import spliced_cache
 from src.traces import collect_traces
 from tests.conftest import calibration_ids, tiny
 

@@ -1,4 +1,4 @@
-"""Selective recompute in place (src/recompute.py through src.handoff.spliced_cache): the mechanics on a pair whose
+"""Selective recompute in place (src/runtime/recompute.py through src.runtime.splice.spliced_cache): the mechanics on a pair whose
 exact cross-model map is known (source ≠ target), each selection rule, and prefill-fraction accounting of the work."""
 
 from functools import cache
@@ -6,12 +6,13 @@ from functools import cache
 import pytest
 import torch
 
-import src.handoff
+import src.runtime.splice
 from src.apply import KVTransfer
 from src.eval.nll import horizon_nll
 from src.forward import prefill, prefill_layers
-from src.handoff import Levers, spliced_cache
-from src.recompute import RULES, deviation_scores, recompute_in_place, select_tokens
+from src.runtime.levers import Levers
+from src.runtime.recompute import RULES, deviation_scores, recompute_in_place, select_tokens
+from src.runtime.splice import spliced_cache
 from tests.conftest import calibration_ids
 from tests.exact_pair import exact_pair, max_cache_diff
 
@@ -50,7 +51,7 @@ def chosen(monkeypatch):
         calls.append(positions.clone())
         return recompute_in_place(model, cache, input_ids, positions)
 
-    monkeypatch.setattr(src.handoff, "recompute_in_place", spy)
+    monkeypatch.setattr(src.runtime.splice, "recompute_in_place", spy)
     return calls
 
 

@@ -16,7 +16,7 @@ from omegaconf import OmegaConf
 
 from src.routed import handoffs, paired_gain, quality, timing
 from src.routed_runs import Run, bucket, multiturn, rollback, single_turn, switches
-from src.routing import Policy, bind
+from src.runtime.routing import Policy, bind
 from src.tasks import Item, load_task
 from src.workloads import Bytes, Example
 from tests.exact_pair import exact_pair
@@ -128,7 +128,7 @@ def test_rollback_replay_verifies_every_kind(pair):
 def test_rollback_replay_says_what_broke(pair, monkeypatch):
     """A fallback that is not plain prefill (a mark left in the target's cache) fails the replay, and the record
     says it was the cache, not the refusal nor the tokens."""
-    from src.session import Session
+    from src.runtime.session import Session
 
     honest = Session._reprefill
 

@@ -1,6 +1,6 @@
 """Safe to fail (issue 11), as properties: over generated cache types, shapes, dtypes, devices, layouts, lengths,
 positions, token ids and mapper fields, every input is either refused (TransferError at construction or call,
-ArtifactError on load) — and then rolled back bit-identically by `src.handoff.handoff` — or mapped to exactly what
+ArtifactError on load) — and then rolled back bit-identically by `src.runtime.splice.handoff` — or mapped to exactly what
 an independent float64 reference map computes. Nothing else: no other exception, no refusal from the apply path's
 catch-all (`UNEXPECTED`), no valid input refused, no invalid input mapped.
 
@@ -24,10 +24,10 @@ from src.apply import UNEXPECTED, KVTransfer
 from src.artifact import ArtifactError, Mapper, load_mapper, publish, save_mapper
 from src.fit import fit_transfer
 from src.forward import prefill, prefill_layers
-from src.handoff import handoff
 from src.maps import TransferError, cache_layers
 from src.models import IncompatiblePairError, build_random_model, vocabulary_hash
 from src.rope import rope_cos_sin
+from src.runtime.splice import handoff
 from src.traces import collect_traces
 
 COMMON = dict(deadline=None, database=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])

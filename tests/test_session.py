@@ -1,4 +1,4 @@
-"""The router session (src/session.py): segment bookkeeping across switches, each path (hit / map / re-prefill)
+"""The router session (src/runtime/session.py): segment bookkeeping across switches, each path (hit / map / re-prefill)
 exact under an identity map and under the exact non-identity pair (tests/exact_pair.py, where a leak of the
 receiver's native state shows: the wrong mapper must then differ), provenance, levers, the cost-aware policy, and
 deterministic rollback — bit-identical caches and greedy `generate` outputs — for every refusal kind."""
@@ -10,9 +10,10 @@ import pytest
 import torch
 
 from src.forward import prefill
-from src.handoff import Levers, spliced_cache
-from src.routing import CostModel, Policy, bind
-from src.session import Session
+from src.runtime.levers import Levers
+from src.runtime.routing import CostModel, Policy, bind
+from src.runtime.session import Session
+from src.runtime.splice import spliced_cache
 from tests.exact_pair import _mapper, exact_pair, max_cache_diff
 
 TOL = 1e-4  # float32 rounding of an exact map and of chunked forwards

@@ -27,8 +27,8 @@ from src.eval.metrics import (
     retention_ci,
 )
 from src.eval.scoring import choice_loglikelihoods
-from src.handoff import NO_LEVERS, Levers, spent
 from src.models import Pair
+from src.runtime.levers import NO_LEVERS, Levers, spent
 from src.tasks import METRICS, Item, choice_lengths
 
 LENGTH_EDGES = (0, 64, 128, 256, 512, 1 << 20)  # context-length buckets (tokens)

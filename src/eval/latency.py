@@ -13,7 +13,8 @@ import torch
 
 from src.apply import KVTransfer
 from src.forward import prefill
-from src.handoff import NO_LEVERS, Levers, spliced_cache
+from src.runtime.levers import NO_LEVERS, Levers
+from src.runtime.splice import spliced_cache
 
 
 def time_ms(fn: Callable[[], object], repeats: int, warmup: int, device: torch.device) -> list[float]:

@@ -17,7 +17,8 @@ from transformers import DynamicCache, PreTrainedModel
 
 from src.apply import KVTransfer
 from src.forward import prefill
-from src.handoff import NO_LEVERS, Levers, spent, spliced_cache
+from src.runtime.levers import NO_LEVERS, Levers, spent
+from src.runtime.splice import spliced_cache
 
 
 @torch.no_grad()

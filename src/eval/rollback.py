@@ -6,7 +6,7 @@ import torch
 
 from src.apply import KVTransfer
 from src.forward import prefill
-from src.handoff import handoff
+from src.runtime.splice import handoff
 
 
 def _same_cache(a, b) -> bool:

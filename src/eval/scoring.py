@@ -19,8 +19,9 @@ from transformers import DynamicCache, PreTrainedModel
 
 from src.apply import KVTransfer
 from src.forward import prefill
-from src.handoff import NO_LEVERS, Levers, spliced_cache
 from src.models import Pair
+from src.runtime.levers import NO_LEVERS, Levers
+from src.runtime.splice import spliced_cache
 
 MODES = ("native_source", "native_target", "transfer")
 

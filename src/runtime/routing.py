@@ -1,4 +1,4 @@
-"""What a router session may do and decide (src/session.py): the mapper routes it may use, each bound to its sender
+"""What a router session may do and decide (src/runtime/session.py): the mapper routes it may use, each bound to its sender
 and receiver once (`bind`: a refusal — artifact mismatch, sliding-window receiver — is kept as the route's reason), the
 policy (map | reprefill | auto, the levers, the length and magnitude guards) and the measured costs behind `auto`.
 """
@@ -15,9 +15,9 @@ from transformers import PreTrainedModel
 
 from src.apply import KVTransfer
 from src.artifact import Mapper
-from src.handoff import NO_LEVERS, Levers
 from src.maps import TransferError
 from src.models import describe_kv
+from src.runtime.levers import NO_LEVERS, Levers
 
 MODES = ("map", "reprefill", "auto")
 

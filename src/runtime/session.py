@@ -1,6 +1,6 @@
 """A router's conversation held by several models, each with its own KV cache — the runtime a router imports.
 
-    routes = {("small", "large"): bind(small, large, mapper, tokenizer_hash)}   # src/routing.py: verified once
+    routes = {("small", "large"): bind(small, large, mapper, tokenizer_hash)}   # src/runtime/routing.py: verified once
     session = Session({"small": small, "large": large}, routes, Policy(mode="map", levers=Levers(native_sink=4)))
     session.append("small", history_ids)                 # small reads the history on its own cache
     record = session.switch_to("large", question_ids)    # large: reuse + map (or re-prefill), then the new turn
@@ -9,7 +9,7 @@
 `switch_to` gives the receiver a cache of the whole conversation: the tokens it already holds are reused (a same-model
 prefix hit); the tokens it has not seen are mapped at their own positions, segment by segment, each from a model that
 read it natively (the sender first), or re-prefilled on top of what it holds — by `Policy.mode`: map, reprefill, or
-auto (the faster path by measured per-token costs; src/routing.py); the levers (`src.handoff.Levers`) keep parts of the
+auto (the faster path by measured per-token costs; src/runtime/routing.py); the levers (`src.runtime.levers.Levers`) keep parts of the
 mapped span native. The new turn is always read natively. Every refusal — a mapper refused at binding (artifact mismatch), a sliding-window
 receiver, no route (status `unsupported`), non-finite values, length beyond the mapper's calibration, a failed guard
 (`fallback_reprefill`) — re-prefills exactly as a session that never tried a transfer, so its caches and greedy
@@ -28,11 +28,10 @@ import torch
 from transformers import DynamicCache, PreTrainedModel
 
 from src.apply import KVTransfer
-from src.forward import prefill_layers
-from src.handoff import Levers, spent
 from src.maps import TransferError, cache_layers
-from src.recompute import attention_scores, deviation_scores, recompute_in_place, select_tokens
-from src.routing import CostModel, Policy, Route
+from src.runtime.levers import Levers, spent
+from src.runtime.routing import CostModel, Policy, Route
+from src.runtime.splice import splice
 
 PATHS = ("hit", "map", "reprefill")
 STATUSES = ("applied", "fallback_reprefill", "unsupported")
@@ -407,50 +406,35 @@ class Session:
         transfer: KVTransfer,
         turn: torch.Tensor,
     ) -> int:
-        """Commit a map that passed every check: sink tokens read natively, the mapped pieces appended, the levers'
-        native layers and recomputed tokens, then the hold-back tokens and the turn read natively in one forward.
-        Returns how many mapped tokens were recomputed."""
+        """Commit a map that passed every check through the one splice (src/runtime/splice.py): sink tokens read
+        natively, the mapped pieces appended, the levers' native layers and recomputed tokens, then the hold-back
+        tokens and the turn read natively in one forward. Returns how many mapped tokens were recomputed."""
         reader = self._reader(model)
         target = reader.model
         held, total = reader.length, self.ids.numel()
-        if start > held:
-            self._read(model, self.ids[held:start])
         if reader.cache is None:
             reader.cache = DynamicCache(config=target.config)
-        for (low, high, sender), cache in zip(pieces, mapped, strict=True):
-            for layer, (keys, values) in enumerate(cache_layers(cache)):
-                reader.cache.update(keys, values, layer)  # appended at slots low..high−1
-            reader.add(Segment(low, high, "mapped", False, sender, self.routes[(sender, model)].mapper_id))
-        unseen = total - held
-        count, rule = span.recomputed(unseen), span.recompute_rule
-        if count and rule == "deviation" and transfer.token_features and span.recompute_layers < 2:
-            raise ValueError(
-                "a token-feature mapper makes layer 0 exact: the deviation rule needs recompute_layers ≥ 2"
-            )
-        depth = min(span.native_depth(unseen), len(target.model.layers))
-        ids = self.ids[None, :end]  # [1, end]
-        if depth:  # the target's own first layers over 0..end−1 (exact), kept for the mapped slots
-            early = prefill_layers(target, ids, depth)
-            if count and rule == "deviation":
-                scores = deviation_scores(early, reader.cache, min(span.recompute_layers, depth), start, end)
-            for layer in range(depth):
-                own, new = reader.cache.layers[layer], early.layers[layer]
-                own.keys[:, :, start:end], own.values[:, :, start:end] = (
-                    new.keys[:, :, start:end],
-                    new.values[:, :, start:end],
-                )
-        if count:
-            if rule == "attention":
-                queries = torch.cat([self.ids[end:total], turn])[None]  # [1, Q]
-                if queries.shape[1] == 0:
-                    raise ValueError("the attention rule needs the new turn: hold_back > 0 or a turn")
-                scores = attention_scores(target, reader.cache, queries, start, end)  # [1, end − start]
-            elif rule == "recency":
-                scores = torch.arange(end - start, dtype=torch.float32)[None]
-            recompute_in_place(target, reader.cache, ids, select_tokens(scores, count, start))
-        native = torch.cat([self.ids[end:total], turn])
-        if native.numel():
+        native = torch.cat([self.ids[end:total], turn])[None]  # [1, hold-back + turn]
+        mapped_segments = [
+            Segment(low, high, "mapped", False, sender, self.routes[(sender, model)].mapper_id)
+            for low, high, sender in pieces
+        ]
+
+        def read(ids: torch.Tensor, part: str) -> None:
+            if part == "sink":
+                self._read(model, ids[0])
+                return
+            for segment in mapped_segments:  # the span precedes the tail in the provenance
+                reader.add(segment)
+            mapped_segments.clear()
             began = _clock(_device(target))
-            self._read(model, native)
-            self.costs.observe(model, "prefill", native.numel(), (_clock(_device(target)) - began) * 1e3)
+            self._read(model, ids[0])
+            self.costs.observe(model, "prefill", ids.shape[1], (_clock(_device(target)) - began) * 1e3)
+
+        count = splice(
+            target, reader.cache, self.ids[None, :end], start, mapped, span, total - held, transfer.token_features,
+            native, native, read,
+        )  # fmt: skip
+        for segment in mapped_segments:  # no tail was read: the span ends the cache
+            reader.add(segment)
         return count
