@@ -17,7 +17,7 @@ FLOORS = [
     {"src.models", "src.rope", "src.tasks", "src.tracking"},
     {"src.corpus", "src.traces", "src.stats", "src.support", "src.weighting", "src.artifact"},
     {"src.select", "src.maps", "src.forward", "kernels.fused_fit"},
-    {"src.fit", "src.probe", "src.synthetic", "kernels.apply_map"},
+    {"src.fit", "src.probe", "src.synthetic", "kernels.apply_map", "kernels.turn_attention"},
     {"src.apply"},
     {"src.runtime.levers", "src.runtime.recompute", "src.runtime.engine"},
     {"src.runtime.splice"},

@@ -10,6 +10,7 @@ import src.runtime.splice
 from src.apply import KVTransfer
 from src.eval.nll import horizon_nll
 from src.forward import prefill, prefill_layers
+from src.maps import cache_layers
 from src.runtime.levers import Levers
 from src.runtime.recompute import RULES, deviation_scores, recompute_in_place, select_tokens
 from src.runtime.splice import spliced_cache
@@ -117,7 +118,7 @@ def test_deviation_scores_find_the_perturbed_tokens(pair):
     spliced.layers[0].values[0, :, 11] += 0.5  # row 0: token 11's V; row 1: token 4's K
     spliced.layers[0].keys[1, :, 4] -= 0.5
     spliced.layers[1].keys[:, :, 15] += 9.0  # outside the compared layers: ignored
-    scores = deviation_scores(native, spliced, 1, 2, 20)  # [B, 18] over tokens 2..19
+    scores = deviation_scores(cache_layers(native)[:1], cache_layers(spliced), 1, 2, 20)  # [B, 18] over tokens 2..19
     assert select_tokens(scores, 1, 2).tolist() == [[11], [4]]
 
 
@@ -127,7 +128,8 @@ def test_deviation_rule_recomputes_the_most_deviating_tokens(pair, chosen):
     levers = Levers(native_sink=2, recompute=0.2, recompute_layers=2)
     spliced_cache(wrong, prefill(pair.source, ids), ids, levers)
     pure = spliced_cache(wrong, prefill(pair.source, ids), ids, Levers(native_sink=2))
-    expected = select_tokens(deviation_scores(prefill_layers(pair.target, ids, 2), pure, 2, 2, 30), 6, 2)
+    native = cache_layers(prefill_layers(pair.target, ids, 2))[:2]
+    expected = select_tokens(deviation_scores(native, cache_layers(pure), 2, 2, 30), 6, 2)
     assert len(chosen) == 1 and torch.equal(chosen[0], expected)
 
 

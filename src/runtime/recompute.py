@@ -13,10 +13,13 @@ slot (causal among the new tokens); the appended K/V are then scattered into the
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 from transformers import DynamicCache, PreTrainedModel
 
 RULES = ("deviation", "attention", "recency")
+Pair = tuple[torch.Tensor, torch.Tensor]  # one layer's (keys, values) [B, H_t, T, d_t]
 _MASKED_ATTENTION = ("eager", "sdpa")  # implementations that read an arbitrary 4-D mask
 
 
@@ -30,14 +33,17 @@ def _cut(cache: DynamicCache, length: int) -> None:
         layer.keys, layer.values = layer.keys[:, :, :length], layer.values[:, :, :length]
 
 
-def deviation_scores(native: DynamicCache, spliced: DynamicCache, layers: int, start: int, end: int) -> torch.Tensor:
-    """Per-token deviation [B, end − start] of the spliced K/V from the native ones over the first `layers` layers:
-    Σ_layers Σ_{K,V} ‖x_spliced − x_native‖² / mean_t ‖x_native‖² (each component on its own scale)."""
+def deviation_scores(
+    native: Sequence[Pair], spliced: Sequence[Pair], layers: int, start: int, end: int
+) -> torch.Tensor:
+    """Per-token deviation [B, end − start] of the spliced K/V from the native ones over the first `layers` layers
+    (each a (keys, values) pair [B, H_t, ≥ end, d_t]): Σ_layers Σ_{K,V} ‖x_spliced − x_native‖² / mean_t ‖x_native‖²
+    (each component on its own scale)."""
     score = 0.0
     for layer in range(layers):
-        for name in ("keys", "values"):
-            own = getattr(native.layers[layer], name)[:, :, start:end].float()  # [B, H_t, S, d_t]
-            mapped = getattr(spliced.layers[layer], name)[:, :, start:end].float()  # [B, H_t, S, d_t]
+        for component in (0, 1):
+            own = native[layer][component][:, :, start:end].float()  # [B, H_t, S, d_t]
+            mapped = spliced[layer][component][:, :, start:end].float()  # [B, H_t, S, d_t]
             scale = own.pow(2).sum((1, 3)).mean().clamp_min(torch.finfo(torch.float32).tiny)
             score = score + (mapped - own).pow(2).sum((1, 3)) / scale  # [B, S]
     return score

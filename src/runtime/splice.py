@@ -16,6 +16,7 @@ from transformers import DynamicCache, PreTrainedModel
 from src.apply import KVTransfer
 from src.forward import check_ids, prefill, prefill_layers
 from src.maps import TransferError, cache_layers, dropped_tokens
+from src.runtime.engine import Engine
 from src.runtime.levers import Levers
 from src.runtime.recompute import attention_scores, deviation_scores, recompute_in_place, select_tokens
 
@@ -37,11 +38,13 @@ def handoff(transfer: KVTransfer, source_cache, input_ids: torch.Tensor) -> Hand
         return Handoff(cache=prefill(transfer.target, input_ids), mode="prefill", reason=str(refusal))
 
 
-def check_splice(levers: Levers, token_features: bool, prefix_len: int, queries: int) -> None:
+def check_splice(levers: Levers, token_features: bool, prefix_len: int, queries: int, static: bool = False) -> None:
     """A ValueError for a lever setting the splice cannot run — raised before the receiver's cache is touched.
     levers: on the span (its sink and hold-back already realized); prefix_len: tokens the shares refer to; queries:
-    the attention rule's query tokens (hold-back + new turn)."""
+    the attention rule's query tokens (hold-back + new turn); static: the receiver is an `Engine`."""
     count, rule = levers.recomputed(prefix_len), levers.recompute_rule
+    if count and rule == "attention" and static:
+        raise ValueError("the attention rule is not built on the static engine (its selection pass): use deviation")
     if count and rule == "deviation" and token_features and levers.recompute_layers < 2:
         raise ValueError("a token-feature mapper makes layer 0 exact: the deviation rule needs recompute_layers ≥ 2")
     if count and rule == "attention" and queries == 0:
@@ -51,7 +54,7 @@ def check_splice(levers: Levers, token_features: bool, prefix_len: int, queries:
 @torch.no_grad()
 def splice(
     target: PreTrainedModel,
-    cache: DynamicCache,
+    cache: DynamicCache | Engine,
     ids: torch.Tensor,
     start: int,
     mapped: Sequence[DynamicCache],
@@ -60,7 +63,7 @@ def splice(
     token_features: bool,
     tail: torch.Tensor,
     queries: torch.Tensor,
-    read: Callable[[torch.Tensor, str], None],
+    read: Callable[..., None],
 ) -> int:
     """Build the receiver's cache over ids [B, end] and read `tail` [B, n] on top; returns the tokens recomputed.
 
@@ -69,7 +72,12 @@ def splice(
     `mapped` (caches of consecutive pieces of start..end−1, at their own positions) appended, then the levers
     (on the span, shares of `prefix_len` tokens): the first `native_depth` target layers over 0..end−1 from a stopped
     native prefill (kept for the mapped slots: they are exact), `recomputed` mapped tokens recomputed in place through
-    every layer (chosen by the rule; the attention rule reads `queries` [B, Q]), then `tail` read natively."""
+    every layer (chosen by the rule; the attention rule reads `queries` [B, Q]), then `tail` read natively.
+
+    On an `Engine` (B = 1) the mapped pieces are written into their slots and the recomputed tokens are read in the
+    tail's own forward — fused recompute: `read(tail, "tail", positions)` with the recomputed positions [R] first."""
+    if isinstance(cache, Engine):
+        return _splice_static(cache, ids, start, mapped, levers, prefix_len, token_features, tail, queries, read)
     check_splice(levers, token_features, prefix_len, queries.shape[1])
     held, end = cache.get_seq_length(), ids.shape[1]
     if start > held:
@@ -84,7 +92,10 @@ def splice(
     if depth:  # the target's own first layers over 0..end−1 (exact), kept for the mapped slots
         early = prefill_layers(target, ids, depth)
         if count and rule == "deviation":
-            scores = deviation_scores(early, cache, min(levers.recompute_layers, depth), start, end)  # [B, end − start]
+            native, spliced = cache_layers(early)[:depth], cache_layers(cache)[:depth]
+            scores = deviation_scores(
+                native, spliced, min(levers.recompute_layers, depth), start, end
+            )  # [B, end − start]
         for layer in range(depth):
             own, new = cache.layers[layer], early.layers[layer]
             own.keys[:, :, start:end], own.values[:, :, start:end] = (
@@ -99,6 +110,52 @@ def splice(
         recompute_in_place(target, cache, ids, select_tokens(scores, count, start))
     if tail.shape[1]:
         read(tail, "tail")
+    return count
+
+
+def _splice_static(
+    engine: Engine,
+    ids: torch.Tensor,
+    start: int,
+    mapped: Sequence[DynamicCache],
+    levers: Levers,
+    prefix_len: int,
+    token_features: bool,
+    tail: torch.Tensor,
+    queries: torch.Tensor,
+    read: Callable[..., None],
+) -> int:
+    """`splice` on the static engine: the same steps, the recompute fused into the tail's forward."""
+    check_splice(levers, token_features, prefix_len, queries.shape[1], static=True)
+    held, end = engine.length, ids.shape[1]
+    if start > held:
+        read(ids[:, held:start], "sink")
+    low = start
+    for piece in mapped:
+        layers = cache_layers(piece)
+        engine.write(torch.stack([k[0] for k, _ in layers]), torch.stack([v[0] for _, v in layers]), low)
+        low += layers[0][0].shape[2]
+    if engine.length != end:
+        raise ValueError(f"the spliced engine holds {engine.length} tokens, the prefix {end}")
+    count, rule = levers.recomputed(prefix_len), levers.recompute_rule
+    depth = min(levers.native_depth(prefix_len), engine.keys.shape[0])
+    if depth:  # the target's own first layers over 0..end−1 (exact), kept for the mapped slots
+        keys, values = engine.native_prefix(ids[0], depth)  # [depth, H_kv, end, d]
+        if count and rule == "deviation":
+            native = [(keys[i, None], values[i, None]) for i in range(depth)]
+            spliced = [(engine.keys[i, None], engine.values[i, None]) for i in range(depth)]
+            scores = deviation_scores(native, spliced, min(levers.recompute_layers, depth), start, end)  # [1, S]
+        engine.keys[:depth, :, start:end], engine.values[:depth, :, start:end] = (
+            keys[:, :, start:end],
+            values[:, :, start:end],
+        )
+    positions = None
+    if count:
+        if rule == "recency":
+            scores = torch.arange(end - start, dtype=torch.float32)[None]  # [1, S]
+        positions = select_tokens(scores, count, start)[0].cpu()  # [R]
+    if tail.shape[1] or positions is not None:
+        read(tail, "tail", positions)
     return count
 
 
@@ -135,3 +192,41 @@ def spliced_cache(
     splice(target, cache, input_ids[:, :end], sink, [mapped], levers, total, transfer.token_features,
            input_ids[:, end:], queries, read)  # fmt: skip
     return cache
+
+
+@torch.no_grad()
+def engine_handoff(
+    transfer: KVTransfer, engine: Engine, source_cache, input_ids: torch.Tensor, levers: Levers, turn: torch.Tensor
+) -> torch.Tensor:
+    """The routed turn on the static engine: the receiver's cache of input_ids [1, T] spliced from the source's
+    cache (`splice`, recompute fused into the turn's forward), then the turn [1, N ≥ 1] read; returns the turn's
+    last logits [1, V] — what the receiver's first token is chosen from. The engine is emptied first."""
+    if input_ids.shape[0] != 1 or turn.shape[0] != 1 or turn.shape[1] == 0:
+        raise ValueError(f"engine_handoff reads one conversation and a turn: ids [1, T], turn [1, N ≥ 1], got "
+                         f"{tuple(input_ids.shape)} and {tuple(turn.shape)}")  # fmt: skip
+    check_ids(transfer.target, input_ids)
+    check_ids(transfer.target, turn)
+    total, sink, hold = input_ids.shape[1], levers.native_sink, levers.hold_back
+    if sink + hold > total:
+        raise ValueError(f"native_sink={sink} + hold_back={hold} must fit in {total} tokens")
+    end = total - hold
+    conversation = torch.cat([input_ids, turn.to(input_ids)], 1)[0].cpu()  # [T + N]
+    tail = conversation[None, end:]  # [1, hold + N]
+    check_splice(levers, transfer.token_features, total, tail.shape[1], static=True)
+    engine.truncate(0)
+    logits = []
+
+    def read(ids: torch.Tensor, part: str, recompute: torch.Tensor | None = None) -> None:
+        recompute = torch.zeros(0, dtype=torch.long) if recompute is None else recompute
+        start = engine.length
+        positions = torch.cat([recompute, torch.arange(start, start + ids.shape[1])])  # [R + n]
+        logits.append(engine.forward(torch.cat([conversation[recompute], ids[0].cpu()]), positions))
+
+    if end <= sink:
+        read(conversation[None], "tail")
+        return logits[-1]
+    middle = [(k[:, :, sink:end], v[:, :, sink:end]) for k, v in cache_layers(source_cache)]
+    mapped = transfer(middle, positions=torch.arange(sink, end), input_ids=input_ids[:, sink:end])
+    splice(transfer.target, engine, input_ids[:, :end].cpu(), sink, [mapped], levers, total,
+           transfer.token_features, tail, tail, read)  # fmt: skip
+    return logits[-1]

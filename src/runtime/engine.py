@@ -1,0 +1,247 @@
+"""The receiver engine: one model's static KV cache and its forwards over explicit positions, short ones replayed as
+CUDA graphs — the serving runtime a handoff is measured on (gpt-fast style, over the Hugging Face model's own modules:
+weights shared, nothing copied).
+
+    engine = Engine(model, capacity=16384)       # keys / values [L, H_kv, capacity + 1, d]: slot s holds position s
+    logits = engine.forward(ids, positions)      # [R, V]: each query writes its K/V into its slot, then attends to
+                                                 # every slot ≤ its own position
+    engine.write(keys, values, start)            # mapped K/V straight into slots start.. (src/runtime/splice.py)
+
+One forward covers every path a server runs: a prefill (positions 0..n−1), the new turn or a prefix hit (n..n+T−1),
+a decode step (T = 1), and fused recompute — selected mapped positions + hold-back + turn in one forward: a recomputed
+token's fresh K/V replace its mapped slot in each layer before that layer's attention, so every later query (and the
+turn) reads them, as CacheBlend does. Forwards of ≤ `GRAPH_BUCKETS[-1]` tokens replay a CUDA graph captured once per
+token-count bucket (padded queries repeat the last position and write the scratch slot, which no query reads); the
+attention kernel (kernels/turn_attention.py) reads the positions from device memory, so one graph serves every
+history length up to the capacity. Manual `torch.cuda.graph` capture rather than `torch.compile(mode=
+"reduce-overhead")`: no compile step on a bare lease, the same kernels eager and replayed (their equality is a test),
+and the bucket logic is ours to read. Long contiguous prefills run eagerly (compute-bound) on sdpa's causal flash path.
+On CPU everything is eager, with the kernel's torch reference.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention.bias import causal_lower_right
+from transformers import PreTrainedModel
+
+from kernels.turn_attention import turn_attention
+from src.models import describe_kv
+from src.rope import rope_cos_sin
+
+GRAPH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)  # token counts captured as CUDA graphs; longer forwards run eagerly
+FLASH_MIN_TOKENS = 256  # a contiguous forward at least this long uses sdpa's causal flash path
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [1, H, T, d] rotated as HF's apply_rotary_pos_emb does, in x's dtype (cos, sin [T, d] in x's dtype)."""
+    return x * cos + _rotate_half(x) * sin
+
+
+def engine_problem(model: PreTrainedModel) -> str | None:
+    """Why the engine cannot run this model (its forward is written for full-attention RoPE decoders), or None."""
+    kv = describe_kv(model)
+    if kv.sliding_window is not None or set(kv.layer_types) != {"full_attention"}:
+        return f"sliding-window attention (window {kv.sliding_window}) is not supported by the static engine"
+    if kv.kv_lora_rank is not None:
+        return "latent (MLA) attention is not supported by the static engine"
+    if kv.rope_dim != kv.head_dim or kv.rope_layout != "half":
+        return f"partial or interleaved RoPE (rope_dim {kv.rope_dim} of {kv.head_dim}) is not supported"
+    if kv.rope_parameters.get("rope_type", "default") in ("dynamic", "longrope"):
+        return f"RoPE type {kv.rope_parameters['rope_type']!r} depends on the sequence length: not a static table"
+    return None
+
+
+class Engine:
+    """A model's static KV cache (slot = position) and its forwards; see the module docstring."""
+
+    def __init__(self, model: PreTrainedModel, capacity: int, graphs: bool | None = None, backend: str = "auto"):
+        if problem := engine_problem(model):
+            raise ValueError(problem)
+        if capacity < 1:
+            raise ValueError(f"engine capacity must be ≥ 1 token, not {capacity}")
+        kv = describe_kv(model)
+        parameter = next(model.parameters())
+        self.model, self.device, self.dtype = model, parameter.device, parameter.dtype
+        self.q_heads, self.kv_heads, self.head_dim = kv.num_q_heads, kv.num_kv_heads, kv.head_dim
+        self.scale = kv.attention_softmax_scale
+        self.capacity, self.scratch = capacity, capacity  # slot `capacity` is written by padded queries, never read
+        shape = (kv.num_layers, kv.num_kv_heads, capacity + 1, kv.head_dim)
+        self.keys = torch.zeros(shape, dtype=self.dtype, device=self.device)  # [L, H_kv, N + 1, d]
+        self.values = torch.zeros(shape, dtype=self.dtype, device=self.device)  # [L, H_kv, N + 1, d]
+        cos, sin = rope_cos_sin(model.model.rotary_emb, torch.arange(capacity + 1))  # [1, 1, N + 1, d] float32
+        self.cos, self.sin = cos[0, 0].to(self.device, self.dtype), sin[0, 0].to(self.device, self.dtype)  # [N + 1, d]
+        self.length = 0  # slots 0..length − 1 hold the conversation
+        self.backend = backend
+        self.graphs_enabled = self.device.type == "cuda" if graphs is None else graphs
+        if self.graphs_enabled and self.device.type != "cuda":
+            raise ValueError("CUDA graphs need the model on a CUDA device")
+        self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, dict[str, torch.Tensor]]] = {}
+
+    # --- the forward ---------------------------------------------------------------------------------------------
+
+    def _attend(self, q: torch.Tensor, layer: int, positions: torch.Tensor, flash: int | None) -> torch.Tensor:
+        """q [1, H_q, T, d] → [1, H_q, T, d]: each query over slots ≤ its position. flash: the contiguous forward's
+        end slot (sdpa's causal flash path over slots 0..flash − 1), or None (the turn kernel)."""
+        if flash is not None:
+            keys, values = self.keys[layer, None, :, :flash], self.values[layer, None, :, :flash]  # [1, H_kv, n, d]
+            start = flash - q.shape[2]
+            mask = None if start == 0 else causal_lower_right(q.shape[2], flash)
+            return F.scaled_dot_product_attention(
+                q, keys, values, attn_mask=mask, is_causal=start == 0, scale=self.scale, enable_gqa=True
+            )
+        out = turn_attention(q[0], self.keys[layer], self.values[layer], positions, self.scale, self.backend)
+        return out[None]  # [1, H_q, T, d]
+
+    def _layers(
+        self, ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, rows: torch.Tensor, flash: int | None
+    ) -> torch.Tensor:
+        """ids, positions, slots [T] (device) → logits [R, V] at rows [R]; every layer's K/V written into `slots`."""
+        decoder, count = self.model.model, ids.shape[0]
+        cos, sin = self.cos[positions], self.sin[positions]  # [T, d]
+        hidden = decoder.embed_tokens(ids)[None]  # [1, T, hidden]
+        for index, layer in enumerate(decoder.layers):
+            attention = layer.self_attn
+            x = layer.input_layernorm(hidden)  # [1, T, hidden]
+            q = attention.q_proj(x).view(1, count, self.q_heads, self.head_dim)  # [1, T, H_q, d]
+            k = attention.k_proj(x).view(1, count, self.kv_heads, self.head_dim)  # [1, T, H_kv, d]
+            v = attention.v_proj(x).view(1, count, self.kv_heads, self.head_dim).transpose(1, 2)  # [1, H_kv, T, d]
+            if hasattr(attention, "q_norm"):  # Qwen3: RMSNorm per head before RoPE
+                q, k = attention.q_norm(q), attention.k_norm(k)
+            q = _rope(q.transpose(1, 2), cos, sin)  # [1, H_q, T, d]
+            k = _rope(k.transpose(1, 2), cos, sin)  # [1, H_kv, T, d]
+            self.keys[index].index_copy_(1, slots, k[0])  # written before the layer's attention reads them
+            self.values[index].index_copy_(1, slots, v[0])
+            out = self._attend(q, index, positions, flash)  # [1, H_q, T, d]
+            hidden = hidden + attention.o_proj(out.transpose(1, 2).reshape(1, count, self.q_heads * self.head_dim))
+            hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
+        return self.model.lm_head(decoder.norm(hidden[0, rows]))  # [R, V]
+
+    @torch.inference_mode()
+    def forward(self, ids: torch.Tensor, positions: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
+        """The model reads ids [T] at positions [T] (distinct, < capacity; a recompute set, hold-back and turn, in
+        ascending order) on the cache: each writes its K/V into slot = position and attends to the slots ≤ its
+        position. Returns the logits [R, V] at rows [R] of the forward (default: the last). `length` becomes
+        max(length, last position + 1)."""
+        ids, positions = torch.as_tensor(ids).reshape(-1), torch.as_tensor(positions).reshape(-1)
+        count = ids.numel()
+        if count == 0 or positions.numel() != count:
+            raise ValueError(f"engine forward needs ≥ 1 id and one position per id, got {count} ids, "
+                             f"{positions.numel()} positions")  # fmt: skip
+        last = int(positions.max())
+        if int(positions.min()) < 0 or last >= self.capacity:
+            raise ValueError(f"positions {int(positions.min())}..{last} outside the engine's capacity {self.capacity}")
+        fresh = positions[positions >= self.length]  # slots past the cache: they must be exactly length..last
+        if not torch.equal(fresh.cpu(), torch.arange(self.length, last + 1)):
+            raise ValueError(
+                f"positions past the {self.length} cached tokens must be {self.length}..{last} in order, "
+                f"got {fresh.tolist()[:8]}…"
+            )
+        single_row = rows is None
+        rows = torch.tensor([count - 1]) if rows is None else torch.as_tensor(rows).reshape(-1)
+        first = int(positions[0])
+        contiguous = bool((positions == torch.arange(first, first + count, device=positions.device)).all())
+        if contiguous and count >= FLASH_MIN_TOKENS:
+            flash = first + count
+        else:
+            flash = None
+        if flash is None and single_row and self.graphs_enabled and count <= GRAPH_BUCKETS[-1]:
+            logits = self._replay(ids, positions)
+        else:
+            on = lambda t: t.to(self.device, torch.long)
+            logits = self._layers(on(ids), on(positions), on(positions), on(rows), flash)
+        self.length = max(self.length, last + 1)
+        return logits
+
+    # --- CUDA graphs, one per token-count bucket --------------------------------------------------------------------
+
+    def _capture(self, bucket: int) -> tuple[torch.cuda.CUDAGraph, dict[str, torch.Tensor]]:
+        """Capture the forward of `bucket` tokens on static inputs; warm-up and capture write only the scratch slot."""
+        static = {
+            "ids": torch.zeros(bucket, dtype=torch.long, device=self.device),
+            "positions": torch.zeros(bucket, dtype=torch.long, device=self.device),
+            "slots": torch.full((bucket,), self.scratch, dtype=torch.long, device=self.device),
+            "rows": torch.zeros(1, dtype=torch.long, device=self.device),
+        }
+        run = lambda: self._layers(static["ids"], static["positions"], static["slots"], static["rows"], None)
+        stream = torch.cuda.Stream(self.device)
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream):  # compile the kernels and warm the allocator outside the capture
+            for _ in range(2):
+                run()
+        torch.cuda.current_stream(self.device).wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            static["logits"] = run()  # [1, V]
+        return graph, static
+
+    def _replay(self, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        count = ids.numel()
+        bucket = next(b for b in GRAPH_BUCKETS if b >= count)
+        if bucket not in self._graphs:
+            self._graphs[bucket] = self._capture(bucket)
+        graph, static = self._graphs[bucket]
+        pad = bucket - count
+        static["ids"].copy_(torch.cat([ids.reshape(-1), ids.reshape(-1)[-1:].expand(pad)]))
+        static["positions"].copy_(torch.cat([positions, positions[-1:].expand(pad)]))  # pads read what the last reads
+        slots = torch.cat([positions, torch.full((pad,), self.scratch, dtype=positions.dtype, device=positions.device)])
+        static["slots"].copy_(slots)  # pads write only the scratch slot
+        static["rows"].fill_(count - 1)
+        graph.replay()
+        return static["logits"].clone()  # [1, V]
+
+    # --- what the splice needs -------------------------------------------------------------------------------------
+
+    def write(self, keys: torch.Tensor, values: torch.Tensor, start: int) -> None:
+        """Mapped K/V [L, H_kv, T, d] (or [L, 1, H_kv, T, d]) into slots start..start + T − 1."""
+        keys, values = keys.reshape(self.keys.shape[0], self.kv_heads, -1, self.head_dim), values.reshape(
+            self.keys.shape[0], self.kv_heads, -1, self.head_dim
+        )  # fmt: skip
+        end = start + keys.shape[2]
+        if start < 0 or end > self.capacity:
+            raise ValueError(f"slots {start}..{end - 1} outside the engine's capacity {self.capacity}")
+        self.keys[:, :, start:end].copy_(keys)
+        self.values[:, :, start:end].copy_(values)
+        self.length = max(self.length, end)
+
+    def slots(self, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Views [L, 1, H_kv, end − start, d] of slots start..end − 1, for a kernel that writes mapped K/V in place."""
+        if start < 0 or end > self.capacity or end < start:
+            raise ValueError(f"slots {start}..{end - 1} outside the engine's capacity {self.capacity}")
+        return self.keys[:, None, :, start:end], self.values[:, None, :, start:end]
+
+    @torch.inference_mode()
+    def native_prefix(self, ids: torch.Tensor, depth: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The model's own K/V of ids [n] at positions 0..n − 1 in its first `depth` layers (a stopped prefill over
+        fresh K/V, the cache untouched): keys, values [depth, H_kv, n, d]."""
+        decoder, count = self.model.model, ids.numel()
+        ids = ids.reshape(-1).to(self.device)
+        cos, sin = self.cos[:count], self.sin[:count]
+        hidden, keys, values = decoder.embed_tokens(ids)[None], [], []
+        for layer in decoder.layers[:depth]:
+            attention = layer.self_attn
+            x = layer.input_layernorm(hidden)
+            q = attention.q_proj(x).view(1, count, self.q_heads, self.head_dim)
+            k = attention.k_proj(x).view(1, count, self.kv_heads, self.head_dim)
+            v = attention.v_proj(x).view(1, count, self.kv_heads, self.head_dim).transpose(1, 2)  # [1, H_kv, n, d]
+            if hasattr(attention, "q_norm"):
+                q, k = attention.q_norm(q), attention.k_norm(k)
+            q, k = _rope(q.transpose(1, 2), cos, sin), _rope(k.transpose(1, 2), cos, sin)
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale, enable_gqa=True)
+            hidden = hidden + attention.o_proj(out.transpose(1, 2).reshape(1, count, self.q_heads * self.head_dim))
+            hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
+            keys.append(k[0])
+            values.append(v[0])
+        return torch.stack(keys), torch.stack(values)  # [depth, H_kv, n, d]
+
+    def truncate(self, length: int) -> None:
+        """Forget every slot from `length` on (their contents are overwritten before any query reads them)."""
+        if not 0 <= length <= self.length:
+            raise ValueError(f"cannot truncate an engine holding {self.length} tokens to {length}")
+        self.length = length
