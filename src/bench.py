@@ -106,7 +106,10 @@ def handoff(cfg: DictConfig) -> None:
         for n in h.prefix_lens:
             prefix, turn = ids[:, :n], ids[:, n : n + h.new_turn]
             try:
-                results[n] = handoff_ttft(transfer, prefix, turn, h.repeats, h.prefill_repeats, h.warmup)
+                results[n] = handoff_ttft(
+                    transfer, prefix, turn, h.repeats, h.prefill_repeats, h.warmup, tuple(h.engines),
+                    tuple(h.recompute_shares),
+                )  # fmt: skip
             except torch.OutOfMemoryError:
                 out_of_memory.append(n)
                 print(f"prefix {n:>6}: out of GPU memory")
@@ -114,10 +117,12 @@ def handoff(cfg: DictConfig) -> None:
             finally:
                 if torch.cuda.is_available():
                     torch.cuda.empty_cache()
-            print(f"prefix {n:>6}: " + ", ".join(f"{k} {v:.2f}" for k, v in results[n].items()))
+            print(f"prefix {n:>6}: " + ", ".join(f"{k} {v:.3g}" for k, v in results[n].items() if "_p95" not in k))
         figure, axis = plt.subplots(figsize=(6, 4))
-        for path in ("transfer", "prefill", "cache_hit"):
-            axis.plot(list(results), [m[f"ttft_{path}_ms_p50"] for m in results.values()], "o-", label=path)
+        for name in h.engines:
+            for path, style in (("map", "o-"), ("reprefill", "s--"), ("hit", "^:")):
+                key = f"ttft.{name}.{path}_ms_p50"
+                axis.plot(list(results), [m[key] for m in results.values()], style, label=f"{name} {path}")
         axis.set(xlabel="prefix tokens", ylabel="TTFT ms (p50)", xscale="log", yscale="log", title=cfg.pair.name)
         axis.legend()
         for n, metrics in results.items():

@@ -11,7 +11,7 @@ from transformers import DynamicCache
 import src.bench
 import src.eval.latency
 from src.apply import KVTransfer
-from src.eval.ttft import handoff_paths, handoff_ttft, transport
+from src.eval.ttft import engine_paths, handoff_paths, handoff_ttft, transport
 from src.forward import prefill
 from src.models import describe_kv
 from src.support import coefficient_count
@@ -55,13 +55,19 @@ def test_handoff_job_json_backend_and_import(ws, tmp_path):  # noqa: F811
     record = json.loads(record_file.read_text())
     logged = {(m["key"], m["step"]) for m in record["metrics"]}
     for name in (
-        "ttft_transfer_ms_p50",
-        "ttft_prefill_ms_p50",
-        "ttft_cache_hit_ms_p50",
+        "ttft.hf.map_ms_p50",
+        "ttft.hf.reprefill_ms_p50",
+        "ttft.hf.hit_ms_p50",
+        "ttft.static.map_ms_p50",
+        "ttft.graph.hit_ms_p50",
+        "ttft.graph.recompute_0.25_ms_p50",
+        "check.graph.map_logit_diff",
         "map_ms_p50",
-        "ttft_speedup_vs_prefill",
-        "gpu_peak_mb_transfer",
-        "gpu_peak_mb_prefill",
+        "speedup.hf.map",
+        "speedup.graph.map",
+        "graph.map_over_hit",
+        "gpu_peak_mb_map",
+        "gpu_peak_mb_reprefill",
         "cache_bytes",
     ):
         assert {(name, 16), (name, 32)} <= logged
@@ -70,7 +76,7 @@ def test_handoff_job_json_backend_and_import(ws, tmp_path):  # noqa: F811
     uri = f"sqlite:///{tmp_path / 'imported.db'}"
     assert import_records(records, uri, str(tmp_path / "artifacts")) == 1
     (run,) = runs(uri, "handoff")
-    assert run.data.metrics["ttft_transfer_ms_p50"] > 0 and run.data.tags["job"] == "handoff"
+    assert run.data.metrics["ttft.hf.map_ms_p50"] > 0 and run.data.tags["job"] == "handoff"
 
 
 def test_a_bench_job_that_fails_leaves_a_failed_record(ws, tmp_path, monkeypatch):  # noqa: F811
@@ -112,12 +118,20 @@ def test_ttft_paths_agree_only_through_the_exact_map():
     for name, mapper in (("exact", exact), ("wrong", wrong)):
         paths = handoff_paths(KVTransfer(mapper, source, target, token_hash), source_cache, prefix, turn)
         logits[name] = {path: run() for path, run in paths.items()}  # [1, V] each
-        assert torch.equal(paths["cache_hit"](), logits[name]["cache_hit"])  # the hit path restores its cache
-    exact_logits, reference = logits["exact"], logits["exact"]["prefill"]
-    for path in ("transfer", "cache_hit"):
+        assert torch.equal(paths["hit"](), logits[name]["hit"])  # the hit path restores its cache
+        engine, _ = engine_paths(KVTransfer(mapper, source, target, token_hash), source_cache, prefix, turn, (0.5,))
+        for path, run in engine.items():  # the static engine's paths compute what the hf paths do
+            reference = logits[name]["map" if path.startswith("recompute") else path]
+            if path.startswith("recompute") and name == "wrong":
+                reference = logits[name]["reprefill"]  # half recomputed: between the two
+                assert (run() - logits[name]["map"]).abs().max() > 1e-3
+                continue
+            torch.testing.assert_close(run(), reference, atol=1e-4, rtol=0)
+    exact_logits, reference = logits["exact"], logits["exact"]["reprefill"]
+    for path in ("map", "hit"):
         torch.testing.assert_close(exact_logits[path], reference, atol=1e-4, rtol=0)
         assert torch.equal(exact_logits[path].argmax(-1), reference.argmax(-1))  # the same first token
-    assert (logits["wrong"]["transfer"] - reference).abs().max() > 1e-2  # the transfer path reads the map
+    assert (logits["wrong"]["map"] - reference).abs().max() > 1e-2  # the map path reads the map
     source_logits = source(torch.cat([prefix, turn], 1)).logits[:, -1]
     assert (source_logits - reference).abs().max() > 1e-1  # the target is not the source
 
@@ -127,7 +141,7 @@ class _ClockedTransfer(CountingTransfer):
 
     def __init__(self, transfer):
         super().__init__(transfer)
-        self.device, self.now = transfer.device, 0.0
+        self.device, self.token_features, self.now = transfer.device, transfer.token_features, 0.0
 
     def perf_counter(self) -> float:
         self.now += 1e-6
@@ -143,10 +157,12 @@ def test_ttft_times_the_map_inside_the_transfer_path(monkeypatch):
     prefix, turn = _prefix_turn()
     clocked = _ClockedTransfer(KVTransfer(exact, source, target, token_hash))
     monkeypatch.setattr(src.eval.latency, "time", clocked)  # time_ms reads the fake clock
-    metrics = handoff_ttft(clocked, prefix, turn, repeats=2, prefill_repeats=1, warmup=1)
+    metrics = handoff_ttft(clocked, prefix, turn, repeats=2, prefill_repeats=1, warmup=1, engines=("hf", "static"))
     second = pytest.approx(1e3, abs=0.01)
-    for name in ("ttft_transfer_ms_p50", "ttft_transfer_ms_p95", "map_ms_p50"):
-        assert metrics[name] == second, name  # one map per timed call
-    assert metrics["ttft_cache_hit_ms_p95"] < 0.01 and metrics["ttft_prefill_ms_p95"] < 0.01  # no map there
-    assert metrics["ttft_speedup_vs_prefill"] < 1e-5
-    assert clocked.calls == (1 + 2) * 2 + 1  # (warm-up + timed) × (transfer path, map) + one peak-memory call
+    for name in ("ttft.hf.map_ms_p50", "ttft.hf.map_ms_p95", "ttft.static.map_ms_p50", "map_ms_p50"):
+        assert metrics[name] == second, name  # one map per timed call, inside the timed region on every engine
+    for engine in ("hf", "static"):
+        assert metrics[f"ttft.{engine}.hit_ms_p95"] < 0.01 and metrics[f"ttft.{engine}.reprefill_ms_p95"] < 0.01
+        assert metrics[f"speedup.{engine}.map"] < 1e-5
+    # map alone, each engine's map path: (warm-up + timed + the logit check); one peak-memory call
+    assert clocked.calls == (1 + 2) + 2 * (1 + 2 + 1) + 1

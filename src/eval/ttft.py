@@ -1,12 +1,17 @@
-"""End-to-end handoff TTFT: from "switch to T" to T's first generated token, given S's cache.
+"""End-to-end handoff TTFT: from "switch to T" to T's first token, given S's cache — on three engines, side by side.
 
-transfer   map S's prefix cache → prefill the new turn on top of it → first token
-prefill    T re-prefills prefix + new turn → first token            (what a router does today)
-cache_hit  T already holds its own prefix cache → new turn → first token (same-model prefix hit)
-
-Beside TTFT: GPU peak memory per path, and the source cache's transport cost when S and T live apart —
-bytes, host staging (device → pinned host → device) and device-to-device copies (to a second GPU when
-there is one, else within the one GPU, labelled by `d2d_peer`).
+Paths (the vocabulary of the session, the routed workloads and the gate):
+  map        map S's prefix cache into T's cache → T reads the new turn on top → first token
+  reprefill  T reads prefix + new turn from scratch → first token                     (what a router does today)
+  hit        T already holds its own prefix cache → reads the new turn → first token  (same-model prefix hit)
+  recompute_<r>  map, then r of the prefix recomputed in the turn's own forward (deviation rule: T's first layer over
+                 the prefix picks the tokens; src/runtime/splice.py) → first token
+Engines: `hf` (Hugging Face eager forwards on a DynamicCache: the reference), `static` (src/runtime/engine.py, every
+forward eager) and `graph` (the same engine, forwards of ≤ 128 tokens replayed as CUDA graphs: what a server runs).
+Each ratio is formed inside one engine. Beside TTFT: the map alone, the largest logit difference of each engine's
+paths from the hf re-prefill (a check that the fast paths compute the same thing), GPU peak memory of the hf paths,
+and the source cache's transport cost when S and T live apart — bytes, host staging (device → pinned host → device)
+and device-to-device copies (to a second GPU when there is one, else within the one GPU, labelled by `d2d_peer`).
 """
 
 from __future__ import annotations
@@ -19,6 +24,11 @@ from src.apply import KVTransfer
 from src.eval.latency import percentiles, time_ms
 from src.forward import prefill
 from src.maps import cache_layers
+from src.runtime.engine import Engine
+from src.runtime.levers import NO_LEVERS, Levers
+from src.runtime.splice import engine_handoff
+
+ENGINES = ("hf", "static", "graph")
 
 
 def _peak_mb(fn, device: torch.device) -> float:
@@ -60,39 +70,101 @@ def transport(source_cache, repeats: int, warmup: int, device: torch.device) -> 
 def handoff_paths(
     transfer: KVTransfer, source_cache, prefix: torch.Tensor, turn: torch.Tensor
 ) -> dict[str, Callable[[], torch.Tensor]]:
-    """The three paths for prefix ids [1, P] (S's cache of them given) and new-turn ids [1, N], each a call that
-    returns T's next-token logits [1, V]; T's own prefix cache (cache_hit) is built here, untimed."""
+    """The hf engine's paths for prefix ids [1, P] (S's cache of them given) and new-turn ids [1, N], each a call that
+    returns T's next-token logits [1, V]; T's own prefix cache (hit) is built here, untimed."""
     target = transfer.target
     own_cache = prefill(target, prefix)
     last_logits = lambda cache, ids: target(ids, past_key_values=cache, logits_to_keep=1).logits[:, -1]
 
-    def via_cache_hit() -> torch.Tensor:
+    def via_hit() -> torch.Tensor:
         logits = last_logits(own_cache, turn)
         own_cache.crop(-turn.shape[1])  # back to the prefix for the next repetition
         return logits
 
     return {
-        "transfer": lambda: last_logits(transfer(source_cache, input_ids=prefix), turn),  # the map is timed
-        "prefill": lambda: target(torch.cat([prefix, turn], dim=1), logits_to_keep=1).logits[:, -1],
-        "cache_hit": via_cache_hit,
+        "map": lambda: last_logits(transfer(source_cache, input_ids=prefix), turn),  # the map is timed
+        "reprefill": lambda: target(torch.cat([prefix, turn], dim=1), logits_to_keep=1).logits[:, -1],
+        "hit": via_hit,
     }
+
+
+def engine_paths(
+    transfer: KVTransfer, source_cache, prefix: torch.Tensor, turn: torch.Tensor, shares: tuple[float, ...] = ()
+) -> tuple[dict[str, Callable[[], torch.Tensor]], tuple[Engine, Engine]]:
+    """The static engine's paths (as `handoff_paths`, plus recompute_<r> for each share r), on two engines sized to
+    prefix + turn: one holds T's own prefix (hit, prefilled here, untimed), the other is rebuilt by every call.
+    Returns the paths and the engines (set `graphs_enabled` on both to choose eager or graph-replayed forwards)."""
+    count, turn_count = prefix.shape[1], turn.shape[1]
+    capacity = count + turn_count
+    own, work = Engine(transfer.target, capacity), Engine(transfer.target, capacity)
+    own.forward(prefix[0].cpu(), torch.arange(count))
+    conversation = torch.cat([prefix, turn], 1)[0].cpu()  # [P + N]
+    turn_positions = torch.arange(count, capacity)
+
+    def via_hit() -> torch.Tensor:
+        own.truncate(count)
+        return own.forward(conversation[count:], turn_positions)
+
+    def via_reprefill() -> torch.Tensor:
+        work.truncate(0)
+        return work.forward(conversation, torch.arange(capacity))
+
+    handoff = lambda levers: lambda: engine_handoff(transfer, work, source_cache, prefix, levers, turn)
+    paths = {"map": handoff(NO_LEVERS), "reprefill": via_reprefill, "hit": via_hit}
+    for share in shares:
+        paths[f"recompute_{share:g}"] = handoff(Levers(recompute=share))
+    return paths, (own, work)
 
 
 @torch.no_grad()
 def handoff_ttft(
-    transfer: KVTransfer, prefix: torch.Tensor, turn: torch.Tensor, repeats: int, prefill_repeats: int, warmup: int
+    transfer: KVTransfer,
+    prefix: torch.Tensor,
+    turn: torch.Tensor,
+    repeats: int,
+    prefill_repeats: int,
+    warmup: int,
+    engines: tuple[str, ...] = ENGINES,
+    shares: tuple[float, ...] = (),
 ) -> dict[str, float]:
-    """TTFT p50/p95 (ms) of the three paths for prefix ids [1, P] and new-turn ids [1, N], and the speedups."""
+    """TTFT p50/p95 (ms) of every path on every engine for prefix ids [1, P] and new-turn ids [1, N]:
+    `ttft.<engine>.<path>_ms_p50`, the speedups `speedup.<engine>.<path>` (that engine's re-prefill / the path) and
+    `<engine>.map_over_hit` (routed TTFT / prefix hit), the map alone (`map_ms_p50`), the checks
+    `check.<engine>.<path>_logit_diff` (largest |Δ logit| from the hf re-prefill), hf peak memory and transport."""
+    unknown = set(engines) - set(ENGINES)
+    if unknown:
+        raise ValueError(f"unknown engines {sorted(unknown)}: choose from {ENGINES}")
     device = transfer.device
     prefix, turn = prefix.to(device), turn.to(device)
     source_cache = prefill(transfer.source, prefix)  # S's cache exists before the switch: not timed
-    paths = handoff_paths(transfer, source_cache, prefix, turn)
-    first_token = {name: (lambda path=path: path().argmax(-1)) for name, path in paths.items()}  # [1] each
-    metrics = percentiles(time_ms(first_token["transfer"], repeats, warmup, device), "ttft_transfer")
-    metrics |= percentiles(time_ms(first_token["prefill"], prefill_repeats, min(warmup, 1), device), "ttft_prefill")
-    metrics |= percentiles(time_ms(first_token["cache_hit"], repeats, warmup, device), "ttft_cache_hit")
-    metrics |= percentiles(time_ms(lambda: transfer(source_cache, input_ids=prefix), repeats, warmup, device), "map")
-    metrics["ttft_speedup_vs_prefill"] = metrics["ttft_prefill_ms_p50"] / metrics["ttft_transfer_ms_p50"]
-    for name, path in first_token.items():
-        metrics[f"gpu_peak_mb_{name}"] = _peak_mb(path, device)
+    hf = handoff_paths(transfer, source_cache, prefix, turn)
+    reference = hf["reprefill"]().float()  # [1, V]
+    metrics = percentiles(time_ms(lambda: transfer(source_cache, input_ids=prefix), repeats, warmup, device), "map")
+    static = [name for name in engines if name != "hf"]
+    built = engine_paths(transfer, source_cache, prefix, turn, shares) if static else None
+    for name in engines:
+        if name == "hf":
+            paths = dict(hf)
+        else:
+            paths = dict(built[0])
+            for engine in built[1]:
+                engine.graphs_enabled = name == "graph" and device.type == "cuda"
+            if name == "static" and "graph" in engines:  # recompute's long forward is eager either way: time it once
+                paths = {path: run for path, run in paths.items() if not path.startswith("recompute_")}
+        first_token = {path: (lambda run=run: run().argmax(-1)) for path, run in paths.items()}  # [1] each
+        for path, run in paths.items():
+            slow = path == "reprefill"
+            times = time_ms(
+                first_token[path], prefill_repeats if slow else repeats, min(warmup, 1) if slow else warmup, device
+            )
+            metrics |= percentiles(times, f"ttft.{name}.{path}")
+            metrics[f"check.{name}.{path}_logit_diff"] = float((run().float() - reference).abs().max())
+        for path in paths:
+            metrics[f"speedup.{name}.{path}"] = (
+                metrics[f"ttft.{name}.reprefill_ms_p50"] / metrics[f"ttft.{name}.{path}_ms_p50"]
+            )
+        metrics[f"{name}.map_over_hit"] = metrics[f"ttft.{name}.map_ms_p50"] / metrics[f"ttft.{name}.hit_ms_p50"]
+    if "hf" in engines:
+        for path, run in hf.items():
+            metrics[f"gpu_peak_mb_{path}"] = _peak_mb(run, device)
     return metrics | transport(source_cache, repeats, warmup, device)
