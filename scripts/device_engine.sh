@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# The serving-grade receiver on the lent H200, random weights (timing only, never quality), one stage per call:
+#   bash scripts/device_engine.sh setup    wheels (.whl: hydra-core, omegaconf, antlr4) + data (.stage/data) carried
+#   bash scripts/device_engine.sh tests    the GPU tests of the engine and the turn-attention kernel
+#   bash scripts/device_engine.sh probe    ../shared/tools/engine_probe.py (carried as .stage/engine_probe.py) beside
+#   bash scripts/device_engine.sh pair     +experiment=handoff, Qwen2.5-Coder 0.5B → 1.5B shapes, 1K–16K, three engines
+#   bash scripts/device_engine.sh large    +experiment=handoff, Qwen3 14B → 32B shapes, 4K–32K, static + graph engines
+# Records are JSON (tracking.backend=json) packed into $OUT/trk-<stage>.tgz; here: `python -m src.tracking import DIR`.
+set -euo pipefail
+stage=$1
+export KVRELAY_HOME=/tmp/kvh PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1 TQDM_DISABLE=1 HF_HUB_OFFLINE=1
+OUT=${OUT:-/tmp/out}
+COMMON=(+experiment=handoff budget=synthetic_paper pair.apply_backend=auto "paths.data=$HOME/data" tracking.backend=json
+  "tracking.json_dir=$OUT/trk" eval.handoff.new_turn=32)
+pack() { [ -d "$OUT/trk" ] && tar czf "$OUT/trk-$stage.tgz" -C "$OUT" trk && rm -rf "$OUT/trk"; }
+trap pack EXIT
+case $stage in
+  setup)
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+    mkdir -p "$HOME/data" && cp -r .stage/data/. "$HOME/data/"
+    nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv
+    python3 -c "import torch, transformers, triton, hydra; print(torch.__version__, transformers.__version__, triton.__version__)" ;;
+  tests)
+    python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_engine.py tests/test_kernels_attention.py 2>&1 |
+      tee "$OUT/gpu-tests.txt" | tail -15 ;;
+  probe)
+    OUT=$OUT python3 .stage/engine_probe.py | tee "$OUT/probe.txt" ;;
+  pair)
+    python3 -m src.run "${COMMON[@]}" pair=qwen25coder_0p5b_to_1p5b_random fit.k=24 \
+      "eval.handoff.prefix_lens=[1024,2048,4096,8192,16384]" 2>&1 | tee "$OUT/pair.txt" | grep -v "^prefix" || true
+    grep "^prefix" "$OUT/pair.txt" | cut -c1-400 ;;
+  large)
+    python3 -m src.run "${COMMON[@]}" pair=qwen3_14b_to_32b fit.k=8 "eval.handoff.engines=[static,graph]" \
+      "eval.handoff.prefix_lens=[4096,8192,16384,32768]" eval.handoff.repeats=10 eval.handoff.prefill_repeats=3 \
+      2>&1 | tee "$OUT/large.txt" | grep -v "^prefix" || true
+    grep "^prefix" "$OUT/large.txt" | cut -c1-400 ;;
+  *) echo "unknown stage $stage"; exit 2 ;;
+esac
