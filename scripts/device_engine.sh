@@ -12,7 +12,7 @@ export KVRELAY_HOME=/tmp/kvh PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1 TQDM_DISABL
 OUT=${OUT:-/tmp/out}
 COMMON=(+experiment=handoff budget=synthetic_paper pair.apply_backend=auto "paths.data=$HOME/data" tracking.backend=json
   "tracking.json_dir=$OUT/trk" eval.handoff.new_turn=32)
-pack() { [ -d "$OUT/trk" ] && tar czf "$OUT/trk-$stage.tgz" -C "$OUT" trk && rm -rf "$OUT/trk"; }
+pack() { if [ -d "$OUT/trk" ]; then tar czf "$OUT/trk-$stage.tgz" -C "$OUT" trk && rm -rf "$OUT/trk"; fi; }
 trap pack EXIT
 case $stage in
   setup)
