@@ -121,7 +121,7 @@ def _map_kernel(
     bias_ptr,  # [L_t, H_t, d_t]
     layers_ptr,  # [L_t, K_SEL] int64 source layer of each selected block
     heads_ptr,  # [H_t, FAN_IN] int64 source heads of each target head
-    out_ptr,  # [L_t, B, H_t, T, d_t] contiguous, out dtype
+    out_ptr,  # [L_t, B, H_t, T, d_t] out dtype, channels contiguous (strides sol … sot: slots of a static cache too)
     cos_ptr,  # [B or 1, T, d_t] float32 (target RoPE; unused when not ROPE)
     sin_ptr,
     flag_ptr,  # [L_t] int32: set to 1 where a stored value is not finite (when CHECK)
@@ -133,6 +133,10 @@ def _map_kernel(
     sxh,
     sxt,
     scb,
+    sol,
+    sob,
+    soh,
+    sot,
     K_SEL: tl.constexpr,
     FAN_IN: tl.constexpr,
     D_S: tl.constexpr,
@@ -191,7 +195,7 @@ def _map_kernel(
         acc_lo = rotated_lo
     out_dtype = out_ptr.dtype.element_ty
     y_lo, y_hi = acc_lo.to(out_dtype), acc_hi.to(out_dtype)  # [BLOCK_M, BLOCK_HALF]
-    out_row = out_ptr + ((layer * batch + b) * target_heads + h).to(tl.int64) * seq * D_T + t[:, None] * D_T
+    out_row = out_ptr + (layer.to(tl.int64) * sol + b * sob + h * soh) + t[:, None].to(tl.int64) * sot
     tl.store(out_row + col_lo[None, :], y_lo, mask=mask)
     tl.store(out_row + col_hi[None, :], y_hi, mask=mask)
     if CHECK:  # instead of an isfinite pass over the output: an atomic per non-finite entry, none when all is well
@@ -310,7 +314,7 @@ def _map_component(
     interpret = _interpreting()
     _jit("map", interpret)[grid](
         x, weight, bias, layers, heads, out, cos, sin, flags,
-        seq, batch, target_heads, *x.stride()[:4], stride,
+        seq, batch, target_heads, *x.stride()[:4], stride, *out.stride()[:4],
         K_SEL=layers.shape[1], FAN_IN=heads.shape[1], D_S=d_s, D_T=d_t, HALF=half,
         **_pairs(layout, half), ROPE=rope is not None, CHECK=nonfinite is not None, PRECISION=precision,
         UPCAST=interpret and weight.dtype != torch.float32,
@@ -339,8 +343,11 @@ def map_cache(
     backend: str = "auto",
     config: KernelConfig | None = None,
     precision: str | None = None,
+    out: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Source cache → target (keys, values), each [L_t, B, H_t, T, d_t] contiguous (`keys[ℓ]` is layer ℓ's cache).
+    """Source cache → target (keys, values), each [L_t, B, H_t, T, d_t] (`keys[ℓ]` is layer ℓ's cache): new contiguous
+    tensors, or `out` — two [L_t, B, H_t, T, d_t] views with contiguous channels (e.g. the slots of a static cache,
+    src/runtime/engine.py `Engine.slots`), written in place by the kernel (the reference copies into them).
 
     source_keys / source_values: stacked [L_s, B, H_s, T, d_s] or a sequence of L_s layers [B, H_s, T, d_s]
     (RoPE'd keys, as cached). mapper: already on the device in the compute dtype (`KVTransfer.mapper`).
@@ -355,12 +362,19 @@ def map_cache(
         raise ValueError(f"nonfinite must be an int32 [L_t] tensor, not {nonfinite.dtype}")
     keys = _stacked(source_keys)  # [L_s, B, H_s, T, d_s]
     out_dtype = out_dtype or keys.dtype
+    if out is not None:
+        _check_out(out, keys, mapper, out_dtype)
     reason = triton_unsupported(keys, mapper, source_cos, target_cos, (source_layout, target_layout))
     if backend == "triton" and reason is not None:
         raise ValueError(f"Triton path unavailable: {reason}")
     if backend == "torch" or reason is not None or keys.shape[3] == 0:
         args = (source_cos, source_sin, target_cos, target_sin, source_layout, target_layout, out_dtype, nonfinite)
-        return map_cache_ref(keys, source_values, mapper, *args)
+        target_k, target_v = map_cache_ref(keys, source_values, mapper, *args)
+        if out is None:
+            return target_k, target_v
+        out[0].copy_(target_k)
+        out[1].copy_(target_v)
+        return out
     values = _stacked(source_values)  # [L_s, B, H_s, T, d_s]
     _, batch, _, seq, _ = keys.shape
     target_layers, target_heads, _, d_t = mapper.weight_k.shape
@@ -369,8 +383,11 @@ def map_cache(
     config = config or default_config(seq, compute)
     content = derope_keys(keys, source_cos, source_sin, source_layout, compute)  # [L_s, B, H_s, T, d_s]
     shape = (target_layers, batch, target_heads, seq, d_t)
-    target_k = torch.empty(shape, dtype=out_dtype, device=keys.device)  # [L_t, B, H_t, T, d_t]
-    target_v = torch.empty(shape, dtype=out_dtype, device=keys.device)  # [L_t, B, H_t, T, d_t]
+    if out is None:
+        target_k = torch.empty(shape, dtype=out_dtype, device=keys.device)  # [L_t, B, H_t, T, d_t]
+        target_v = torch.empty(shape, dtype=out_dtype, device=keys.device)  # [L_t, B, H_t, T, d_t]
+    else:
+        target_k, target_v = out
     rope = (target_cos, target_sin, target_layout)
     if nonfinite is not None:
         nonfinite.zero_()
@@ -380,6 +397,19 @@ def map_cache(
 
 
 @torch.no_grad()
+def _check_out(out: tuple[torch.Tensor, torch.Tensor], keys: torch.Tensor, mapper: Mapper, dtype: torch.dtype) -> None:
+    """A ValueError unless `out` is two [L_t, B, H_t, T, d_t] tensors of the out dtype, on the keys' device, channels
+    contiguous."""
+    target_layers, target_heads, _, d_t = mapper.weight_k.shape
+    shape = (target_layers, keys.shape[1], target_heads, keys.shape[3], d_t)
+    for name, t in zip(("keys", "values"), out, strict=True):
+        if tuple(t.shape) != shape or t.dtype != dtype or t.device != keys.device or t.stride(-1) != 1:
+            raise ValueError(
+                f"out {name}: {tuple(t.shape)} {t.dtype} on {t.device} (channel stride {t.stride(-1)}); expected "
+                f"{shape} {dtype} on {keys.device}, channels contiguous"
+            )
+
+
 def map_cache_ref(
     source_keys: Layers,
     source_values: Layers,

@@ -176,14 +176,36 @@ class KVTransfer:
         """source_cache: DynamicCache or [(keys, values)] with [B, H_s, T, d_s]; positions [T] (default 0..T−1;
         required for a sliding-window cache that has dropped tokens); input_ids [B, T] of those tokens (needed by a
         token-feature mapper, checked against the cache otherwise). Raises TransferError and nothing else."""
+        return self._run(source_cache, positions, input_ids, None)
+
+    @torch.no_grad()
+    def into(
+        self,
+        out: tuple[torch.Tensor, torch.Tensor],
+        source_cache,
+        positions: torch.Tensor | None = None,
+        input_ids: torch.Tensor | None = None,
+    ) -> None:
+        """As the call, the mapped K/V written into `out`: two [L_t, B, H_t, T, d_t] views (the slots of a static
+        cache, `Engine.slots`) — the fused kernel stores straight into them, the torch path copies. Raises
+        TransferError and nothing else; a refusal may leave the slots written (they are past what the receiver
+        holds, so its state is unchanged)."""
+        self._run(source_cache, positions, input_ids, out)
+
+    def _run(self, source_cache, positions, input_ids, out) -> DynamicCache | None:
         try:
             layers = cache_layers(source_cache)
             batch, seq = self._check(layers)
             positions = self._positions(positions, seq, dropped_tokens(source_cache))
             self._check_ids(input_ids, batch, seq)
             if self.backend != "torch" and not self.token_features:
-                return self._fused(layers, positions)
-            return self._map(layers, positions, input_ids, batch, seq)
+                return self._fused(layers, positions, out)
+            cache = self._map(layers, positions, input_ids, batch, seq)
+            if out is None:
+                return cache
+            for component, target in enumerate(out):
+                target.copy_(torch.stack([pair[component] for pair in cache_layers(cache)]))
+            return None
         except TransferError:
             raise
         except Exception as error:  # no check foresaw it: still a refusal, so a handoff rolls back
@@ -220,7 +242,9 @@ class KVTransfer:
             cache.layers[0].keys, cache.layers[0].values = keys, layer0[1].to(self.dtype)
         return cache
 
-    def _fused(self, layers: list[tuple[torch.Tensor, torch.Tensor]], positions: torch.Tensor) -> DynamicCache:
+    def _fused(
+        self, layers: list[tuple[torch.Tensor, torch.Tensor]], positions: torch.Tensor, out=None
+    ) -> DynamicCache | None:
         """The same map through `kernels.apply_map.map_cache` (Triton on CUDA where supported, else its torch
         reference; `backend="triton"` refuses to fall back): one launch per component, finiteness flags."""
         positions = positions.to(self.device)
@@ -241,11 +265,14 @@ class KVTransfer:
                 self.dtype,
                 nonfinite=flags,
                 backend=self.backend,
+                out=out,
             )  # [L_t, B, H_t, T, d_t] each
         except ValueError as refusal:  # map_cache refuses inputs its backend cannot run (e.g. Triton on CPU)
             raise TransferError(str(refusal)) from refusal
         if bool(flags.any()):  # one device sync per handoff
             raise TransferError(f"mapped target layer {int(flags.nonzero()[0])} is not finite (corrupt coefficients?)")
+        if out is not None:
+            return None
         cache = DynamicCache(config=self.target.config)
         for layer in range(keys.shape[0]):
             cache.update(keys[layer], values[layer], layer)

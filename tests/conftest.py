@@ -47,6 +47,10 @@ class CountingTransfer:
         self.calls += 1
         return self.transfer(cache, **kwargs)
 
+    def into(self, out, cache, **kwargs):
+        self.calls += 1
+        return self.transfer.into(out, cache, **kwargs)
+
 
 @pytest.fixture(scope="module")
 def one_thread():

@@ -157,12 +157,19 @@ def test_graph_replay_equals_eager(dtype):
     eager, graphed = Engine(model, 512, graphs=False), Engine(model, 512, graphs=True)
     for engine in (eager, graphed):
         engine.forward(ids[:270], torch.arange(270))
+    tolerance = 1e-4 if dtype == torch.float32 else 5e-2  # a padded bucket runs other GEMM shapes than eager
     for start, count in ((270, 5), (275, 16), (291, 1), (292, 8)):  # buckets 8, 16, 1, 8: one graph, two lengths
         chunk, positions = ids[start : start + count], torch.arange(start, start + count)
         a, b = eager.forward(chunk, positions), graphed.forward(chunk, positions)
-        assert torch.equal(a, b), (start, count, float((a - b).abs().max()))
-    assert torch.equal(_engine_cache(eager, 300), _engine_cache(graphed, 300))
+        if count in (16, 1, 8):  # the bucket's own size: the same kernels on the same shapes
+            assert torch.equal(a, b), (start, count, float((a - b).abs().max()))
+        assert (a.float() - b.float()).abs().max() < tolerance, (start, count)
+    assert (_engine_cache(eager, 300).float() - _engine_cache(graphed, 300).float()).abs().max() < tolerance
     assert float(graphed.keys[:, :, graphed.scratch].abs().max()) >= 0  # the scratch slot exists; nothing reads it
     hf = model(ids[None].to("cuda")).logits[0, -1:].float()
     tolerance = 1e-3 if dtype == torch.float32 else 0.1
+    long = graphed.forward(
+        ids[:300], torch.arange(300), graph=True
+    ).float()  # a 300-token prefill replayed (bucket 512)
+    assert (long - hf).abs().max() < tolerance
     assert (graphed.forward(ids[299:300], torch.tensor([299])).float() - hf).abs().max() < tolerance

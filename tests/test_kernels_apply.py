@@ -325,3 +325,24 @@ def test_cuda_graph_replays_map_cache():
         expected = map_cache(keys, values, mapper, *tables, "half", "half", torch.bfloat16, backend="triton")
         for a, b in zip(graphed(keys, values), expected, strict=True):
             assert torch.equal(a, b)
+
+
+@interpreter
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+def test_map_writes_into_the_slots_of_a_static_cache(backend, interpreted):
+    """`out`: the mapped K/V land in slots 7..7 + T − 1 of a [L_t, 1, H_t, N, d_t] buffer (strided views, as
+    `Engine.slots` gives), equal to the contiguous result; every other slot keeps its contents."""
+    shape = dict(L_s=3, L_t=4, H_s=2, H_t=2, d_s=16, d_t=32, batch=1, seq=21)
+    keys, values, tables = _case(shape)
+    mapper = _random_mapper(3, 4, 2, 2, 16, 32)
+    args = (keys, values, mapper, *tables, "half", "half", torch.float32)
+    expected = map_cache(*args, backend=backend, config=SMALL, precision="ieee")
+    buffers = [torch.full((4, 2, 40, 32), 7.0) for _ in range(2)]  # [L_t, H_t, N, d_t] like Engine.keys
+    views = tuple(b[:, None, :, 7:28] for b in buffers)  # [L_t, 1, H_t, T, d_t]
+    returned = map_cache(*args, backend=backend, config=SMALL, precision="ieee", out=views)
+    for buffer, view, want, got in zip(buffers, views, expected, returned, strict=True):
+        assert got.data_ptr() == view.data_ptr()
+        torch.testing.assert_close(view, want, rtol=0, atol=1e-6)
+        assert bool((buffer[:, :, :7] == 7).all()) and bool((buffer[:, :, 28:] == 7).all())
+    with pytest.raises(ValueError, match="out keys"):
+        map_cache(*args, backend=backend, out=(buffers[0][:, None, :, :20], views[1]))

@@ -6,9 +6,11 @@ Paths (the vocabulary of the session, the routed workloads and the gate):
   hit        T already holds its own prefix cache → reads the new turn → first token  (same-model prefix hit)
   recompute_<r>  map, then r of the prefix recomputed in the turn's own forward (deviation rule: T's first layer over
                  the prefix picks the tokens; src/runtime/splice.py) → first token
+  reprefill_graph  the re-prefill replayed as one graph bucket (graph engine, ≤ 4,096 tokens): the baseline is the
+                 engine's faster re-prefill (`reprefill_best`), so no launch overhead of the baseline flatters the map
 Engines: `hf` (Hugging Face eager forwards on a DynamicCache: the reference), `static` (src/runtime/engine.py, every
-forward eager) and `graph` (the same engine, forwards of ≤ 128 tokens replayed as CUDA graphs: what a server runs).
-Each ratio is formed inside one engine. Beside TTFT: the map alone, the largest logit difference of each engine's
+forward eager) and `graph` (the same engine, forwards of ≤ 4,096 tokens but long prefills replayed as CUDA graphs:
+what a server runs). Each ratio is formed inside one engine. Beside TTFT: the map alone, the largest logit difference of each engine's
 paths from the hf re-prefill (a check that the fast paths compute the same thing), GPU peak memory of the hf paths,
 and the source cache's transport cost when S and T live apart — bytes, host staging (device → pinned host → device)
 and device-to-device copies (to a second GPU when there is one, else within the one GPU, labelled by `d2d_peer`).
@@ -24,7 +26,7 @@ from src.apply import KVTransfer
 from src.eval.latency import percentiles, time_ms
 from src.forward import prefill
 from src.maps import cache_layers
-from src.runtime.engine import Engine
+from src.runtime.engine import GRAPH_BUCKETS, Engine
 from src.runtime.levers import NO_LEVERS, Levers
 from src.runtime.splice import engine_handoff
 
@@ -109,8 +111,14 @@ def engine_paths(
         work.truncate(0)
         return work.forward(conversation, torch.arange(capacity))
 
+    def via_reprefill_graph() -> torch.Tensor:  # the whole conversation replayed in one bucket (≤ 4,096 tokens)
+        work.truncate(0)
+        return work.forward(conversation, torch.arange(capacity), graph=True)
+
     handoff = lambda levers: lambda: engine_handoff(transfer, work, source_cache, prefix, levers, turn)
     paths = {"map": handoff(NO_LEVERS), "reprefill": via_reprefill, "hit": via_hit}
+    if capacity <= GRAPH_BUCKETS[-1]:
+        paths["reprefill_graph"] = via_reprefill_graph
     for share in shares:
         paths[f"recompute_{share:g}"] = handoff(Levers(recompute=share))
     return paths, (own, work)
@@ -149,11 +157,13 @@ def handoff_ttft(
             paths = dict(built[0])
             for engine in built[1]:
                 engine.graphs_enabled = name == "graph" and device.type == "cuda"
-            if name == "static" and "graph" in engines:  # recompute's long forward is eager either way: time it once
-                paths = {path: run for path, run in paths.items() if not path.startswith("recompute_")}
+            if name == "static":  # graphs off: recompute and the replayed re-prefill belong to the graph engine
+                paths = {
+                    p: run for p, run in paths.items() if not p.startswith("recompute_") and p != "reprefill_graph"
+                }
         first_token = {path: (lambda run=run: run().argmax(-1)) for path, run in paths.items()}  # [1] each
         for path, run in paths.items():
-            slow = path == "reprefill"
+            slow = path.startswith(("reprefill", "recompute"))
             times = time_ms(
                 first_token[path], prefill_repeats if slow else repeats, min(warmup, 1) if slow else warmup, device
             )

@@ -11,11 +11,12 @@ One forward covers every path a server runs: a prefill (positions 0..n−1), the
 a decode step (T = 1), and fused recompute — selected mapped positions + hold-back + turn in one forward: a recomputed
 token's fresh K/V replace its mapped slot in each layer before that layer's attention, so every later query (and the
 turn) reads them, as CacheBlend does. Forwards of ≤ `GRAPH_BUCKETS[-1]` tokens replay a CUDA graph captured once per
-token-count bucket (padded queries repeat the last position and write the scratch slot, which no query reads); the
-attention kernel (kernels/turn_attention.py) reads the positions from device memory, so one graph serves every
+token-count bucket (padded queries sit at position 0 — they read one slot — and write the scratch slot, which no query
+reads; the graphs share one memory pool); the attention kernel (kernels/turn_attention.py) reads the positions from device memory, so one graph serves every
 history length up to the capacity. Manual `torch.cuda.graph` capture rather than `torch.compile(mode=
 "reduce-overhead")`: no compile step on a bare lease, the same kernels eager and replayed (their equality is a test),
-and the bucket logic is ours to read. Long contiguous prefills run eagerly (compute-bound) on sdpa's causal flash path.
+and the bucket logic is ours to read. Long contiguous prefills run eagerly on sdpa's causal flash path (compute-bound,
+as a server's prefill), unless `forward(..., graph=True)` asks for the replayed kernel path.
 On CPU everything is eager, with the kernel's torch reference.
 """
 
@@ -30,8 +31,8 @@ from kernels.turn_attention import turn_attention
 from src.models import describe_kv
 from src.rope import rope_cos_sin
 
-GRAPH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)  # token counts captured as CUDA graphs; longer forwards run eagerly
-FLASH_MIN_TOKENS = 256  # a contiguous forward at least this long uses sdpa's causal flash path
+GRAPH_BUCKETS = tuple(2**i for i in range(13))  # token counts 1 … 4,096 captured as CUDA graphs; longer run eagerly
+FLASH_MIN_TOKENS = 256  # a contiguous forward at least this long uses sdpa's causal flash path (eager)
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -83,6 +84,7 @@ class Engine:
         if self.graphs_enabled and self.device.type != "cuda":
             raise ValueError("CUDA graphs need the model on a CUDA device")
         self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, dict[str, torch.Tensor]]] = {}
+        self._pool = torch.cuda.graph_pool_handle() if self.graphs_enabled else None  # one pool for every bucket
 
     # --- the forward ---------------------------------------------------------------------------------------------
 
@@ -124,11 +126,14 @@ class Engine:
         return self.model.lm_head(decoder.norm(hidden[0, rows]))  # [R, V]
 
     @torch.inference_mode()
-    def forward(self, ids: torch.Tensor, positions: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self, ids: torch.Tensor, positions: torch.Tensor, rows: torch.Tensor | None = None, graph: bool | None = None
+    ) -> torch.Tensor:
         """The model reads ids [T] at positions [T] (distinct, < capacity; a recompute set, hold-back and turn, in
         ascending order) on the cache: each writes its K/V into slot = position and attends to the slots ≤ its
         position. Returns the logits [R, V] at rows [R] of the forward (default: the last). `length` becomes
-        max(length, last position + 1)."""
+        max(length, last position + 1). graph: replay a captured graph (True: whenever the engine has graphs and the
+        forward fits a bucket; None: unless it is a long contiguous prefill, which takes sdpa's flash path eagerly)."""
         ids, positions = torch.as_tensor(ids).reshape(-1), torch.as_tensor(positions).reshape(-1)
         count = ids.numel()
         if count == 0 or positions.numel() != count:
@@ -147,11 +152,9 @@ class Engine:
         rows = torch.tensor([count - 1]) if rows is None else torch.as_tensor(rows).reshape(-1)
         first = int(positions[0])
         contiguous = bool((positions == torch.arange(first, first + count, device=positions.device)).all())
-        if contiguous and count >= FLASH_MIN_TOKENS:
-            flash = first + count
-        else:
-            flash = None
-        if flash is None and single_row and self.graphs_enabled and count <= GRAPH_BUCKETS[-1]:
+        replay = single_row and self.graphs_enabled and count <= GRAPH_BUCKETS[-1] and graph is not False
+        flash = first + count if contiguous and count >= FLASH_MIN_TOKENS and not (replay and graph) else None
+        if replay and flash is None:
             logits = self._replay(ids, positions)
         else:
             on = lambda t: t.to(self.device, torch.long)
@@ -177,7 +180,7 @@ class Engine:
                 run()
         torch.cuda.current_stream(self.device).wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
+        with torch.cuda.graph(graph, pool=self._pool):
             static["logits"] = run()  # [1, V]
         return graph, static
 
@@ -189,7 +192,7 @@ class Engine:
         graph, static = self._graphs[bucket]
         pad = bucket - count
         static["ids"].copy_(torch.cat([ids.reshape(-1), ids.reshape(-1)[-1:].expand(pad)]))
-        static["positions"].copy_(torch.cat([positions, positions[-1:].expand(pad)]))  # pads read what the last reads
+        static["positions"].copy_(torch.cat([positions, positions.new_zeros(pad)]))  # pads read slot 0 alone
         slots = torch.cat([positions, torch.full((pad,), self.scratch, dtype=positions.dtype, device=positions.device)])
         static["slots"].copy_(slots)  # pads write only the scratch slot
         static["rows"].fill_(count - 1)
@@ -209,6 +212,12 @@ class Engine:
         self.keys[:, :, start:end].copy_(keys)
         self.values[:, :, start:end].copy_(values)
         self.length = max(self.length, end)
+
+    def commit(self, end: int) -> None:
+        """Slots length..end − 1 now hold the conversation (written in place through `slots`, e.g. by the map)."""
+        if not self.length <= end <= self.capacity:
+            raise ValueError(f"cannot commit slots up to {end}: the engine holds {self.length} of {self.capacity}")
+        self.length = end
 
     def slots(self, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Views [L, 1, H_kv, end − start, d] of slots start..end − 1, for a kernel that writes mapped K/V in place."""

@@ -117,7 +117,7 @@ def _splice_static(
     engine: Engine,
     ids: torch.Tensor,
     start: int,
-    mapped: Sequence[DynamicCache],
+    mapped: Sequence[DynamicCache | tuple[int, int]],
     levers: Levers,
     prefix_len: int,
     token_features: bool,
@@ -131,7 +131,11 @@ def _splice_static(
     if start > held:
         read(ids[:, held:start], "sink")
     low = start
-    for piece in mapped:
+    for piece in mapped:  # a cache to write, or (low, high): slots the map already wrote in place (`KVTransfer.into`)
+        if isinstance(piece, tuple):
+            low = piece[1]
+            engine.commit(low)
+            continue
         layers = cache_layers(piece)
         engine.write(torch.stack([k[0] for k, _ in layers]), torch.stack([v[0] for _, v in layers]), low)
         low += layers[0][0].shape[2]
@@ -226,7 +230,7 @@ def engine_handoff(
         read(conversation[None], "tail")
         return logits[-1]
     middle = [(k[:, :, sink:end], v[:, :, sink:end]) for k, v in cache_layers(source_cache)]
-    mapped = transfer(middle, positions=torch.arange(sink, end), input_ids=input_ids[:, sink:end])
-    splice(transfer.target, engine, input_ids[:, :end].cpu(), sink, [mapped], levers, total,
+    transfer.into(engine.slots(sink, end), middle, positions=torch.arange(sink, end), input_ids=input_ids[:, sink:end])
+    splice(transfer.target, engine, input_ids[:, :end].cpu(), sink, [(sink, end)], levers, total,
            transfer.token_features, tail, tail, read)  # fmt: skip
     return logits[-1]
