@@ -102,13 +102,13 @@ def handoff(cfg: DictConfig) -> None:
         transfer = _transfers(cfg, pair, (cfg.support.kind,))[0][cfg.support.kind]
         h = cfg.eval.handoff
         ids = _prefix_ids(cfg, pair, max(h.prefix_lens) + h.new_turn)
-        results, out_of_memory = {}, []
+        results, out_of_memory, profiles = {}, [], {}
         for n in h.prefix_lens:
             prefix, turn = ids[:, :n], ids[:, n : n + h.new_turn]
             try:
                 results[n] = handoff_ttft(
                     transfer, prefix, turn, h.repeats, h.prefill_repeats, h.warmup, tuple(h.engines),
-                    tuple(h.recompute_shares),
+                    tuple(h.recompute_shares), profiles.setdefault(n, {}) if h.profile else None,
                 )  # fmt: skip
             except torch.OutOfMemoryError:
                 out_of_memory.append(n)
@@ -128,6 +128,8 @@ def handoff(cfg: DictConfig) -> None:
         for n, metrics in results.items():
             run.metrics(metrics, step=n)
         run.dict({"ttft": {str(n): m for n, m in results.items()}, "out_of_memory": out_of_memory}, "handoff.json")
+        for n, tables in profiles.items():  # where each path's time goes (eval.handoff.profile)
+            run.dict(tables, f"profiles/prefix_{n}.json")
         run.figure(figure, "plots/ttft_vs_prefix.png")
 
 

@@ -49,7 +49,10 @@ def test_synthetic_shapes_follow_the_pair():
 
 def test_handoff_job_json_backend_and_import(ws, tmp_path):  # noqa: F811
     records = tmp_path / "records"
-    cfg = config(ws, "+experiment=handoff", *SYNTHETIC, "tracking.backend=json", f"tracking.json_dir={records}")
+    cfg = config(
+        ws, "+experiment=handoff", *SYNTHETIC, "tracking.backend=json", f"tracking.json_dir={records}",
+        "eval.handoff.profile=true",
+    )  # fmt: skip
     src.bench.handoff(cfg)
     (record_file,) = records.glob("*/record.json")
     record = json.loads(record_file.read_text())
@@ -73,6 +76,8 @@ def test_handoff_job_json_backend_and_import(ws, tmp_path):  # noqa: F811
         assert {(name, 16), (name, 32)} <= logged
     assert record["tags"]["weights"] == "random" and record["params"]["job"] == "handoff"
     assert (record_file.parent / "artifacts/plots/ttft_vs_prefix.png").is_file()
+    tables = json.loads((record_file.parent / "artifacts/profiles/prefix_16.json").read_text())
+    assert {"map", "graph.map", "graph.hit", "graph.recompute_0.25"} <= set(tables) and "Self CPU" in tables["map"]
     uri = f"sqlite:///{tmp_path / 'imported.db'}"
     assert import_records(records, uri, str(tmp_path / "artifacts")) == 1
     (run,) = runs(uri, "handoff")

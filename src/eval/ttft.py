@@ -124,6 +124,20 @@ def engine_paths(
     return paths, (own, work)
 
 
+def profile_table(fn: Callable[[], object], device: torch.device, rows: int = 25) -> str:
+    """torch.profiler's table of one call of fn (after one warm call): where its host and device time go."""
+    fn()
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if device.type == "cuda":
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+        torch.cuda.synchronize(device)
+    with torch.profiler.profile(activities=activities) as profiler:
+        fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+    return profiler.key_averages().table(sort_by="cpu_time_total", row_limit=rows)
+
+
 @torch.no_grad()
 def handoff_ttft(
     transfer: KVTransfer,
@@ -134,11 +148,13 @@ def handoff_ttft(
     warmup: int,
     engines: tuple[str, ...] = ENGINES,
     shares: tuple[float, ...] = (),
+    profiles: dict[str, str] | None = None,
 ) -> dict[str, float]:
     """TTFT p50/p95 (ms) of every path on every engine for prefix ids [1, P] and new-turn ids [1, N]:
     `ttft.<engine>.<path>_ms_p50`, the speedups `speedup.<engine>.<path>` (that engine's re-prefill / the path) and
     `<engine>.map_over_hit` (routed TTFT / prefix hit), the map alone (`map_ms_p50`), the checks
-    `check.<engine>.<path>_logit_diff` (largest |Δ logit| from the hf re-prefill), hf peak memory and transport."""
+    `check.<engine>.<path>_logit_diff` (largest |Δ logit| from the hf re-prefill), hf peak memory and transport.
+    profiles: filled with a profiler table (`profile_table`) of the map alone and of every path of the last engine."""
     unknown = set(engines) - set(ENGINES)
     if unknown:
         raise ValueError(f"unknown engines {sorted(unknown)}: choose from {ENGINES}")
@@ -169,10 +185,13 @@ def handoff_ttft(
             )
             metrics |= percentiles(times, f"ttft.{name}.{path}")
             metrics[f"check.{name}.{path}_logit_diff"] = float((run().float() - reference).abs().max())
+        best = min(metrics[f"ttft.{name}.{path}_ms_p50"] for path in paths if path.startswith("reprefill"))
+        metrics[f"ttft.{name}.reprefill_best_ms_p50"] = best  # the engine's fastest re-prefill: every speedup's base
         for path in paths:
-            metrics[f"speedup.{name}.{path}"] = (
-                metrics[f"ttft.{name}.reprefill_ms_p50"] / metrics[f"ttft.{name}.{path}_ms_p50"]
-            )
+            metrics[f"speedup.{name}.{path}"] = best / metrics[f"ttft.{name}.{path}_ms_p50"]
+        if profiles is not None and name == engines[-1]:
+            profiles["map"] = profile_table(lambda: transfer(source_cache, input_ids=prefix), device)
+            profiles |= {f"{name}.{path}": profile_table(run, device) for path, run in paths.items()}
         metrics[f"{name}.map_over_hit"] = metrics[f"ttft.{name}.map_ms_p50"] / metrics[f"ttft.{name}.hit_ms_p50"]
     if "hf" in engines:
         for path, run in hf.items():
