@@ -119,7 +119,8 @@ class KVTransfer:
                 shape = t.shape
         if shape[0] == 0 or shape[2] == 0:
             raise TransferError(f"source cache is empty: shape {tuple(shape)}")
-        finite = torch.stack([torch.isfinite(k).all() & torch.isfinite(v).all() for k, v in layers])
+        peaks = torch._foreach_norm([t for pair in layers for t in pair], float("inf"))  # max |x|: NaN / inf stay so
+        finite = torch.isfinite(torch.stack(peaks).view(-1, 2)).all(1)  # [L_s]: one multi-tensor launch, few more
         if not bool(finite.all()):  # one device sync; the slow path names the layer
             index = int((~finite).nonzero()[0])
             name = "keys" if not bool(torch.isfinite(layers[index][0]).all()) else "values"
