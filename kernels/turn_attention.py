@@ -8,8 +8,9 @@ Slot s of the buffer holds conversation position s. Query t (position pos[t]) at
 The positions are read from device memory, never from the host, so one captured CUDA graph serves every history
 length that fits the buffer (as a server's FlashAttention reads `seqused_k` from a device tensor). Split-KV (flash
 decoding): program (head, query block, split) runs an online softmax over its split's slots up to the block's
-largest position — splits and blocks past it do nothing — and writes a partial (acc, max, sum); `_combine` merges
-the splits. Many splits for a short turn (the slots are the parallelism), few for a long query set (the queries are).
+largest position — splits and blocks past it do nothing — and writes a partial (acc, max, sum); `_combine_kernel`
+merges the splits with an online rescale. Many splits for a short turn (the slots are the parallelism), few for a
+long query set (the queries are).
 
 `turn_attention_ref` is the pure-torch reference and the fallback (CPU, no triton, head_dim not a power of two).
 """
@@ -115,11 +116,38 @@ def _turn_attention_kernel(
     tl.store(l_ptr + row, l_i, mask=t_mask)
 
 
+def _combine_kernel(
+    acc_ptr,  # [H_q, P, T, D] float32
+    m_ptr,  # [H_q, P, T]
+    l_ptr,  # [H_q, P, T]
+    out_ptr,  # [H_q, T, D] the queries' dtype
+    seq,
+    SPLITS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+):
+    """out[h, t] = Σ_p acc_p · e^(m_p − M) / Σ_p l_p · e^(m_p − M) over the splits p, M = max_p m_p (online)."""
+    head, t = tl.program_id(0) // seq, tl.program_id(0) % seq
+    d = tl.arange(0, HEAD_DIM)
+    top = tl.full([1], float("-inf"), tl.float32)
+    total = tl.full([1], 0.0, tl.float32)
+    out = tl.full([HEAD_DIM], 0.0, tl.float32)
+    for split in range(0, SPLITS):
+        row = (head * SPLITS + split) * seq + t
+        m = tl.load(m_ptr + row + tl.arange(0, 1))  # [1]
+        new_top = tl.maximum(top, m)
+        safe = tl.where(new_top == float("-inf"), 0.0, new_top)
+        scale, weight = tl.exp(top - safe), tl.exp(m - safe)
+        total = total * scale + tl.load(l_ptr + row + tl.arange(0, 1)) * weight
+        out = out * scale + tl.load(acc_ptr + row.to(tl.int64) * HEAD_DIM + d) * weight
+        top = new_top
+    tl.store(out_ptr + (head * seq + t).to(tl.int64) * HEAD_DIM + d, (out / total).to(out_ptr.dtype.element_ty))
+
+
 @functools.cache
-def _jit(interpret: bool):
-    """The kernel decorated once per interpreter setting (TRITON_INTERPRET is read when a kernel is decorated)."""
+def _jit(interpret: bool, name: str = "attention"):
+    """A kernel decorated once per interpreter setting (TRITON_INTERPRET is read when a kernel is decorated)."""
     del interpret  # part of the cache key only
-    return triton.jit(_turn_attention_kernel)
+    return triton.jit({"attention": _turn_attention_kernel, "combine": _combine_kernel}[name])
 
 
 def _interpreting() -> bool:
@@ -130,13 +158,6 @@ def split_count(query_heads: int, queries: int, slots: int) -> int:
     """Splits of the slot axis: enough programs for the GPU (TARGET_PROGRAMS), none shorter than BLOCK_N slots."""
     blocks = query_heads * math.ceil(queries / BLOCK_T)
     return max(1, min(math.ceil(slots / BLOCK_N), TARGET_PROGRAMS // blocks))
-
-
-def _combine(acc: torch.Tensor, top_m: torch.Tensor, total: torch.Tensor) -> torch.Tensor:
-    """Merge the splits' partial softmaxes: acc [H_q, P, T, D], top_m, total [H_q, P, T] → out [H_q, T, D] (float32)."""
-    top = top_m.amax(1, keepdim=True)  # [H_q, 1, T] finite: split 0 always sees slot 0
-    weight = torch.exp(top_m - top)  # [H_q, P, T] 0 for a split that saw nothing
-    return (acc * weight[..., None]).sum(1) / (total * weight).sum(1)[..., None]
 
 
 def unsupported(q: torch.Tensor, keys: torch.Tensor) -> str | None:
@@ -190,7 +211,9 @@ def turn_attention(
         SPLIT_LEN=split_len, GROUP=query_heads // keys.shape[0], HEAD_DIM=head_dim, BLOCK_T=BLOCK_T, BLOCK_N=BLOCK_N,
         IEEE=q.dtype == torch.float32, UPCAST=not q.is_cuda,
     )  # fmt: skip
-    return _combine(acc, m, total).to(q.dtype)
+    out = torch.empty(query_heads, seq, head_dim, dtype=q.dtype, device=q.device)
+    _jit(_interpreting(), "combine")[(query_heads * seq,)](acc, m, total, out, seq, SPLITS=splits, HEAD_DIM=head_dim)
+    return out
 
 
 def turn_attention_ref(

@@ -21,7 +21,8 @@ case $stage in
     nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv
     python3 -c "import torch, transformers, triton, hydra; print(torch.__version__, transformers.__version__, triton.__version__)" ;;
   tests)
-    python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_engine.py tests/test_kernels_attention.py 2>&1 |
+    python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_engine.py tests/test_kernels_attention.py \
+      tests/test_kernels_engine.py tests/test_kernels_apply.py 2>&1 |
       tee "$OUT/gpu-tests.txt" | tail -15 ;;
   probe)
     OUT=$OUT python3 .stage/engine_probe.py | tee "$OUT/probe.txt" ;;

@@ -27,22 +27,14 @@ import torch.nn.functional as F
 from torch.nn.attention.bias import causal_lower_right
 from transformers import PreTrainedModel
 
+from kernels.rms_norm import rms_norm
+from kernels.rope_write import rope_write
 from kernels.turn_attention import turn_attention
 from src.models import describe_kv
 from src.rope import rope_cos_sin
 
 GRAPH_BUCKETS = tuple(2**i for i in range(13))  # token counts 1 … 4,096 captured as CUDA graphs; longer run eagerly
 FLASH_MIN_TOKENS = 256  # a contiguous forward at least this long uses sdpa's causal flash path (eager)
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
-
-
-def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [1, H, T, d] rotated as HF's apply_rotary_pos_emb does, in x's dtype (cos, sin [T, d] in x's dtype)."""
-    return x * cos + _rotate_half(x) * sin
 
 
 def engine_problem(model: PreTrainedModel) -> str | None:
@@ -101,29 +93,31 @@ class Engine:
         out = turn_attention(q[0], self.keys[layer], self.values[layer], positions, self.scale, self.backend)
         return out[None]  # [1, H_q, T, d]
 
+    def _norm(self, module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+        """The model's RMSNorm `module` on x in one launch (kernels/rms_norm.py; its torch reference on CPU)."""
+        return rms_norm(x, module.weight, module.variance_epsilon, self.backend)
+
     def _layers(
         self, ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, rows: torch.Tensor, flash: int | None
     ) -> torch.Tensor:
         """ids, positions, slots [T] (device) → logits [R, V] at rows [R]; every layer's K/V written into `slots`."""
         decoder, count = self.model.model, ids.shape[0]
-        cos, sin = self.cos[positions], self.sin[positions]  # [T, d]
-        hidden = decoder.embed_tokens(ids)[None]  # [1, T, hidden]
+        hidden = decoder.embed_tokens(ids)  # [T, hidden]
         for index, layer in enumerate(decoder.layers):
             attention = layer.self_attn
-            x = layer.input_layernorm(hidden)  # [1, T, hidden]
-            q = attention.q_proj(x).view(1, count, self.q_heads, self.head_dim)  # [1, T, H_q, d]
-            k = attention.k_proj(x).view(1, count, self.kv_heads, self.head_dim)  # [1, T, H_kv, d]
-            v = attention.v_proj(x).view(1, count, self.kv_heads, self.head_dim).transpose(1, 2)  # [1, H_kv, T, d]
+            x = self._norm(layer.input_layernorm, hidden)  # [T, hidden]
+            q = attention.q_proj(x).view(count, self.q_heads, self.head_dim)  # [T, H_q, d]
+            k = attention.k_proj(x).view(count, self.kv_heads, self.head_dim)  # [T, H_kv, d]
+            v = attention.v_proj(x).view(count, self.kv_heads, self.head_dim)  # [T, H_kv, d]
             if hasattr(attention, "q_norm"):  # Qwen3: RMSNorm per head before RoPE
-                q, k = attention.q_norm(q), attention.k_norm(k)
-            q = _rope(q.transpose(1, 2), cos, sin)  # [1, H_q, T, d]
-            k = _rope(k.transpose(1, 2), cos, sin)  # [1, H_kv, T, d]
-            self.keys[index].index_copy_(1, slots, k[0])  # written before the layer's attention reads them
-            self.values[index].index_copy_(1, slots, v[0])
-            out = self._attend(q, index, positions, flash)  # [1, H_q, T, d]
-            hidden = hidden + attention.o_proj(out.transpose(1, 2).reshape(1, count, self.q_heads * self.head_dim))
-            hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
-        return self.model.lm_head(decoder.norm(hidden[0, rows]))  # [R, V]
+                q, k = self._norm(attention.q_norm, q), self._norm(attention.k_norm, k)
+            q = rope_write(  # K/V written into their slots before the layer's attention reads them
+                q, k, v, self.cos, self.sin, positions, slots, self.keys[index], self.values[index], self.backend
+            )  # fmt: skip
+            out = self._attend(q.transpose(0, 1)[None], index, positions, flash)  # [1, H_q, T, d]
+            hidden = hidden + attention.o_proj(out[0].transpose(0, 1).reshape(count, self.q_heads * self.head_dim))
+            hidden = hidden + layer.mlp(self._norm(layer.post_attention_layernorm, hidden))
+        return self.model.lm_head(self._norm(decoder.norm, hidden[rows]))  # [R, V]
 
     @torch.inference_mode()
     def forward(
@@ -230,24 +224,27 @@ class Engine:
         """The model's own K/V of ids [n] at positions 0..n − 1 in its first `depth` layers (a stopped prefill over
         fresh K/V, the cache untouched): keys, values [depth, H_kv, n, d]."""
         decoder, count = self.model.model, ids.numel()
-        ids = ids.reshape(-1).to(self.device)
-        cos, sin = self.cos[:count], self.sin[:count]
-        hidden, keys, values = decoder.embed_tokens(ids)[None], [], []
-        for layer in decoder.layers[:depth]:
+        positions = torch.arange(count, device=self.device)
+        shape = (depth, self.kv_heads, count, self.head_dim)
+        keys = torch.empty(shape, dtype=self.dtype, device=self.device)  # [depth, H_kv, n, d]
+        values = torch.empty(shape, dtype=self.dtype, device=self.device)
+        hidden = decoder.embed_tokens(ids.reshape(-1).to(self.device))  # [n, hidden]
+        for index, layer in enumerate(decoder.layers[:depth]):
             attention = layer.self_attn
-            x = layer.input_layernorm(hidden)
-            q = attention.q_proj(x).view(1, count, self.q_heads, self.head_dim)
-            k = attention.k_proj(x).view(1, count, self.kv_heads, self.head_dim)
-            v = attention.v_proj(x).view(1, count, self.kv_heads, self.head_dim).transpose(1, 2)  # [1, H_kv, n, d]
+            x = self._norm(layer.input_layernorm, hidden)
+            q = attention.q_proj(x).view(count, self.q_heads, self.head_dim)
+            k = attention.k_proj(x).view(count, self.kv_heads, self.head_dim)
+            v = attention.v_proj(x).view(count, self.kv_heads, self.head_dim)
             if hasattr(attention, "q_norm"):
-                q, k = attention.q_norm(q), attention.k_norm(k)
-            q, k = _rope(q.transpose(1, 2), cos, sin), _rope(k.transpose(1, 2), cos, sin)
-            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale, enable_gqa=True)
-            hidden = hidden + attention.o_proj(out.transpose(1, 2).reshape(1, count, self.q_heads * self.head_dim))
-            hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
-            keys.append(k[0])
-            values.append(v[0])
-        return torch.stack(keys), torch.stack(values)  # [depth, H_kv, n, d]
+                q, k = self._norm(attention.q_norm, q), self._norm(attention.k_norm, k)
+            q = rope_write(q, k, v, self.cos, self.sin, positions, positions, keys[index], values[index], self.backend)
+            out = F.scaled_dot_product_attention(
+                q.transpose(0, 1)[None], keys[index, None], values[index, None], is_causal=True, scale=self.scale,
+                enable_gqa=True,
+            )  # fmt: skip  # [1, H_q, n, d]
+            hidden = hidden + attention.o_proj(out[0].transpose(0, 1).reshape(count, self.q_heads * self.head_dim))
+            hidden = hidden + layer.mlp(self._norm(layer.post_attention_layernorm, hidden))
+        return keys, values
 
     def truncate(self, length: int) -> None:
         """Forget every slot from `length` on (their contents are overwritten before any query reads them)."""
