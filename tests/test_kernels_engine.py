@@ -46,11 +46,13 @@ import json, sys, torch
 from kernels.rms_norm import rms_norm, rms_norm_ref
 from tests.test_kernels_engine import _rope_results, engine_errors
 errors = {}
+relative = lambda a, b: float((a.float() - b.float()).abs().max() / b.float().abs().max())
+torch.manual_seed(0)
 for dtype in (torch.float32, torch.bfloat16):
     x, w = torch.randn(5, 3, 72).to(dtype), torch.randn(72).to(dtype)
-    errors[f"rms_norm/{dtype}"] = float((rms_norm(x, w, 1e-6, "triton").float() - rms_norm_ref(x, w, 1e-6).float()).abs().max())
+    errors[f"rms_norm/{dtype}"] = relative(rms_norm(x, w, 1e-6, "triton"), rms_norm_ref(x, w, 1e-6))
     ours, want = _rope_results("triton", dtype), _rope_results("ref", dtype)
-    errors[f"rope_write/{dtype}"] = max(float((a.float() - b.float()).abs().max()) for a, b in zip(ours, want))
+    errors[f"rope_write/{dtype}"] = max(relative(a, b) for a, b in zip(ours, want))
 errors |= engine_errors()
 json.dump(errors, sys.stdout)
 """
@@ -83,7 +85,7 @@ def test_interpreted_kernels_equal_their_references():
     errors = json.loads(out.stdout)
     assert len(errors) == 8, errors
     for case, error in errors.items():
-        bound = 2e-5 if "float32" in case or case.startswith("engine") else 2**-4  # bf16: the interpreter truncates
+        bound = 2e-5 if "float32" in case or case.startswith("engine") else 2**-6  # bf16: the interpreter truncates
         assert error < bound, (case, error)
 
 
