@@ -22,17 +22,18 @@ case $stage in
     python3 -c "import torch, transformers, triton, hydra; print(torch.__version__, transformers.__version__, triton.__version__)" ;;
   tests)
     python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_engine.py tests/test_kernels_attention.py \
-      tests/test_kernels_engine.py tests/test_kernels_apply.py 2>&1 |
+      tests/test_kernels_engine.py 2>&1 |
       tee "$OUT/gpu-tests.txt" | tail -15 ;;
   probe)
     OUT=$OUT python3 .stage/engine_probe.py | tee "$OUT/probe.txt" ;;
   pair)
     python3 -m src.run "${COMMON[@]}" pair=qwen25coder_0p5b_to_1p5b_random fit.k=24 \
-      "eval.handoff.prefix_lens=[1024,2048,4096,8192,16384]" 2>&1 | tee "$OUT/pair.txt" | grep -v "^prefix" || true
+      "eval.handoff.prefix_lens=[1024,2048,4096,8192,16384]" eval.handoff.profile=true 2>&1 | tee "$OUT/pair.txt" | grep -v "^prefix" || true
     grep "^prefix" "$OUT/pair.txt" | cut -c1-400 ;;
   large)
     python3 -m src.run "${COMMON[@]}" pair=qwen3_14b_to_32b fit.k=8 "eval.handoff.engines=[static,graph]" \
-      "eval.handoff.prefix_lens=[4096,8192,16384,32768]" eval.handoff.repeats=10 eval.handoff.prefill_repeats=3 \
+      "eval.handoff.recompute_shares=[0.25]" eval.handoff.warmup=1 \
+      "eval.handoff.prefix_lens=[4096,8192,16384,32768]" eval.handoff.repeats=10 eval.handoff.prefill_repeats=2 \
       2>&1 | tee "$OUT/large.txt" | grep -v "^prefix" || true
     grep "^prefix" "$OUT/large.txt" | cut -c1-400 ;;
   *) echo "unknown stage $stage"; exit 2 ;;

@@ -118,6 +118,7 @@ def handoff(cfg: DictConfig) -> None:
                 if torch.cuda.is_available():
                     torch.cuda.empty_cache()
             print(f"prefix {n:>6}: " + ", ".join(f"{k} {v:.3g}" for k, v in results[n].items() if "_p95" not in k))
+            run.metrics(results[n], step=n)  # logged as measured: a run cut short keeps every finished length
         figure, axis = plt.subplots(figsize=(6, 4))
         for name in h.engines:
             for path, style in (("map", "o-"), ("reprefill", "s--"), ("hit", "^:")):
@@ -125,8 +126,6 @@ def handoff(cfg: DictConfig) -> None:
                 axis.plot(list(results), [m[key] for m in results.values()], style, label=f"{name} {path}")
         axis.set(xlabel="prefix tokens", ylabel="TTFT ms (p50)", xscale="log", yscale="log", title=cfg.pair.name)
         axis.legend()
-        for n, metrics in results.items():
-            run.metrics(metrics, step=n)
         run.dict({"ttft": {str(n): m for n, m in results.items()}, "out_of_memory": out_of_memory}, "handoff.json")
         for n, tables in profiles.items():  # where each path's time goes (eval.handoff.profile)
             run.dict(tables, f"profiles/prefix_{n}.json")
