@@ -4,6 +4,7 @@ receiver's native state shows: the wrong mapper must then differ), provenance, l
 deterministic rollback — bit-identical caches and greedy `generate` outputs — for every refusal kind."""
 
 import copy
+import warnings
 from dataclasses import replace
 
 import pytest
@@ -12,7 +13,7 @@ import torch
 from src.forward import prefill
 from src.runtime.levers import Levers
 from src.runtime.routing import CostModel, Policy, bind
-from src.runtime.session import Session
+from src.runtime.session import RouteRefusedWarning, Session
 from src.runtime.splice import spliced_cache
 from tests.exact_pair import _mapper, exact_pair, max_cache_diff
 
@@ -83,6 +84,7 @@ class Spy:
 
     def __init__(self, transfer, seen: list):
         self.transfer, self.seen, self.token_features = transfer, seen, transfer.token_features
+        self.source, self.target = transfer.source, transfer.target
 
     def __call__(self, cache, positions=None, input_ids=None):
         self.seen.append(positions.tolist())
@@ -246,14 +248,22 @@ def test_every_refusal_rolls_back_bit_identically(pair, kind):
     elif how == "guard":
         policy = {"guard_max_abs": 1e-3}
     routes = {} if how == "none" else {("a", "b"): bind(source, target, mapper, pair.tokenizer_hash)}
-    tried = Session({"a": source, "b": target}, routes, Policy(**policy))
+    with warnings.catch_warnings(record=True) as warned:
+        warnings.simplefilter("always")
+        tried = Session({"a": source, "b": target}, routes, Policy(**policy))
+    refused_at_binding = how in ("artifact", "sliding")  # warned once, when the session is built
+    assert [str(w.message) for w in warned if w.category is RouteRefusedWarning] == (
+        [f"route a → b was refused at binding ({routes[('a', 'b')].refusal}): every handoff on it re-prefills"]
+        if refused_at_binding
+        else []
+    )
     never = Session({"a": source, "b": target}, {}, Policy(mode="reprefill"))
     history, turn, more = tokens(20, 12), tokens(5, 13), [tokens(4, seed) for seed in (14, 15, 16)]
     outputs = []
     for s in (tried, never):
         s.append("a", history)
         if how == "nan_source":
-            s.cache("a").layers[1].keys[0, 0, 3, 0] = float("nan")
+            s.cache("a", live=True).layers[1].keys[0, 0, 3, 0] = float("nan")
         record = s.switch_to("b", turn)
         generated = s.generate("b", more[0], max_new_tokens=6)
         s.switch_to("a", more[1])
@@ -270,8 +280,10 @@ def test_generate_reads_the_session_cache(pair, routes):
     history = tokens(25, 15)
     s = session(pair, routes)
     s.append("a", history)
-    s.switch_to("b")  # no new turn: the last conversation token is re-read by generate
-    assert s.logits is None
+    record = s.switch_to("b")  # no new turn: the last unseen token is read natively, for next-token logits
+    assert (record.path, record.mapped, record.prefilled) == ("map", 24, 1)
+    with torch.no_grad():
+        assert torch.allclose(s.logits, pair.target(history[None]).logits[:, -1], atol=TOL)
     out = s.generate("b", [], max_new_tokens=5)
     x = history[None]
     with torch.no_grad():
