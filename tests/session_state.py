@@ -3,6 +3,7 @@ for tests that an invalid or failed call leaves a session exactly as it was."""
 
 from __future__ import annotations
 
+import copy
 from typing import NamedTuple
 
 import torch
@@ -23,11 +24,12 @@ class State(NamedTuple):
 def state(session: Session) -> State:
     names = sorted(session.readers)
     caches = {name: session.cache(name) for name in names}
-    return State(
-        session.ids,
+    logits = session.logits
+    return State(  # copies, so that a session handing out its own objects is still caught changing them
+        session.ids.clone(),
         session.active,
-        session.logits,
-        session.records,
+        None if logits is None else logits.clone(),
+        copy.deepcopy(session.records),
         {name: None if cache is None else cache_layers(cache) for name, cache in caches.items()},
         {name: session.segments(name) for name in names},
     )

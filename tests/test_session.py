@@ -36,6 +36,10 @@ def pair():
 
 @pytest.fixture(scope="module")
 def routes(pair):
+    return both_ways(pair)
+
+
+def both_ways(pair) -> dict:
     """Both directions of the exact pair: the target's cache is an exact map of the source's and (with the inverse
     coefficients) back."""
     inverse = replace(
@@ -469,11 +473,13 @@ def test_score_is_the_offline_scorer_on_the_models_state_and_changes_nothing(pai
         s.score("a", [[1]])
 
 
-def test_cache_is_a_copy_unless_asked_live(pair, routes):
+def test_what_the_session_shows_is_a_copy_unless_asked_live(pair, routes):
     s = conversation(pair, routes)
     before = state(s)
     s.cache("b").layers[0].keys.zero_()
     s.cache("b").crop(-3)
+    s.ids.zero_(), s.logits.zero_(), s.exact_prefix("a")[0].zero_()
+    s.records[0].path = "edited"
     assert same(state(s), before)
     assert s.cache("b", live=True) is s.cache("b", live=True)
 

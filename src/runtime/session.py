@@ -338,8 +338,11 @@ class Session:
             if row.numel() == 0:
                 raise ValueError(f"continuation {index} is empty: score at least one token")
             rows.append(row)
-        cache = copy.deepcopy(reader.cache)
-        cache.crop(-1)
+        if self._ids.numel() > 1:
+            cache = copy.deepcopy(reader.cache)
+            cache.crop(-1)
+        else:  # a cache cropped to no token keeps its batch of 1: the scorer's batch would not match it
+            cache = DynamicCache(config=reader.model.config)
         results = score_continuations(reader.model, cache, int(self._ids[-1]), rows)
         return [Score(logprob, row.numel(), greedy) for row, (logprob, greedy) in zip(rows, results, strict=True)]
 
