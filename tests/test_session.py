@@ -461,14 +461,27 @@ def test_score_is_the_offline_scorer_on_the_models_state_and_changes_nothing(pai
     reference = copy.deepcopy(s.cache("b"))
     reference.crop(-1)
     rows = [torch.as_tensor(c) for c in continuations]
-    expected = score_continuations(pair.target, reference, int(s.ids[-1]), rows)
-    assert [(x.logprob, x.greedy) for x in scores] == expected and [x.tokens for x in scores] == [3, 1, 5]
+    expected = score_continuations(pair.target, reference, int(s.ids[-1]), rows)  # the offline scorer, same state
+    assert [x.logprob for x in scores] == pytest.approx([e[0] for e in expected], abs=1e-4)
+    assert [x.greedy for x in scores] == [e[1] for e in expected] and [x.tokens for x in scores] == [3, 1, 5]
     with torch.no_grad():  # the exact pair: the mapped cache scores as the target's own full forward
         full = pair.target(torch.cat([s.ids, rows[0]])[None]).logits[0, -4:-1].log_softmax(-1)
     assert scores[0].logprob == pytest.approx(float(full.gather(-1, rows[0][:, None]).sum()), abs=1e-3)
+    one = session(pair, routes)
+    one.append("a", [7])
+    with torch.no_grad():  # a one-token conversation: nothing to crop below it
+        full = pair.source(torch.tensor([[7, 3, 4]])).logits[0, :2].log_softmax(-1)
+    assert one.score("a", [[3, 4], [5]])[0].logprob == pytest.approx(float(full[0, 3] + full[1, 4]), abs=1e-4)
     for bad, match in (([], "non-empty list"), ([[]], "continuation 0 is empty"), ("ab", "non-empty list")):
         with pytest.raises(ValueError, match=match):
             s.score("b", bad)
+    handle = pair.target.model.layers[-1].register_forward_pre_hook(lambda *_: 1 / 0)  # earlier layers cached
+    try:
+        with pytest.raises(ZeroDivisionError):
+            s.score("b", continuations)
+    finally:
+        handle.remove()
+    assert same(state(s), before)  # a failure midway is cropped back too
     with pytest.raises(ValueError, match="switch_to"):
         s.score("a", [[1]])
 

@@ -42,7 +42,6 @@ import torch
 from transformers import DynamicCache, LogitsProcessor, LogitsProcessorList, PreTrainedModel
 
 from src.apply import KVTransfer
-from src.eval.scoring import score_continuations
 from src.forward import ids_problem
 from src.maps import TransferError, cache_layers
 from src.models import fingerprint
@@ -324,9 +323,9 @@ class Session:
     @torch.no_grad()
     def score(self, model: str, continuations: list) -> list[Score]:
         """Log-likelihood of each continuation (a list of id sequences, each ≥ 1 token) given the conversation, on
-        the model's own cache (it must hold the whole conversation), the offline scorer's way (src.eval.scoring:
-        the last conversation token re-read, all continuations in one forward) — on a copy: the session is
-        unchanged."""
+        the model's own cache (it must hold the whole conversation) — the offline scorer's sums (src.eval.scoring),
+        one continuation at a time: its first token from the model's next-token logits, the rest read on the cache,
+        which is cropped back. The session is unchanged, bit for bit."""
         reader = self._current(model)
         if self._ids.numel() == 0:
             raise ValueError("nothing to score after: the conversation is empty")
@@ -338,13 +337,21 @@ class Session:
             if row.numel() == 0:
                 raise ValueError(f"continuation {index} is empty: score at least one token")
             rows.append(row)
-        if self._ids.numel() > 1:
-            cache = copy.deepcopy(reader.cache)
-            cache.crop(-1)
-        else:  # a cache cropped to no token keeps its batch of 1: the scorer's batch would not match it
-            cache = DynamicCache(config=reader.model.config)
-        results = score_continuations(reader.model, cache, int(self._ids[-1]), rows)
-        return [Score(logprob, row.numel(), greedy) for row, (logprob, greedy) in zip(rows, results, strict=True)]
+        with self._atomic():  # whatever happens, the crop-back is exact
+            return [self._score(reader, row) for row in rows]
+
+    @staticmethod
+    def _score(reader: _Reader, row: torch.Tensor) -> Score:
+        """(sum log p, tokens, greedy) of row [L] after the conversation the reader holds; its cache cropped back."""
+        logits = reader.logits  # [1, V] the next token's
+        if row.numel() > 1:
+            out = reader.model(row[None, :-1].to(logits.device), past_key_values=reader.cache, use_cache=True)
+            reader.cache.crop(1 - row.numel())
+            logits = torch.cat([logits, out.logits[0]])  # [L, V]
+        logprobs = logits.float().log_softmax(-1)
+        target = row.to(logits.device)
+        greedy = bool((logprobs.argmax(-1) == target).all())
+        return Score(float(logprobs.gather(-1, target[:, None]).sum()), row.numel(), greedy)
 
     # --- every call is all or nothing ----------------------------------------------------------------------------
 
