@@ -336,9 +336,13 @@ def test_a_route_bound_to_other_weights_is_refused_when_the_session_is_built(pai
     s = Session({"a": pair.source, "b": twin}, {("a", "b"): routes[("a", "b")]})
     s.append("a", tokens(10, 22))
     assert s.switch_to("b").path == "map"
-    for bad, match in (({("a", "b"): "route"}, "not a Route"), ({("a", "b"): replace(routes[("a", "b")], transfer=None)}, "exactly one")):  # fmt: skip
+    for bad, match in (({("a", "b"): "route"}, "not a Route"), ({("a", "b"): replace(routes[("a", "b")], transfer=None)}, "exactly one"),
+                       ({"a": routes[("a", "b")]}, "keyed by")):  # fmt: skip
         with pytest.raises(ValueError, match=match):
             Session({"a": pair.source, "b": pair.target}, bad)
+    for models in ({"a": pair.source, "b": "weights.pt"}, {"a": pair.source, 2: pair.target}, {}):
+        with pytest.raises(ValueError, match="model"):
+            Session(models)
 
 
 BAD_IDS = {  # ids → words in the error

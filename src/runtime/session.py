@@ -212,10 +212,15 @@ class Session:
     ):
         if not isinstance(models, dict) or not models:
             raise ValueError("a session needs a dict of at least one named model")
+        for name, model in models.items():
+            if not isinstance(name, str) or not isinstance(model, PreTrainedModel):
+                raise ValueError(f"model {name!r} must be a str naming a PreTrainedModel, not a {type(model).__name__}")
         self.readers = {name: _Reader(model) for name, model in models.items()}
         self.routes = dict(routes or {})
-        for (sender, receiver), route in self.routes.items():
-            self._check_route(sender, receiver, route)
+        for key, route in self.routes.items():
+            if not (isinstance(key, tuple) and len(key) == 2):
+                raise ValueError(f"a route is keyed by (sender, receiver), not {key!r}")
+            self._check_route(*key, route)
         self.policy = policy if policy is not None else Policy()
         self.costs = costs if costs is not None else CostModel()
         if not isinstance(self.policy, Policy) or not isinstance(self.costs, CostModel):
