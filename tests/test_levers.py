@@ -1,6 +1,7 @@
 """Native sink, hold-back, native layers and recompute around a mapped prefix (src.runtime.splice.spliced_cache, Levers);
 the recompute mechanics and rules on a cross-model exact pair are in test_recompute.py."""
 
+import numpy as np
 import pytest
 import torch
 
@@ -91,6 +92,24 @@ def test_levers_refuse_bad_values_and_clip_to_the_prefix():
     recompute = Levers(4, 8, recompute=0.5, recompute_rule="recency", recompute_layers=3)
     assert recompute.clipped(10) == Levers(4, 6, recompute=0.5, recompute_rule="recency", recompute_layers=3)
     assert not Levers() and Levers(native_layers=1) and Levers(recompute=0.1)
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [("native_sink", 2.5), ("native_sink", None), ("hold_back", True), ("native_layers", "1"), ("recompute", float("nan")),
+     ("recompute", float("inf")), ("recompute", None), ("recompute", False), ("recompute_layers", 1.0),
+     ("recompute_rule", ["deviation"])],
+)  # fmt: skip
+def test_levers_refuse_what_is_not_a_count_or_a_share(field, value):
+    with pytest.raises(ValueError, match=field):
+        Levers(**{field: value})
+
+
+def test_levers_keep_plain_numbers():
+    levers = Levers(native_sink=np.int64(2), recompute=np.float32(0.5), recompute_layers=np.int32(2))
+    assert levers == Levers(2, recompute=0.5, recompute_layers=2)
+    assert type(levers.native_sink) is int and type(levers.recompute) is float and type(levers.recompute_layers) is int
+    assert Levers(recompute=1).recompute == 1.0 and type(Levers(recompute=1).recompute) is float
 
 
 def test_prefill_fraction_counts_tokens_and_layers():

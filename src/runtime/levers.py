@@ -3,7 +3,9 @@ recomputed in place) and what it costs, as a share of the receiver's prefill (`L
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
+from numbers import Integral, Real
 
 from src.apply import KVTransfer
 from src.runtime.recompute import RULES
@@ -26,14 +28,11 @@ class Levers:
     recompute_layers: int = 1
 
     def __post_init__(self) -> None:
-        if min(self.native_sink, self.hold_back, self.native_layers) < 0:
-            raise ValueError(f"levers must be ≥ 0, got {self}")
-        if not 0.0 <= self.recompute <= 1.0:
-            raise ValueError(f"recompute is a share of the prefix in [0, 1], got {self.recompute}")
-        if self.recompute_rule not in RULES:
+        for name in ("native_sink", "hold_back", "native_layers", "recompute_layers"):
+            object.__setattr__(self, name, count(name, getattr(self, name), 1 if name == "recompute_layers" else 0))
+        object.__setattr__(self, "recompute", share("recompute", self.recompute))
+        if not isinstance(self.recompute_rule, str) or self.recompute_rule not in RULES:
             raise ValueError(f"recompute_rule must be one of {RULES}, not {self.recompute_rule!r}")
-        if self.recompute_layers < 1:
-            raise ValueError(f"recompute_layers must be ≥ 1, got {self.recompute_layers}")
 
     def clipped(self, prefix_len: int) -> Levers:
         """The levers a prefix of `prefix_len` tokens can take: the sink first, then the hold-back."""
@@ -67,6 +66,22 @@ class Levers:
 
     def __bool__(self) -> bool:
         return bool(self.native_sink or self.hold_back or self.native_layers or self.recompute)
+
+
+def count(name: str, value: object, least: int) -> int:
+    """value as an int ≥ least, or a ValueError naming the field (bools, floats and None are not counts)."""
+    if isinstance(value, bool) or not isinstance(value, Integral):
+        raise ValueError(f"{name} must be an integer ≥ {least}, not {value!r} ({type(value).__name__})")
+    if value < least:
+        raise ValueError(f"{name} must be ≥ {least}, got {value}")
+    return int(value)
+
+
+def share(name: str, value: object) -> float:
+    """value as a float in [0, 1], or a ValueError naming the field (NaN, bools and None are not shares)."""
+    if isinstance(value, bool) or not isinstance(value, Real) or not math.isfinite(value) or not 0 <= value <= 1:
+        raise ValueError(f"{name} is a share of the prefix in [0, 1], not {value!r}")
+    return float(value)
 
 
 NO_LEVERS = Levers()  # pure transfer: every prefix token mapped

@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 from dataclasses import dataclass, field
+from numbers import Real
 
 import numpy as np
 import torch
@@ -20,6 +22,7 @@ from src.models import describe_kv
 from src.runtime.levers import NO_LEVERS, Levers
 
 MODES = ("map", "reprefill", "auto")
+MAX_LENGTH_FACTOR = 8.0  # the length guard's default: the factor the project's workloads calibrate for
 
 
 @dataclass
@@ -48,16 +51,31 @@ class CostModel:
 
 @dataclass(frozen=True)
 class Policy:
-    """How a session covers a receiver's unseen tokens."""
+    """How a session covers a receiver's unseen tokens. The length guard is on by default (`MAX_LENGTH_FACTOR`);
+    None switches a guard off explicitly."""
 
     mode: str = "map"  # MODES
     levers: Levers = NO_LEVERS  # target work kept native around the mapped span
-    max_length_factor: float | None = None  # refuse positions past factor × the mapper's calibration length
+    max_length_factor: float | None = MAX_LENGTH_FACTOR  # refuse positions past factor × the mapper's calibration
     guard_max_abs: float | None = None  # refuse a mapped span with any |K| or |V| above this
 
     def __post_init__(self) -> None:
-        if self.mode not in MODES:
+        if not isinstance(self.mode, str) or self.mode not in MODES:
             raise ValueError(f"policy mode must be one of {MODES}, not {self.mode!r}")
+        if not isinstance(self.levers, Levers):
+            raise ValueError(f"policy levers must be a Levers, not a {type(self.levers).__name__}")
+        _check_bound("max_length_factor", self.max_length_factor, positive=True)
+        _check_bound("guard_max_abs", self.guard_max_abs, positive=False)
+
+
+def _check_bound(name: str, value: object, positive: bool) -> None:
+    """None (the guard is off) or a finite number > 0 (positive) / ≥ 0; else a ValueError naming the field."""
+    if value is None:
+        return
+    number = isinstance(value, Real) and not isinstance(value, bool) and math.isfinite(value)
+    if not number or value < 0 or (positive and value == 0):
+        relation = "> 0" if positive else "≥ 0"
+        raise ValueError(f"{name} must be a finite number {relation} or None (no guard), not {value!r}")
 
 
 @dataclass(frozen=True)

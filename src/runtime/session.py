@@ -4,37 +4,58 @@
     session = Session({"small": small, "large": large}, routes, Policy(mode="map", levers=Levers(native_sink=4)))
     session.append("small", history_ids)                 # small reads the history on its own cache
     record = session.switch_to("large", question_ids)    # large: reuse + map (or re-prefill), then the new turn
+    scores = session.score("large", [yes_ids, no_ids])   # log p of each continuation; the session is unchanged
+    branch = session.fork()                              # an independent copy of the conversation and its caches
     answer = session.generate("large", [], max_new_tokens=32)   # HF greedy generate on large's cache
 
 `switch_to` gives the receiver a cache of the whole conversation: the tokens it already holds are reused (a same-model
 prefix hit); the tokens it has not seen are mapped at their own positions, segment by segment, each from a model that
 read it natively (the sender first), or re-prefilled on top of what it holds — by `Policy.mode`: map, reprefill, or
 auto (the faster path by measured per-token costs; src/runtime/routing.py); the levers (`src.runtime.levers.Levers`) keep parts of the
-mapped span native. The new turn is always read natively. Every refusal — a mapper refused at binding (artifact mismatch), a sliding-window
-receiver, no route (status `unsupported`), non-finite values, length beyond the mapper's calibration, a failed guard
-(`fallback_reprefill`) — re-prefills exactly as a session that never tried a transfer, so its caches and greedy
-outputs are bit-identical; the record says why. Each cache carries provenance per segment (native, or mapped from
-model X by mapper id); `exact_prefix` exports only the model's own computation over an exact context, so mapped KV is
-never served as an exact prefix hit.
+mapped span native. The new turn is always read natively (with no new turn, the last unseen token is: the receiver
+always has next-token logits, `session.logits`). Every refusal — a mapper refused at binding (artifact mismatch, a
+warning when the session is built), a sliding-window receiver, no route (status `unsupported`), non-finite values,
+length beyond the mapper's calibration (on by default), a failed guard (`fallback_reprefill`) — re-prefills exactly
+as a session that never tried a transfer, so its caches and greedy outputs are bit-identical; the record says why.
+Each cache carries provenance per segment (native, or mapped from model X by mapper id); `exact_prefix` exports only
+the model's own computation over an exact context, so mapped KV is never served as an exact prefix hit.
+
+Every input is checked before anything changes: token ids (integers, one conversation, inside the vocabulary of
+every model that may read them), model names, lever settings the splice refuses, `generate`'s arguments. A call that
+raises leaves the conversation, every cache, every segment list, the logits and the records exactly as they were
+(the cost model keeps what it measured). Routes must be bound to the session's own models (same objects, or the same
+fingerprint), checked once when the session is built.
 """
 
 from __future__ import annotations
 
 import copy
 import time
+import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
+from numbers import Integral
+from typing import NamedTuple
 
 import torch
-from transformers import DynamicCache, PreTrainedModel
+from transformers import DynamicCache, LogitsProcessor, LogitsProcessorList, PreTrainedModel
 
 from src.apply import KVTransfer
+from src.forward import ids_problem
 from src.maps import TransferError, cache_layers
+from src.models import fingerprint
 from src.runtime.levers import Levers, spent
 from src.runtime.routing import CostModel, Policy, Route
-from src.runtime.splice import splice
+from src.runtime.splice import check_splice, splice
 
 PATHS = ("hit", "map", "reprefill")
 STATUSES = ("applied", "fallback_reprefill", "unsupported")
+RESERVED = ("input_ids", "inputs", "attention_mask", "past_key_values")  # generate's own: not a caller's kwargs
+
+
+class RouteRefusedWarning(UserWarning):
+    """A session holds a route whose bind was refused: every handoff that needs it re-prefills (status unsupported)."""
 
 
 @dataclass(frozen=True)
@@ -51,7 +72,12 @@ class Segment:
 
 @dataclass
 class HandoffRecord:
-    """One `switch_to`: what the receiver reused, mapped and prefilled, at what cost, and why."""
+    """One `switch_to`: what the receiver reused, mapped and prefilled, at what cost, and why.
+
+    prefill_fraction is the share of a full prefill of the unseen tokens that the receiver spent: 1.0 whenever it
+    re-prefilled them (the policy, a refusal, or levers that cover every token: `levers_cover_all`), the levers'
+    share on a map (`Levers.prefill_fraction`, plus the native layers over the held prefix), 0.0 on a hit (nothing
+    unseen: nothing spent). The new turn, always read natively, is not part of it."""
 
     sender: str | None
     receiver: str
@@ -63,11 +89,20 @@ class HandoffRecord:
     mapped: int  # tokens mapped from another model's cache
     prefilled: int  # unseen tokens the receiver read natively (sink, hold-back, or all of them)
     turn: int  # new-turn tokens read natively after them
-    prefill_fraction: float  # share of the receiver's prefill of the unseen tokens spent (0 when none were unseen)
+    prefill_fraction: float  # see the class docstring
     ms: float  # the whole switch: reuse + map / prefill + the new turn's logits
     ms_map: float  # the mapper calls within it
     bytes: int  # K/V bytes read from the senders' caches for the mapped tokens
     recomputed: int = 0  # mapped tokens recomputed in place (Levers.recompute)
+    levers_cover_all: bool = False  # path reprefill because the levers' sink and hold-back left no token to map
+
+
+class Score(NamedTuple):
+    """One continuation scored by `Session.score`."""
+
+    logprob: float  # sum of log p over its tokens, each given the conversation and the tokens before it
+    tokens: int
+    greedy: bool  # every token is the model's argmax
 
 
 @dataclass
@@ -75,6 +110,7 @@ class _Reader:
     model: PreTrainedModel
     cache: DynamicCache | None = None
     segments: list[Segment] = field(default_factory=list)
+    logits: torch.Tensor | None = None  # [1, V] after the last token it read (valid while it holds the conversation)
 
     @property
     def length(self) -> int:
@@ -92,6 +128,33 @@ class _Reader:
         else:
             self.segments.append(segment)
 
+    def copy(self) -> _Reader:
+        """The same model with its own copy of the cache, segments and logits."""
+        logits = None if self.logits is None else self.logits.clone()
+        return _Reader(self.model, copy.deepcopy(self.cache), list(self.segments), logits)
+
+
+@dataclass
+class _Saved:
+    """What a failed call restores: the conversation, the records' count, and per reader its cache object, every
+    cache layer's state (tensors are never written in place below a reader's length, so the references are exact),
+    its segments and logits."""
+
+    ids: torch.Tensor
+    active: str | None
+    records: int
+    readers: dict[str, tuple[DynamicCache | None, list[dict] | None, list[Segment], torch.Tensor | None]]
+
+
+class _Vocabulary(LogitsProcessor):
+    """Generation restricted to the first `size` ids: those every model of the session can read."""
+
+    def __init__(self, size: int):
+        self.size = size
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        return scores.index_fill(-1, torch.arange(self.size, scores.shape[-1], device=scores.device), float("-inf"))
+
 
 def _device(model: PreTrainedModel) -> torch.device:
     return next(model.parameters()).device
@@ -103,14 +166,38 @@ def _clock(device: torch.device) -> float:
     return time.perf_counter()
 
 
-def _ids(tokens) -> torch.Tensor:
-    """Token ids [N] (long, CPU) from a list, a [N] or a [1, N] tensor."""
-    ids = torch.as_tensor(tokens, dtype=torch.long).cpu()
+def _vocabulary(model: PreTrainedModel) -> int:
+    return model.get_input_embeddings().num_embeddings
+
+
+def token_ids(tokens: object, vocab: int, readers: str) -> torch.Tensor:
+    """Token ids [N] (long, CPU) from a sequence, a [N] or a [1, N] tensor of integer ids in [0, vocab) — `readers`
+    names whose vocabulary that is — or a ValueError naming the problem (floats are never truncated; an empty
+    sequence is no ids whatever its dtype)."""
+    try:
+        ids = tokens if isinstance(tokens, torch.Tensor) else torch.as_tensor(tokens)
+    except (TypeError, ValueError, RuntimeError, OverflowError) as error:
+        raise ValueError(f"token ids must be a sequence of integers, not {type(tokens).__name__}: {error}") from error
     if ids.dim() == 2 and ids.shape[0] == 1:
         ids = ids[0]
     if ids.dim() != 1:
         raise ValueError(f"a session holds one conversation: token ids [N] or [1, N], got {tuple(ids.shape)}")
-    return ids
+    if ids.numel() == 0:
+        return torch.zeros(0, dtype=torch.long)
+    if problem := ids_problem(ids[None], vocab):
+        raise ValueError(f"token ids {problem.removeprefix('input_ids ')} ({readers})")
+    return ids.to("cpu", torch.long)
+
+
+def _check_generation(max_new_tokens: object, kwargs: dict) -> None:
+    """A ValueError for generate arguments a session cannot take (no new token, another batch, its own inputs)."""
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, Integral) or max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be an integer ≥ 1, not {max_new_tokens!r}")
+    if reserved := sorted(set(kwargs) & set(RESERVED)):
+        raise ValueError(f"generate sets {reserved} itself from the session's conversation and cache")
+    for name in ("num_beams", "num_return_sequences"):
+        if kwargs.get(name, 1) != 1:
+            raise ValueError(f"a session holds one conversation: {name} must be 1, not {kwargs[name]!r}")
 
 
 class Session:
@@ -123,22 +210,77 @@ class Session:
         policy: Policy | None = None,
         costs: CostModel | None = None,
     ):
+        if not isinstance(models, dict) or not models:
+            raise ValueError("a session needs a dict of at least one named model")
+        for name, model in models.items():
+            if not isinstance(name, str) or not isinstance(model, PreTrainedModel):
+                raise ValueError(f"model {name!r} must be a str naming a PreTrainedModel, not a {type(model).__name__}")
         self.readers = {name: _Reader(model) for name, model in models.items()}
         self.routes = dict(routes or {})
-        for sender, receiver in self.routes:
-            if sender not in models or receiver not in models:
-                raise ValueError(f"route {sender} → {receiver} names a model the session does not hold")
+        for key, route in self.routes.items():
+            if not (isinstance(key, tuple) and len(key) == 2):
+                raise ValueError(f"a route is keyed by (sender, receiver), not {key!r}")
+            self._check_route(*key, route)
         self.policy = policy if policy is not None else Policy()
         self.costs = costs if costs is not None else CostModel()
-        self.ids = torch.zeros(0, dtype=torch.long)  # [T] the conversation
+        if not isinstance(self.policy, Policy) or not isinstance(self.costs, CostModel):
+            raise ValueError("policy must be a Policy and costs a CostModel")
+        sizes = {name: _vocabulary(model) for name, model in models.items()}
+        self.vocab = min(sizes.values())  # ids the conversation may hold: every model may come to read them
+        self._vocab_owner = (
+            f"{min(sizes, key=sizes.get)!r} reads {self.vocab} ids; every model may read the conversation"
+        )
+        self._ids = torch.zeros(0, dtype=torch.long)  # [T] the conversation
         self.active: str | None = None
-        self.logits: torch.Tensor | None = None  # [1, V] after the last token read
-        self.records: list[HandoffRecord] = []
+        self._records: list[HandoffRecord] = []
+
+    def _check_route(self, sender: str, receiver: str, route: Route) -> None:
+        """A ValueError unless the route joins two of the session's models and its transfer was bound to them (the
+        same objects, or the same fingerprint); a route whose bind was refused warns (RouteRefusedWarning)."""
+        if sender not in self.readers or receiver not in self.readers:
+            raise ValueError(f"route {sender} → {receiver} names a model the session does not hold")
+        if not isinstance(route, Route):
+            raise ValueError(f"route {sender} → {receiver} is a {type(route).__name__}, not a Route (routing.bind)")
+        if (route.transfer is None) == (route.refusal is None):
+            raise ValueError(f"route {sender} → {receiver} needs a transfer or a refusal, exactly one (routing.bind)")
+        if route.transfer is None:
+            warnings.warn(
+                f"route {sender} → {receiver} was refused at binding ({route.refusal}): every handoff on it re-prefills",
+                RouteRefusedWarning,
+                stacklevel=3,
+            )
+            return
+        for role, name, bound in (
+            ("sender", sender, route.transfer.source),
+            ("receiver", receiver, route.transfer.target),
+        ):
+            held = self.readers[name].model
+            if bound is not held and fingerprint(bound) != fingerprint(held):
+                raise ValueError(
+                    f"route {sender} → {receiver} was bound to another {role} than the session's {name!r}: "
+                    f"fingerprint {fingerprint(bound)[:12]} ≠ {fingerprint(held)[:12]} (bind the route to this model)"
+                )
 
     # --- what the session holds --------------------------------------------------------------------------------
 
+    @property
+    def ids(self) -> torch.Tensor:
+        """The conversation's token ids [T] (a copy)."""
+        return self._ids.clone()
+
+    @property
+    def logits(self) -> torch.Tensor | None:
+        """The active model's next-token logits [1, V] after the conversation (a copy; None before any token)."""
+        logits = self.readers[self.active].logits if self.active is not None else None
+        return None if logits is None else logits.clone()
+
+    @property
+    def records(self) -> list[HandoffRecord]:
+        """Every handoff so far (copies)."""
+        return [replace(record) for record in self._records]
+
     def _reader(self, model: str) -> _Reader:
-        if model not in self.readers:
+        if not isinstance(model, str) or model not in self.readers:
             raise ValueError(f"no model {model!r} in this session; it holds {sorted(self.readers)}")
         return self.readers[model]
 
@@ -146,8 +288,11 @@ class Session:
         """Conversation tokens in the model's cache (a prefix of the conversation)."""
         return self._reader(model).length
 
-    def cache(self, model: str) -> DynamicCache | None:
-        return self._reader(model).cache
+    def cache(self, model: str, live: bool = False) -> DynamicCache | None:
+        """A copy of the model's cache (None before it read anything). `live=True` returns the session's own cache:
+        whatever is done to it is done to the session (src/routed_runs.py poisons a source cache through it)."""
+        cache = self._reader(model).cache
+        return cache if live else copy.deepcopy(cache)
 
     def segments(self, model: str) -> list[Segment]:
         """Provenance of the model's cache, segment by segment."""
@@ -164,11 +309,91 @@ class Session:
                 break
             length = segment.end
         if length == 0:
-            return self.ids[:0], None
+            return self._ids[:0].clone(), None
         cache = copy.deepcopy(reader.cache)
         if length < reader.length:
             cache.crop(length - reader.length)
-        return self.ids[:length], cache
+        return self._ids[:length].clone(), cache
+
+    def fork(self) -> Session:
+        """An independent copy of the conversation: caches, segments, logits and records copied; models, routes,
+        policy and the cost model (measurements of the hardware) shared. Either then evolves without the other."""
+        twin = copy.copy(self)
+        twin.readers = {name: reader.copy() for name, reader in self.readers.items()}
+        twin.routes = dict(self.routes)
+        twin._ids = self._ids.clone()
+        twin._records = self.records
+        return twin
+
+    @torch.no_grad()
+    def score(self, model: str, continuations: list) -> list[Score]:
+        """Log-likelihood of each continuation (a list of id sequences, each ≥ 1 token) given the conversation, on
+        the model's own cache (it must hold the whole conversation) — the offline scorer's sums (src.eval.scoring),
+        one continuation at a time: its first token from the model's next-token logits, the rest read on the cache,
+        which is cropped back. The session is unchanged, bit for bit."""
+        reader = self._current(model)
+        if self._ids.numel() == 0:
+            raise ValueError("nothing to score after: the conversation is empty")
+        if not isinstance(continuations, list | tuple) or not continuations:
+            raise ValueError("score a non-empty list of continuations (each a sequence of token ids)")
+        rows = []
+        for index, continuation in enumerate(continuations):
+            row = token_ids(continuation, _vocabulary(reader.model), f"{model!r}'s vocabulary")
+            if row.numel() == 0:
+                raise ValueError(f"continuation {index} is empty: score at least one token")
+            rows.append(row)
+        with self._atomic():  # whatever happens, the crop-back is exact
+            return [self._score(reader, row) for row in rows]
+
+    @staticmethod
+    def _score(reader: _Reader, row: torch.Tensor) -> Score:
+        """(sum log p, tokens, greedy) of row [L] after the conversation the reader holds; its cache cropped back."""
+        logits = reader.logits  # [1, V] the next token's
+        if row.numel() > 1:
+            out = reader.model(row[None, :-1].to(logits.device), past_key_values=reader.cache, use_cache=True)
+            reader.cache.crop(1 - row.numel())
+            logits = torch.cat([logits, out.logits[0]])  # [L, V]
+        logprobs = logits.float().log_softmax(-1)
+        target = row.to(logits.device)
+        greedy = bool((logprobs.argmax(-1) == target).all())
+        return Score(float(logprobs.gather(-1, target[:, None]).sum()), row.numel(), greedy)
+
+    # --- every call is all or nothing ----------------------------------------------------------------------------
+
+    def _conversation_ids(self, tokens: object) -> torch.Tensor:
+        return token_ids(tokens, self.vocab, self._vocab_owner)
+
+    def _save(self) -> _Saved:
+        readers = {
+            name: (
+                r.cache,
+                None if r.cache is None else [dict(vars(layer)) for layer in r.cache.layers],
+                list(r.segments),
+                r.logits,
+            )
+            for name, r in self.readers.items()
+        }
+        return _Saved(self._ids, self.active, len(self._records), readers)
+
+    def _restore(self, saved: _Saved) -> None:
+        self._ids, self.active = saved.ids, saved.active
+        del self._records[saved.records :]
+        for name, (cache, layers, segments, logits) in saved.readers.items():
+            reader = self.readers[name]
+            reader.cache, reader.segments, reader.logits = cache, segments, logits
+            for layer, state in zip(cache.layers if cache is not None else [], layers or [], strict=True):
+                vars(layer).clear()
+                vars(layer).update(state)
+
+    @contextmanager
+    def _atomic(self) -> Iterator[None]:
+        """Whatever raises inside leaves the session exactly as it was."""
+        saved = self._save()
+        try:
+            yield
+        except BaseException:
+            self._restore(saved)
+            raise
 
     # --- reading and generating --------------------------------------------------------------------------------
 
@@ -182,14 +407,14 @@ class Session:
             ids[None].to(_device(reader.model)), past_key_values=reader.cache, use_cache=True, logits_to_keep=1
         )
         reader.add(Segment(start, start + ids.numel(), "native", reader.exact))
-        self.logits = out.logits[:, -1]  # [1, V]
-        return self.logits
+        reader.logits = out.logits[:, -1]  # [1, V]
+        return reader.logits
 
     def _current(self, name: str) -> _Reader:
         reader = self._reader(name)
-        if reader.length != self.ids.numel():
+        if reader.length != self._ids.numel():
             raise ValueError(
-                f"{name!r} holds {reader.length} of the conversation's {self.ids.numel()} tokens: "
+                f"{name!r} holds {reader.length} of the conversation's {self._ids.numel()} tokens: "
                 f"switch_to({name!r}) first"
             )
         return reader
@@ -199,45 +424,58 @@ class Session:
         """The model reads new tokens natively on its cache (it must hold the whole conversation); returns the last
         logits [1, V] (None for no tokens)."""
         self._current(model)
-        ids = _ids(tokens)
-        self.active = model
-        if ids.numel() == 0:
-            return None
-        logits = self._read(model, ids)
-        self.ids = torch.cat([self.ids, ids])
-        return logits
+        ids = self._conversation_ids(tokens)
+        with self._atomic():
+            self.active = model
+            if ids.numel() == 0:
+                return None
+            logits = self._read(model, ids)
+            self._ids = torch.cat([self._ids, ids])
+            return logits.clone()
 
     @torch.no_grad()
     def generate(self, model: str, turn, max_new_tokens: int, **kwargs) -> torch.Tensor:
-        """HF `generate` (greedy unless kwargs say otherwise) on the model's cache after the new turn; the turn and
-        the generated tokens join the conversation (the last one read too, so the cache covers them all). Returns
-        the generated ids [G]."""
+        """HF `generate` (greedy unless kwargs say otherwise, one sequence) on the model's cache after the new turn,
+        restricted to the ids every model of the session reads; the turn and the generated tokens join the
+        conversation (the last one read too, so the cache covers them all). Returns the generated ids [G].
+        max_new_tokens must be ≥ 1 (0 is a ValueError, nothing changed)."""
         reader = self._current(model)
-        turn = _ids(turn)
-        if self.ids.numel() + turn.numel() == 0:
+        turn = self._conversation_ids(turn)
+        _check_generation(max_new_tokens, kwargs)
+        if self._ids.numel() + turn.numel() == 0:
             raise ValueError("nothing to generate from: the conversation and the turn are empty")
+        with self._atomic():
+            return self._generate(model, reader, turn, max_new_tokens, kwargs)
+
+    def _generate(self, model: str, reader: _Reader, turn: torch.Tensor, max_new_tokens: int, kwargs: dict):
         if turn.numel() == 0:  # HF reads at least one uncached token: re-read the last one (the crop is exact)
-            turn = self.ids[-1:]
-            self.ids = self.ids[:-1]
+            turn = self._ids[-1:]
+            self._ids = self._ids[:-1]
             reader.cache.crop(-1)
             last = reader.segments.pop()
             if last.end - 1 > last.start:
                 reader.segments.append(replace(last, end=last.end - 1))
         if reader.cache is None:
             reader.cache = DynamicCache(config=reader.model.config)
-        prompt = torch.cat([self.ids, turn])[None].to(_device(reader.model))  # [1, T + N]
+        prompt = torch.cat([self._ids, turn])[None].to(_device(reader.model))  # [1, T + N]
         config = reader.model.generation_config
-        settings = {"do_sample": False, "max_new_tokens": max_new_tokens}
+        settings = {"do_sample": False, "num_beams": 1, "num_return_sequences": 1, "max_new_tokens": max_new_tokens}
         if config.pad_token_id is None:
             eos = config.eos_token_id
             settings["pad_token_id"] = (eos[0] if isinstance(eos, list) else eos) if eos is not None else 0
+        if reader.model.config.get_text_config().vocab_size > self.vocab:  # its head writes ids another cannot read
+            settings["logits_processor"] = LogitsProcessorList(
+                [*kwargs.pop("logits_processor", []), _Vocabulary(self.vocab)]
+            )
         out = reader.model.generate(
             prompt, attention_mask=torch.ones_like(prompt), past_key_values=reader.cache, **(settings | kwargs)
         )
         new = out[0, prompt.shape[1] :].cpu()  # [G]
-        start = self.ids.numel()
+        if new.numel() == 0:
+            raise ValueError("generate wrote no token (its stopping settings): the session is unchanged")
+        start = self._ids.numel()
         reader.add(Segment(start, start + turn.numel() + new.numel() - 1, "native", reader.exact))
-        self.ids = torch.cat([self.ids, turn, new])
+        self._ids = torch.cat([self._ids, turn, new])
         self._read(model, new[-1:])  # the cache covers the whole conversation again
         self.active = model
         return new
@@ -253,7 +491,9 @@ class Session:
             if name != receiver and (name, receiver) in self.routes and self.routes[(name, receiver)].refusal is None
         ]
         if not candidates:
-            refused = [r.refusal for (s, t), r in self.routes.items() if t == receiver and r.refusal]
+            refused = [
+                f"route {s} → {t}: {r.refusal}" for (s, t), r in self.routes.items() if t == receiver and r.refusal
+            ]
             return refused[0] if refused else f"no mapper route into {receiver!r}"
         cuts = sorted(
             {start, end}
@@ -295,7 +535,7 @@ class Session:
                 )
             layers = [(k[:, :, start:end], v[:, :, start:end]) for k, v in cache_layers(self.readers[sender].cache)]
             read += sum(t.numel() * t.element_size() for pair in layers for t in pair)
-            cache = route.transfer(layers, positions=torch.arange(start, end), input_ids=self.ids[None, start:end])
+            cache = route.transfer(layers, positions=torch.arange(start, end), input_ids=self._ids[None, start:end])
             bound = self.policy.guard_max_abs
             if bound is not None:
                 peak = float(torch.stack([t.abs().amax() for pair in cache_layers(cache) for t in pair]).max())
@@ -307,34 +547,33 @@ class Session:
     @torch.no_grad()
     def switch_to(self, model: str, turn=()) -> HandoffRecord:
         """Give `model` a cache of the whole conversation (module docstring), then read the new turn natively;
-        returns the handoff record (the turn's last logits are `session.logits`)."""
+        returns the handoff record (the receiver's next-token logits are `session.logits`)."""
         reader = self._reader(model)
-        turn = _ids(turn)
-        device = _device(reader.model)
-        began = _clock(device)
-        self.logits = None
-        held, total = reader.length, self.ids.numel()
-        unseen = total - held
-        record = HandoffRecord(
-            self.active, model, "hit", "applied", "the receiver holds the whole conversation", total, held,
-            0, 0, turn.numel(), 0.0, 0.0, 0.0, 0,
-        )  # fmt: skip
-        if unseen:
-            record = self._cover(model, record, turn)
-        elif turn.numel():
-            self._read(model, turn)
-        record.ms = (_clock(device) - began) * 1e3
-        self.ids = torch.cat([self.ids, turn])
-        self.active = model
-        self.records.append(record)
-        return record
+        turn = self._conversation_ids(turn)
+        with self._atomic():
+            device = _device(reader.model)
+            began = _clock(device)
+            held, total = reader.length, self._ids.numel()
+            record = HandoffRecord(
+                self.active, model, "hit", "applied", "the receiver holds the whole conversation", total, held,
+                0, 0, turn.numel(), 0.0, 0.0, 0.0, 0,
+            )  # fmt: skip
+            if total > held:
+                record = self._cover(model, record, turn)
+            elif turn.numel():
+                self._read(model, turn)
+            record.ms = (_clock(device) - began) * 1e3
+            self._ids = torch.cat([self._ids, turn])
+            self.active = model
+            self._records.append(record)
+            return replace(record)
 
     def _reprefill(
         self, model: str, record: HandoffRecord, turn: torch.Tensor, status: str, reason: str
     ) -> HandoffRecord:
         """The receiver reads the unseen tokens and the turn in one forward: what a session without transfers does."""
         began = _clock(_device(self._reader(model).model))
-        native = torch.cat([self.ids[record.hit :], turn])
+        native = torch.cat([self._ids[record.hit :], turn])
         self._read(model, native)
         self.costs.observe(model, "prefill", native.numel(), (_clock(_device(self._reader(model).model)) - began) * 1e3)
         unseen = record.context - record.hit
@@ -346,10 +585,11 @@ class Session:
         if policy.mode == "reprefill":
             return self._reprefill(model, record, turn, "applied", "policy: reprefill")
         sink_end = min(max(levers.native_sink, held), total)  # conversation positions < native_sink stay native
-        hold = min(levers.hold_back, total - sink_end)
+        hold = min(max(levers.hold_back, 0 if turn.numel() else 1), total - sink_end)  # no turn: the last is read
         end = total - hold
         if end <= sink_end:
-            return self._reprefill(model, record, turn, "applied", "the levers leave no token to map")
+            covered = replace(record, levers_cover_all=True)
+            return self._reprefill(model, covered, turn, "applied", "the levers leave no token to map")
         pieces = self._owners(model, sink_end, end)
         if isinstance(pieces, str):
             return self._reprefill(model, record, turn, "unsupported", pieces)
@@ -374,6 +614,7 @@ class Session:
                 reason = f"auto: map ≈ {sum(estimate_map):.2f} ms < re-prefill ≈ {estimate_prefill:.2f} ms"
         else:
             reason = "policy: map"
+        check_splice(span, transfer.token_features, unseen, hold + turn.numel())  # the splice's own refusals, first
         device = _device(self._reader(model).model)
         began = _clock(device)
         try:
@@ -408,13 +649,14 @@ class Session:
     ) -> int:
         """Commit a map that passed every check through the one splice (src/runtime/splice.py): sink tokens read
         natively, the mapped pieces appended, the levers' native layers and recomputed tokens, then the hold-back
-        tokens and the turn read natively in one forward. Returns how many mapped tokens were recomputed."""
+        tokens and the turn read natively in one forward (at least one token: `_cover`). Returns how many mapped
+        tokens were recomputed."""
         reader = self._reader(model)
         target = reader.model
-        held, total = reader.length, self.ids.numel()
+        held, total = reader.length, self._ids.numel()
         if reader.cache is None:
             reader.cache = DynamicCache(config=target.config)
-        native = torch.cat([self.ids[end:total], turn])[None]  # [1, hold-back + turn]
+        native = torch.cat([self._ids[end:total], turn])[None]  # [1, hold-back + turn]
         mapped_segments = [
             Segment(low, high, "mapped", False, sender, self.routes[(sender, model)].mapper_id)
             for low, high, sender in pieces
@@ -426,15 +668,11 @@ class Session:
                 return
             for segment in mapped_segments:  # the span precedes the tail in the provenance
                 reader.add(segment)
-            mapped_segments.clear()
             began = _clock(_device(target))
             self._read(model, ids[0])
             self.costs.observe(model, "prefill", ids.shape[1], (_clock(_device(target)) - began) * 1e3)
 
-        count = splice(
-            target, reader.cache, self.ids[None, :end], start, mapped, span, total - held, transfer.token_features,
+        return splice(
+            target, reader.cache, self._ids[None, :end], start, mapped, span, total - held, transfer.token_features,
             native, native, read,
         )  # fmt: skip
-        for segment in mapped_segments:  # no tail was read: the span ends the cache
-            reader.add(segment)
-        return count
