@@ -471,9 +471,10 @@ def test_a_run_without_a_split_tag_is_refused(uri, experiment, capsys):
 
 
 @pytest.mark.parametrize(("key", "value"), [("min_speedup", NAN), ("max_loss", -1.0), ("max_prefill_fraction", 2.0)])
-def test_an_impossible_threshold_is_refused_before_any_run_is_read(key, value):
+def test_an_impossible_threshold_is_refused_before_any_run_is_read(key, value, tmp_path):
     with pytest.raises(ValueError, match="must be finite and in"):
-        check("sqlite:///never/opened.db", "routed", **{key: value})
+        check(f"sqlite:///{tmp_path / 'never.db'}", "routed", **{key: value})
+    assert not (tmp_path / "never.db").exists()  # the store was never opened
 
 
 def test_a_damaged_items_artifact_is_named(uri, experiment):
