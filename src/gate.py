@@ -153,9 +153,12 @@ def _quality(metrics: dict[str, float], tags: dict[str, str], margin: float) -> 
         if status == "MISSING":
             line += " (not a finite, ordered CI)"
         elif status == "UNDERPOWERED":
-            needs = items_to_decide(loss, metrics.get(f"{TASK_PREFIX}{task}{TASK_SUFFIX}_sd", math.nan), margin)
+            sd = metrics.get(f"{TASK_PREFIX}{task}{TASK_SUFFIX}_sd", math.nan)
+            needs = items_to_decide(loss, sd, margin)
             if needs is not None:
                 line += f" (≈ {needs} items would show {'PASS' if loss < margin else 'FAIL'} at this loss)"
+            elif _finite(sd):
+                line += " (on the margin: no item count decides it at this loss)"
         lines.append(line)
     mean = [metrics.get(f"task.mean.loss_points{end}") for end in ("", "_low", "_high")]
     if _finite(*mean):

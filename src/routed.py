@@ -4,9 +4,11 @@ Top to bottom: the pair → the mapper of each direction the workload needs (the
 pipeline.calibration / build_mapper), bound once (session.bind) → the workload's items (src/workloads.py) → for each,
 the routed session (workload.policy) beside the all-re-prefill session (the native target) and the source alone, on
 the same token ids → per task accuracy and loss in points with paired bootstrap CIs (and on the task mean), NLL of the
-reference answers, TTFT p50/p95 per path (map + new turn + first token; re-prefill of the whole conversation;
-same-model prefix hit), prefill fraction spent, handoff frequency, refusals by context length and direction, GPU
-memory, throughput, rollback replayed on the workload's own items → tracking (metrics, per-item JSON, plots).
+reference answers, TTFT p50/p95 per path (map + new turn + first token; re-prefill of what the receiver has not seen;
+same-model prefix hit), the median paired speedup with its seeded bootstrap CI, the same-work harness check (a sample
+of handoffs re-prefilled inside the routed session), prefill fraction spent, handoff frequency, refusals by context
+length and direction, GPU memory, throughput, rollback replayed on the workload's own items → tracking (metrics,
+per-item JSON, plots).
 Random weights: timing and plumbing only (tagged), never quality. The runners live in src/routed_runs.py.
 """
 

@@ -11,7 +11,8 @@ store); experiments are tagged as model-training ones so MLflow 3 opens them on 
 metrics (psutil) every `tracking.system_metrics_s` seconds. Backend `json` writes the same record as files
 (record.json + artifacts/, for the GPU machine without MLflow, and the committed records under results/);
 `python -m src.tracking import DIR` replays records into the MLflow store, `export EXPERIMENT DIR` writes an
-experiment's runs as records.
+experiment's runs as records. Every record reader goes through `read_record` / `read_items`: a truncated file, or one
+without a key the reader needs, is a RecordError that names the file and the key, never a bare JSON or key error.
 """
 
 from __future__ import annotations

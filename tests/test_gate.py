@@ -257,6 +257,8 @@ def test_an_underpowered_task_says_how_many_items_would_decide_it():
     assert "mmlu +3.00 [+0.50, +5.00] (≈ 385 items would show FAIL at this loss)" in verdict(over, "quality").measured
     unknown = verdict(wide | {"task.mmlu.loss_points_sd": NAN}, "quality")
     assert unknown.status == "UNDERPOWERED" and "items would" not in unknown.measured  # one item: no spread, no plan
+    on_margin = verdict(wide | {"task.mmlu.loss_points": 1.0}, "quality")
+    assert "mmlu +1.00 [-0.90, +5.00] (on the margin: no item count decides it at this loss)" in on_margin.measured
     decided = verdict(over | {"task.mmlu.loss_points_low": 1.5}, "quality")
     assert decided.status == "FAIL" and "items would" not in decided.measured
 
