@@ -21,7 +21,6 @@ and its paired 95% CI; then the task means. Runs without tasks get the horizon-N
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import re
 import sys
@@ -37,6 +36,8 @@ ROOT = Path(__file__).resolve().parents[1]
 RESULTS, BENCHMARKS = ROOT / "results", ROOT / "BENCHMARKS.md"
 FEWSHOT_SHOTS = dict(OmegaConf.load(ROOT / "conf/workload/fewshot.yaml").shots)  # a run with more shows its count
 sys.path.insert(0, str(ROOT))  # the gate's verdicts (src/gate.py) for the routed tables
+from src.tracking import RecordError, read_items, read_record, require  # noqa: E402
+
 MARKED = re.compile(r"(<!-- table: (\S+) -->\n)(.*?)(<!-- /table -->)", re.S)
 VARIANTS = ("own", "kv", "token", "relu")  # src/probe.py, in that order
 TASKS = ("hellaswag", "arc_easy", "arc_challenge", "winogrande", "piqa", "mmlu", "lambada")
@@ -48,7 +49,7 @@ def record_rows(directory: Path) -> list[Row]:
     """One row per FINISHED record.json under `directory` (failed / interrupted runs are left out), oldest first."""
     rows = []
     for path in sorted(directory.glob("**/record.json")):
-        record = json.loads(path.read_text())
+        record = read_record(path)  # a truncated record, or one without a key read here, names itself
         if record.get("status", "FINISHED") != "FINISHED":
             continue
         row: Row = {"name": record["name"], "start_time": record.get("start_time") or 0, "record": str(path)}
@@ -264,13 +265,16 @@ def _gate(row: Row) -> str:
     """The gate's verdict on this run (src/gate.py judge_run), with the criteria that did not pass."""
     from src.gate import backfill, judge_run
 
-    metrics = backfill({k[len("metrics.") :]: v for k, v in row.items() if k.startswith("metrics.")}, _items(row))
+    metrics = {k[len("metrics.") :]: v for k, v in row.items() if k.startswith("metrics.")}
+    params = {k[len("params.") :]: v for k, v in row.items() if k.startswith("params.")}
+    metrics = backfill(metrics, _items(row), params)
     tags = {k[len("tags.") :]: str(v) for k, v in row.items() if k.startswith("tags.")}
     failing = [v for v in judge_run(metrics, tags) if not v.passed]
     names = {
         "latency: end-to-end TTFT speedup": "latency",
         "latency harness: same work alike": "latency harness",
         "quality: loss vs all-re-prefill": "quality",
+        "prefill fraction spent": "prefill",
     }
     reasons = ", ".join(f"{names.get(v.criterion, v.criterion)} {v.status}" for v in failing)
     return f"FAIL ({reasons})" if failing else "PASS"
@@ -283,8 +287,9 @@ def _floor(row: Row) -> str:
     if f"metrics.{name}" not in row:
         from src.routed import quality
 
-        items = json.loads((Path(str(row["record"])).parent / "artifacts/routed/items.json").read_text())["items"]
-        found = quality(items, int(row["params.eval.tasks.n_boot"]), int(row["params.seed"]))
+        path = row["record"]
+        n_boot, seed = (int(require(row, f"params.{key}", path)) for key in ("eval.tasks.n_boot", "seed"))
+        found = quality(_items(row), n_boot, seed)
         row = row | {f"metrics.{key}": value for key, value in found.items()}
     return _ci(row, name)
 
@@ -358,7 +363,8 @@ def routed_switches(rows: list[Row]) -> str:
 
 
 def _items(row: Row) -> list[dict]:
-    return json.loads((Path(str(row["record"])).parent / "artifacts/routed/items.json").read_text())["items"]
+    """The per-item rows of a routed record (artifacts/routed/items.json beside it); a damaged file names itself."""
+    return read_items(Path(str(row["record"])).parent)
 
 
 def routed_paired(rows: list[Row], run_set: str | None = None) -> str:
@@ -395,7 +401,8 @@ def routed_paired(rows: list[Row], run_set: str | None = None) -> str:
         shared = len({key(item) for item in mine} & {key(item) for item in theirs})
         if 2 * shared < min(len(mine), len(theirs)):  # other item limits: a few items in common say nothing
             continue
-        found = paired_gain(mine, theirs, int(first["params.eval.tasks.n_boot"]), int(first["params.seed"]))
+        n_boot, seed = (int(require(first, f"params.{key}", first["record"])) for key in ("eval.tasks.n_boot", "seed"))
+        found = paired_gain(mine, theirs, n_boot, seed)
         workload, arrow, levers = _routed_label(first).split(" | ")
         lines.append(
             f"| {workload} | {arrow} | {levers} | {_routed_label(second).split(' | ')[2]} "
@@ -489,26 +496,29 @@ def main() -> None:
     parser.add_argument("--uri", default="sqlite:///mlruns/mlflow.db")
     parser.add_argument("--correlate", nargs=2, metavar=("METRIC", "METRIC"), help="rank correlation over the runs")
     args = parser.parse_args()
-    if args.correlate:
-        rows = record_rows(args.records) if args.records else mlflow_rows(args.uri, args.names)
-        print(correlation(rows, *args.correlate))
-    elif args.records:
-        print(quality(record_rows(args.records)))
-    elif args.mlflow:
-        print(quality(mlflow_rows(args.uri, args.names)))
-    elif args.names:
-        print("\n\n".join(build(name) for name in args.names))
-    elif args.check:
-        if differ := stale(BENCHMARKS.read_text()):
-            sys.exit(
-                f"BENCHMARKS.md tables differ from their rebuild from results/: {differ} "
-                "(run `python scripts/tables.py` and review the diff)"
-            )
-        print(f"{len(marked(BENCHMARKS.read_text()))} marked table(s) equal their rebuild from results/")
-    else:
-        text = BENCHMARKS.read_text()
-        BENCHMARKS.write_text(rebuild(text))
-        print(f"rebuilt {len(marked(text))} table(s) in {BENCHMARKS.name}: {sorted(marked(text))}")
+    try:
+        if args.correlate:
+            rows = record_rows(args.records) if args.records else mlflow_rows(args.uri, args.names)
+            print(correlation(rows, *args.correlate))
+        elif args.records:
+            print(quality(record_rows(args.records)))
+        elif args.mlflow:
+            print(quality(mlflow_rows(args.uri, args.names)))
+        elif args.names:
+            print("\n\n".join(build(name) for name in args.names))
+        elif args.check:
+            if differ := stale(BENCHMARKS.read_text()):
+                sys.exit(
+                    f"BENCHMARKS.md tables differ from their rebuild from results/: {differ} "
+                    "(run `python scripts/tables.py` and review the diff)"
+                )
+            print(f"{len(marked(BENCHMARKS.read_text()))} marked table(s) equal their rebuild from results/")
+        else:
+            text = BENCHMARKS.read_text()
+            BENCHMARKS.write_text(rebuild(text))
+            print(f"rebuilt {len(marked(text))} table(s) in {BENCHMARKS.name}: {sorted(marked(text))}")
+    except RecordError as error:
+        sys.exit(f"tables: {error}")
 
 
 if __name__ == "__main__":

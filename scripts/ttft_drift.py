@@ -1,7 +1,7 @@
 """How a routed run's clock behaved, read off its record: per task the history lengths, median TTFT per path (routed,
 re-prefill, hit), the median paired speedup and the answers' NLL; the first scored turns one by one; the median per
 path in consecutive blocks of turns, in the order they ran; the same-work check (src/routed.py `same_work`:
-re-prefill / routed TTFT where the routed session re-prefilled too); the `auto` policy's estimates (from the handoff
+the baseline's re-prefill / the same re-prefill timed in the routed session); the `auto` policy's estimates (from the handoff
 reasons); and the run's wall time per scored turn against what its `throughput.*` metrics count. A drift that moves
 every path, or a baseline slower than the same work inside the routed session, is the harness, not the transfer.
 
@@ -11,7 +11,6 @@ every path, or a baseline slower than the same work inside the routed session, i
 from __future__ import annotations
 
 import argparse
-import json
 import re
 import statistics
 import sys
@@ -20,6 +19,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from src.routed import timing  # noqa: E402
+from src.tracking import ITEMS, RecordError, read_items, read_record, require  # noqa: E402
 
 PATHS = ("routed", "reprefill", "hit")
 ESTIMATE = re.compile(r"auto: (?:re-prefill|map) ≈ ([\d.]+) ms [≤<] (?:map|re-prefill) ≈ ([\d.]+) ms")
@@ -63,38 +63,49 @@ def main() -> None:
     parser.add_argument("--blocks", type=int, default=8)
     parser.add_argument("--first", type=int, default=2, help="scored turns printed one by one")
     args = parser.parse_args()
-    for run in args.runs:
-        items = json.loads((run / "artifacts/routed/items.json").read_text())["items"]
-        record = json.loads((run / "record.json").read_text())
-        print(f"{run.name}: {len(items)} turns; TTFT ms routed / re-prefill / hit")
-        print("\n".join(per_task(items)))
-        for n, item in enumerate(items[: args.first]):
-            print(f"  turn {n} ({item['history_tokens']:,} tokens): {_p50([item])}")
-        print("\n".join(drift(items, args.blocks)))
-        found = timing(items)
-        same = found.get("ttft.same_work_ratio")
-        print(
-            f"  speedup (median paired) {found['ttft_speedup']:.2f}×; same work (re-prefill / routed where both "
-            + (f"re-prefilled) {same:.2f}× on {found['ttft.same_work_items']:.0f} turns" if same else "re-prefilled) —")
-        )
-        estimates = [ESTIMATE.search((item.get("handoff") or {}).get("reason", "")) for item in items]
-        chosen = {"map": [], "re-prefill": []}
-        for match, item in zip(estimates, items, strict=True):
-            if match:  # "auto: A ≈ x ms ≤|< B ≈ y ms": x is the chosen path's estimate, y the other's
-                prefill_first = item["handoff"]["path"] == "reprefill"
-                chosen["re-prefill"].append(float(match[1] if prefill_first else match[2]))
-                chosen["map"].append(float(match[2] if prefill_first else match[1]))
-        if chosen["map"]:
-            print(
-                "  auto estimates: " + "; ".join(f"{path} {min(v):,.0f}–{max(v):,.0f} ms" for path, v in chosen.items())
-            )
-        seconds = (record["end_time"] - record["start_time"]) / 1e3
-        metrics = {m["key"]: m["value"] for m in record["metrics"]}
-        counted = sum(1 / metrics[f"throughput.{kind}_items_per_s"] for kind in ("routed", "reprefill"))
-        print(
-            f"  run wall time {seconds:.0f} s, {seconds / len(items):.2f} s per scored turn (loads, fit, replay "
-            f"included): {seconds / len(items) / counted:.2f}× the {counted:.2f} s that throughput.* counts"
-        )
+    try:
+        for run in args.runs:
+            report(run, args.blocks, args.first)
+    except RecordError as error:
+        sys.exit(f"ttft_drift: {error}")
+
+
+def report(run: Path, blocks: int, first: int) -> None:
+    """Print one run's lines (module docstring); a record without what they need is a RecordError naming it."""
+    items = read_items(run)
+    path = run / "record.json"
+    record = read_record(path)
+    params = record["params"]
+    n_boot, seed = int(require(params, "eval.tasks.n_boot", path)), int(require(params, "seed", path))
+    print(f"{run.name}: {len(items)} turns; TTFT ms routed / re-prefill / hit")
+    print("\n".join(per_task(items)))
+    for n, item in enumerate(items[:first]):
+        print(f"  turn {n} ({item['history_tokens']:,} tokens): {_p50([item])}")
+    print("\n".join(drift(items, blocks)))
+    found = timing(items, n_boot, seed)
+    same = found.get("ttft.same_work_ratio")
+    checked = f"{same:.2f}× on {found['ttft.same_work_items']:.0f} turns" if same else "—"
+    print(
+        f"  speedup (median paired) {require(found, 'ttft_speedup', run / ITEMS):.2f}× "
+        f"[{found['ttft_speedup_low']:.2f}, {found['ttft_speedup_high']:.2f}]; "
+        f"same work (baseline re-prefill / the same re-prefill in the routed session) {checked}"
+    )
+    estimates = [ESTIMATE.search((item.get("handoff") or {}).get("reason", "")) for item in items]
+    chosen = {"map": [], "re-prefill": []}
+    for match, item in zip(estimates, items, strict=True):
+        if match:  # "auto: A ≈ x ms ≤|< B ≈ y ms": x is the chosen path's estimate, y the other's
+            prefill_first = item["handoff"]["path"] == "reprefill"
+            chosen["re-prefill"].append(float(match[1] if prefill_first else match[2]))
+            chosen["map"].append(float(match[2] if prefill_first else match[1]))
+    if chosen["map"]:
+        print("  auto estimates: " + "; ".join(f"{path} {min(v):,.0f}–{max(v):,.0f} ms" for path, v in chosen.items()))
+    seconds = (require(record, "end_time", path) - require(record, "start_time", path)) / 1e3
+    metrics = {m["key"]: m["value"] for m in record["metrics"]}
+    counted = sum(1 / require(metrics, f"throughput.{kind}_items_per_s", path) for kind in ("routed", "reprefill"))
+    print(
+        f"  run wall time {seconds:.0f} s, {seconds / len(items):.2f} s per scored turn (loads, fit, replay "
+        f"included): {seconds / len(items) / counted:.2f}× the {counted:.2f} s that throughput.* counts"
+    )
 
 
 if __name__ == "__main__":

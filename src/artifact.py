@@ -13,9 +13,10 @@ On disk, one directory per artifact:
 A save writes and fsyncs a private staging directory, then — under the lock — renames it to its version, swaps
 the pointer and removes the other versions: the last writer wins, two writers never mix, and a save killed at
 any point leaves the previous artifact loadable. Loading resolves the pointer once, reads each file's bytes once,
-verifies the tensor bytes against the manifest's sha256 and deserializes those same bytes; then the schema, the
-source/target fingerprints, the tokenizer hash and every tensor's name, dtype and shape. Anything that differs is
-refused with a message that names it. A directory of the older flat layout (the two files only) still loads.
+verifies the manifest bytes against the version id (their sha256: a manifest edited in place is refused) and the
+tensor bytes against the manifest's sha256, and deserializes those same bytes; then the schema, the source/target
+fingerprints, the tokenizer hash and every tensor's name, dtype and shape. Anything that differs is refused with a
+message that names it. A directory of the older flat layout (the two files only) still loads.
 """
 
 from __future__ import annotations
@@ -166,6 +167,7 @@ def load_mapper(
     directory = Path(directory)
     manifest_path, manifest_bytes, tensor_bytes = _read(directory)
     tensor_path = manifest_path.parent / TENSOR_FILE
+    _verify_version(manifest_path, manifest_bytes)
     try:
         manifest = json.loads(manifest_bytes)
     except (json.JSONDecodeError, UnicodeDecodeError) as error:
@@ -235,6 +237,20 @@ def _read(directory: Path) -> tuple[Path, bytes, bytes]:
             if _manifest_path(directory) == manifest:  # no save replaced it meanwhile: it is really missing
                 raise ArtifactError(f"mapper artifact incomplete: {missing.filename} is missing") from None
     raise ArtifactError(f"{directory} was replaced {LOAD_ATTEMPTS} times while loading it (concurrent saves)")
+
+
+def _verify_version(manifest_path: Path, manifest_bytes: bytes) -> None:
+    """A version directory's name is the sha256 of its manifest's bytes: a manifest edited after the save (its
+    calibration length, a fingerprint) is refused, naming the directory and both digests. A manifest outside a
+    version directory (the flat layout, a copy that followed the links) has no id to check."""
+    version = manifest_path.parent
+    if version.parent.name != VERSIONS:
+        return
+    actual = hashlib.sha256(manifest_bytes).hexdigest()
+    if actual != version.name:
+        raise ArtifactError(
+            f"{version}: the manifest was changed after it was saved: its sha256 {actual} ≠ the version id {version.name}"
+        )
 
 
 def _holds(version: Path, manifest: bytes, tensors: bytes) -> bool:

@@ -4,9 +4,10 @@ A lever grid runs with `workload.split=valid` (src/tasks.py `subsample`: items n
 JSON records (tracking.backend=json); this reads them and prints the chosen run's lever overrides, which the
 reported run (`workload.split=test`, the default) then uses. The rule is fixed before any run (the gate's
 threshold, conf/gate/default.yaml): among the runs whose every task loses ≤ max_loss_points, the one that spends
-the least prefill; when none does, the one with the least mean loss (ties: less prefill). Reads no MLflow, so it
-runs on the GPU machine between the two stages. With `--data`, each run is re-scored on its items outside every
-reported test subsample (`tasks.reported`; records made before that split rule shared a few items with test runs).
+the least prefill; when none does, the one with the least mean loss (ties: less prefill). A run whose losses are not
+all finite (NaN) is never chosen. Reads no MLflow, so it runs on the GPU machine between the two stages. With
+`--data`, each run is re-scored on its items outside every reported test subsample (`tasks.reported`; records made
+before that split rule shared a few items with test runs).
 
     python -m src.choose RECORDS_DIR [--workload passage] [--direction qwen25coder_0.5b_to_1.5b] [--data shared/data]
 """
@@ -14,7 +15,6 @@ reported test subsample (`tasks.reported`; records made before that split rule s
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import sys
 from pathlib import Path
@@ -22,6 +22,7 @@ from pathlib import Path
 from src.gate import DEFAULTS, task_losses
 from src.routed import quality
 from src.tasks import load_task, reported
+from src.tracking import RecordError, metric_values, read_items, read_record, require
 
 LEVERS = "eval.levers."
 
@@ -30,16 +31,17 @@ def validation_runs(
     directory: Path, workload: str | None = None, direction: str | None = None, data: Path | None = None
 ) -> list[dict]:
     """FINISHED routed records on validation items under `directory`: {name, params, tags, metrics}; with `data`
-    (the task files) the quality metrics are recomputed on the run's items that no reported test run scores."""
+    (the task files) the quality metrics are recomputed on the run's items that no reported test run scores. A
+    truncated record, or one without a key this needs, is a RecordError naming the file and the key."""
     runs = []
     for path in sorted(Path(directory).glob("**/record.json")):
-        record = json.loads(path.read_text())
-        tags = record.get("tags", {})
+        record = read_record(path)
+        tags = record["tags"]
         if record.get("status") != "FINISHED" or tags.get("job") != "routed" or tags.get("split") != "valid":
             continue
         if workload not in (None, tags.get("workload")) or direction not in (None, tags.get("direction")):
             continue
-        metrics = {m["key"]: m["value"] for m in record["metrics"] if m["step"] is None}
+        metrics = metric_values(record, path)
         if data is not None:
             metrics |= held_out_quality(path.parent, record["params"], data)
         runs.append({"name": record["name"], "params": record["params"], "tags": tags, "metrics": metrics})
@@ -48,8 +50,11 @@ def validation_runs(
 
 def held_out_quality(run: Path, params: dict, data: Path) -> dict[str, float]:
     """The routed quality metrics of a run re-scored without the items a reported test run scores."""
-    items = json.loads((run / "artifacts/routed/items.json").read_text())["items"]
-    limit = None if params["workload.limit"] in (None, "None") else int(params["workload.limit"])
+    items = read_items(run)
+    where = run / "record.json"
+    limit = require(params, "workload.limit", where)
+    limit = None if limit in (None, "None") else int(limit)
+    n_boot, seed = int(require(params, "eval.tasks.n_boot", where)), int(require(params, "seed", where))
     counts = {task: len(load_task(task, data)) for task in {item["task"] for item in items}}
     kept = [item for item in items if item["index"] not in reported(counts[item["task"]], limit, item["task"])]
     if len(kept) < len(items):
@@ -57,22 +62,34 @@ def held_out_quality(run: Path, params: dict, data: Path) -> dict[str, float]:
             f"{run.name}: {len(items) - len(kept)} of {len(items)} items are reported test items: dropped",
             file=sys.stderr,
         )
-    return quality(kept, int(params["eval.tasks.n_boot"]), int(params["seed"]))
+    return quality(kept, n_boot, seed)
+
+
+def _finite_losses(run: dict) -> bool:
+    """Every task loss and the mean loss logged and finite: a NaN never looks like the least loss or the least
+    prefill (comparisons with NaN are all false, so `min` would keep whichever came first)."""
+    losses = [loss for loss, _, _ in task_losses(run["metrics"]).values()]
+    mean = run["metrics"].get("task.mean.loss_points", math.nan)
+    return bool(losses) and all(math.isfinite(value) for value in [*losses, mean])
 
 
 def choose(runs: list[dict], max_loss: float | None = None) -> dict:
-    """The run the rule picks (module docstring)."""
+    """The run the rule picks (module docstring), among the runs whose losses are all finite; a prefill fraction
+    that is not finite counts as spending everything."""
     if not runs:
         raise ValueError("no finished routed runs on validation items (workload.split=valid) to choose from")
     max_loss = DEFAULTS.max_loss_points if max_loss is None else max_loss
+    scored = [run for run in runs if _finite_losses(run)]
+    if not scored:
+        names = ", ".join(run["name"] for run in runs)
+        raise ValueError(f"no validation run has finite losses on every task and the mean ({names}): none to choose")
     spent = lambda run: run["metrics"].get("prefill_fraction", math.inf)
-    mean = lambda run: run["metrics"].get("task.mean.loss_points", math.inf)
-    within = [
-        r
-        for r in runs
-        if task_losses(r["metrics"]) and all(v[0] <= max_loss for v in task_losses(r["metrics"]).values())
-    ]
-    return min(within, key=lambda r: (spent(r), mean(r))) if within else min(runs, key=lambda r: (mean(r), spent(r)))
+    spent_or_all = lambda run: spent(run) if math.isfinite(spent(run)) else math.inf
+    mean = lambda run: run["metrics"]["task.mean.loss_points"]
+    within = [r for r in scored if all(loss <= max_loss for loss, _, _ in task_losses(r["metrics"]).values())]
+    if within:
+        return min(within, key=lambda r: (spent_or_all(r), mean(r)))
+    return min(scored, key=lambda r: (mean(r), spent_or_all(r)))
 
 
 def overrides(run: dict) -> list[str]:
@@ -88,9 +105,11 @@ def main() -> None:
     parser.add_argument("--max-loss", type=float)
     parser.add_argument("--data", type=Path, help="task files: re-score each run without reported test items")
     args = parser.parse_args()
-    runs = validation_runs(args.directory, args.workload, args.direction, args.data)
     try:
+        runs = validation_runs(args.directory, args.workload, args.direction, args.data)
         chosen = choose(runs, args.max_loss)
+    except RecordError as error:
+        sys.exit(f"choose: {error}")
     except ValueError as error:
         sys.exit(f"choose: {error} under {args.directory}")
     for run in runs:

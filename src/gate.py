@@ -1,27 +1,34 @@
 """Promotion gate: judge ONE routed-workload run (src/routed.py) per workload and direction, everything measured in
-that run on that workload:
-  routed    the run is a routed workload run (tags job=routed, workload) on the test items (a run on the validation
-            items, `workload.split=valid`, made a choice: it is never judged)
-  latency   ttft_speedup = end-to-end TTFT of the run's own handoffs, re-prefill / routed (median of paired ratios) ≥ 2
-  quality   every task's loss against the all-re-prefill session (the native target) ≤ 1 absolute point, printed with
-            its paired 95% CI; UNDERPOWERED (not a pass) when a CI's half-width exceeds 2 points — more items are
-            needed before PASS can be claimed, and where the loss still passes it says how many (the items that bring the
-            half-width to the bound at the run's own per-item spread, `task.<task>.loss_points_sd`); real pretrained
-            weights only (random weights carry no quality evidence)
-  harness   where the routed session re-prefilled (policy auto, a refusal), it did the baseline's own work: the
-            median of re-prefill / routed TTFT over those handoffs must lie within [1/skew, skew]
-            (ttft.same_work_ratio), else the clock, not the transfer, made the speedup; printed as not checkable
-            when every handoff mapped
-  prefill   the prefill fraction the handoffs actually spent, printed (a run that re-prefills everything cannot
-            show the speedup)
+that run on that workload, as one-sided tests a statistician would sign (thresholds: conf/gate/default.yaml only):
+  routed    the run is a routed workload run (tags job=routed, workload) on the test items (tag split=test). A run on
+            the validation items (`workload.split=valid`) made a choice: FAIL, never judged as reported. A run without
+            a `split` tag is MISSING: nothing says which items it scored, so it is never read as test items
+  latency   ttft_speedup = end-to-end TTFT of the run's own handoffs, re-prefill / routed, median of the paired ratios,
+            with its seeded bootstrap 95% CI (`ttft_speedup_low` / `_high`, src/routed.py `speedup_ci`): PASS when the
+            CI's lower bound ≥ min_speedup (2×), FAIL when its upper bound is below, UNDERPOWERED between. FAIL too
+            when the handoffs spent more than max_prefill_fraction of the receiver's prefill (a run that re-prefills or
+            recomputes most of the history is not a transfer, whatever its clock says). MISSING without a logged CI
+            ("no CI logged"), with a non-finite or inverted one, or without a finite prefill fraction
+  harness   the routed session re-prefilled a sample of handoffs itself (every `workload.same_work_every`-th item,
+            src/routed_runs.py `_same_work`; and wherever its policy re-prefilled): the baseline's own work on the same
+            clock. The median of re-prefill / that same work (ttft.same_work_ratio) must lie within [1/skew, skew],
+            else the clock, not the transfer, made the speedup; MISSING when the run logged none
+  quality   per task, a non-inferiority test of native − routed accuracy (points, all-re-prefill session = native)
+            against the margin max_loss_points (1 point), on its paired 95% CI: PASS when the CI's upper bound ≤ the
+            margin, FAIL when its lower bound > the margin, UNDERPOWERED otherwise — printed with the items that would
+            decide it if the observed loss held (`items_to_decide`, at the run's per-item spread
+            `task.<task>.loss_points_sd`); a task without a finite, ordered CI is MISSING. Every task must PASS; real
+            pretrained weights only (random weights carry no quality evidence)
+  prefill   the prefill fraction the handoffs actually spent ≤ max_prefill_fraction; MISSING when not finite
   rollback  rollback_verified = 1: every refusal kind replayed on the workload's items fell back to a bit-identical
             re-prefill
-A criterion with no logged measurement is MISSING and fails: nothing passes by default. The run judged is the one
-given (--run), else the latest finished routed run on test items of each (workload, direction, history length,
-policy) — never the best of several; runs on validation items are never judged. The history length is the longest
-TTFT bucket the run logged (`ttft.routed.le_<N>_ms_p50`): a run on longer histories is another operating point and
-never shadows the verdict on shorter ones; so is a session policy other than `map` (tag `policy`, e.g. `auto`). The
-exit status is non-zero unless every judged run passes.
+A criterion with no logged measurement, or a non-finite one (NaN, ±inf), is MISSING and fails: nothing passes by
+default. A record that predates a metric the gate reads gets it from its per-item scores (`backfill`). The run judged
+is the one given (--run), else the latest finished routed run on test items of each (workload, direction, history
+length, policy) — never the best of several; runs on validation items, or without a split tag, are never judged
+where a test run exists. The history length is the longest TTFT bucket the run logged (`ttft.routed.le_<N>_ms_p50`):
+a run on longer histories is another operating point and never shadows the verdict on shorter ones; so is a session
+policy other than `map` (tag `policy`, e.g. `auto`). The exit status is non-zero unless every judged run passes.
 
     python -m src.gate --experiment routed [--run RUN_ID] [--parent RUN_ID] [--uri sqlite:///mlruns/mlflow.db]
 """
@@ -32,6 +39,7 @@ import argparse
 import math
 import os
 import sys
+import tempfile
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
@@ -56,6 +64,41 @@ class Verdict:
         return self.status in ("PASS", "REPORTED")
 
 
+@dataclass(frozen=True)
+class Thresholds:
+    """The gate's thresholds (defaults: conf/gate/default.yaml); one that cannot hold is a ValueError naming it."""
+
+    min_speedup: float
+    max_loss_points: float
+    max_harness_skew: float
+    max_prefill_fraction: float
+
+    def __post_init__(self) -> None:
+        bounds = {
+            "min_speedup": (1.0, math.inf, "a speedup below 1× would pass a routed path slower than re-prefill"),
+            "max_loss_points": (0.0, 100.0, "a margin in accuracy points"),
+            "max_harness_skew": (1.0, math.inf, "a ratio band [1/skew, skew]"),
+            "max_prefill_fraction": (0.0, 1.0, "a share of the receiver's prefill"),
+        }
+        for key, (low, high, meaning) in bounds.items():
+            value = getattr(self, key)
+            if not isinstance(value, int | float) or not (math.isfinite(value) and low <= value <= high):
+                raise ValueError(f"gate {key} must be finite and in [{low:g}, {high:g}] ({meaning}), not {value!r}")
+
+
+def thresholds(**overrides: float | None) -> Thresholds:
+    """The gate's thresholds: conf/gate/default.yaml, each overridden where a value (not None) is given."""
+    return Thresholds(
+        **{key: DEFAULTS[key] if overrides.get(key) is None else overrides[key] for key in Thresholds.__annotations__}
+    )
+
+
+def _finite(*values: float | None) -> bool:
+    """Every value logged and finite. MLflow stores ±inf as ±DBL_MAX, so a magnitude that reaches it is not finite
+    either: a run that logged +inf never reads back as a measurement."""
+    return all(value is not None and math.isfinite(value) and abs(value) < sys.float_info.max for value in values)
+
+
 def task_losses(metrics: dict[str, float]) -> dict[str, tuple[float, float | None, float | None]]:
     """task → (loss points, CI low, CI high) for every `task.<name>.loss_points` but the task mean."""
     return {
@@ -74,93 +117,126 @@ def items_for(sd_points: float, half_width: float) -> int:
     return math.ceil((1.96 * sd_points / half_width) ** 2)
 
 
-def _quality(metrics: dict[str, float], tags: dict[str, str], max_loss: float, max_half_width: float) -> Verdict:
-    criterion, threshold = "quality: loss vs all-re-prefill", f"≤ {max_loss} pt every task, CI ± ≤ {max_half_width}"
+def items_to_decide(loss: float, sd_points: float, margin: float) -> int | None:
+    """Items at which the non-inferiority test would decide, if the observed mean loss held: the paired 95 % CI is
+    loss ± 1.96·sd/√n, so its upper bound clears the margin (PASS) once the half-width is below margin − loss, and
+    its lower bound exceeds it (FAIL) once the half-width is below loss − margin: n = ⌈(1.96·sd / |margin − loss|)²⌉.
+    None when no number of items decides it (the loss sits on the margin) or the spread is unknown (NaN)."""
+    if not _finite(loss, sd_points) or abs(margin - loss) <= EPSILON:
+        return None
+    return items_for(sd_points, abs(margin - loss))
+
+
+def _task_status(loss: float, low: float | None, high: float | None, margin: float) -> str:
+    """One task's non-inferiority verdict: PASS when the CI's upper bound is within the margin, FAIL when its lower
+    bound is beyond it, UNDERPOWERED between; MISSING without a finite, ordered CI around a finite loss."""
+    if not _finite(loss, low, high) or low > high:
+        return "MISSING"
+    return "PASS" if high <= margin + EPSILON else "FAIL" if low > margin + EPSILON else "UNDERPOWERED"
+
+
+def _quality(metrics: dict[str, float], tags: dict[str, str], margin: float) -> Verdict:
+    criterion, threshold = "quality: loss vs all-re-prefill", f"95% CI of every task's loss ≤ {margin:g} pt"
     losses = task_losses(metrics)
     if tags.get("weights") != "real":
         return Verdict(criterion, "random weights: no quality evidence", threshold, "MISSING")
     if not losses:
         return Verdict(criterion, "no task measured", threshold, "MISSING")
-    lines, failed, missing, wide = [], False, False, False
+    lines, found = [], set()
     for task, (loss, low, high) in sorted(losses.items()):
+        status = _task_status(loss, low, high, margin)
+        found.add(status)
         if low is None or high is None:
-            missing = True
             lines.append(f"{task} {loss:+.2f} (no CI)")
             continue
-        finite = all(math.isfinite(x) for x in (loss, low, high))
-        failed |= not finite or loss > max_loss + EPSILON
-        too_wide = finite and (high - low) / 2 > max_half_width
-        wide |= too_wide
-        sd = metrics.get(f"{TASK_PREFIX}{task}{TASK_SUFFIX}_sd")
-        undecided = too_wide and math.isfinite(sd or math.nan) and loss <= max_loss + EPSILON  # more items may PASS
-        needs = f" (≈ {items_for(sd, max_half_width)} items for ±{max_half_width:g})" if undecided else ""
-        lines.append(f"{task} {loss:+.2f} [{low:+.2f}, {high:+.2f}]{needs}")
+        line = f"{task} {loss:+.2f} [{low:+.2f}, {high:+.2f}]"
+        if status == "MISSING":
+            line += " (not a finite, ordered CI)"
+        elif status == "UNDERPOWERED":
+            sd = metrics.get(f"{TASK_PREFIX}{task}{TASK_SUFFIX}_sd", math.nan)
+            needs = items_to_decide(loss, sd, margin)
+            if needs is not None:
+                line += f" (≈ {needs} items would show {'PASS' if loss < margin else 'FAIL'} at this loss)"
+            elif _finite(sd):
+                line += " (on the margin: no item count decides it at this loss)"
+        lines.append(line)
     mean = [metrics.get(f"task.mean.loss_points{end}") for end in ("", "_low", "_high")]
-    if None not in mean:
+    if _finite(*mean):
         lines.append("mean {:+.2f} [{:+.2f}, {:+.2f}]".format(*mean))
-    status = "FAIL" if failed else "MISSING" if missing else "UNDERPOWERED" if wide else "PASS"
+    status = next(s for s in ("FAIL", "MISSING", "UNDERPOWERED", "PASS") if s in found)
     return Verdict(criterion, "; ".join(lines), threshold, status)
 
 
+def _latency(metrics: dict[str, float], min_speedup: float, max_prefill: float) -> Verdict:
+    """PASS when the bootstrap CI's lower bound of the median paired speedup is ≥ min_speedup and the handoffs spent
+    at most max_prefill of the receiver's prefill; FAIL when the CI lies below min_speedup or the prefill spent is
+    over the bound; UNDERPOWERED between; MISSING without a finite, ordered CI or a finite prefill fraction."""
+    criterion, threshold = (
+        "latency: end-to-end TTFT speedup",
+        f"95% CI low ≥ {min_speedup:g}×, prefill ≤ {max_prefill:g}",
+    )
+    speedup, low, high = (metrics.get(key) for key in ("ttft_speedup", "ttft_speedup_low", "ttft_speedup_high"))
+    fraction = metrics.get("prefill_fraction")
+    if speedup is None:
+        return Verdict(criterion, "—", threshold, "MISSING")
+    if low is None or high is None:
+        return Verdict(criterion, f"{speedup:.2f}× (no CI logged)", threshold, "MISSING")
+    measured = f"{speedup:.2f}× [{low:.2f}, {high:.2f}] (p50 {metrics.get('ttft.routed_ms_p50', math.nan):.1f} ms)"
+    if not _finite(speedup, low, high) or not 0 < low <= high:
+        return Verdict(criterion, measured + ": not a finite, ordered CI", threshold, "MISSING")
+    if not _finite(fraction):
+        return Verdict(criterion, measured + f", prefill fraction {fraction}: not measured", threshold, "MISSING")
+    if fraction > max_prefill:
+        return Verdict(
+            criterion, measured + f", but {fraction:.2f} of the prefill spent: not a transfer", threshold, "FAIL"
+        )
+    status = "PASS" if low >= min_speedup else "FAIL" if high < min_speedup else "UNDERPOWERED"
+    return Verdict(criterion, measured, threshold, status)
+
+
 def _harness(metrics: dict[str, float], skew: float) -> Verdict:
-    if not skew >= 1:  # [1/skew, skew] would be empty (or nan): every run would fail for a typo
-        raise ValueError(f"gate max_harness_skew must be ≥ 1 (a ratio band [1/skew, skew]), not {skew}")
     criterion, threshold = "latency harness: same work alike", f"re-prefill / routed within [{1 / skew:.2f}, {skew}]×"
     ratio = metrics.get("ttft.same_work_ratio")
     if ratio is None:
-        return Verdict(criterion, "not checkable: no re-prefilled handoff in this run", threshold, "REPORTED")
+        return Verdict(criterion, "no same-work re-prefill timed in the routed session", threshold, "MISSING")
     items = metrics.get("ttft.same_work_items", math.nan)
-    status = "PASS" if 1 / skew <= ratio <= skew else "FAIL"  # nan fails
+    status = "MISSING" if not _finite(ratio) else "PASS" if 1 / skew <= ratio <= skew else "FAIL"
     return Verdict(criterion, f"{ratio:.2f}× on {items:.0f} re-prefilled handoffs", threshold, status)
 
 
-def judge_run(
-    metrics: dict[str, float],
-    tags: dict[str, str],
-    min_speedup: float | None = None,
-    max_loss: float | None = None,
-    max_half_width: float | None = None,
-    max_skew: float | None = None,
-) -> list[Verdict]:
-    """The criteria for one run's metrics and tags (thresholds default to conf/gate/default.yaml)."""
-    min_speedup = DEFAULTS.min_speedup if min_speedup is None else min_speedup
-    max_loss = DEFAULTS.max_loss_points if max_loss is None else max_loss
-    max_half_width = DEFAULTS.max_ci_half_width if max_half_width is None else max_half_width
-    routed = tags.get("job") == "routed" and bool(tags.get("workload"))
-    split = tags.get("split", "test")  # runs before the item splits scored test items
-    verdicts = [
-        Verdict(
-            "routed workload run",
-            f"job={tags.get('job')}, workload={tags.get('workload')}, split={split}",
-            "job=routed, split=test",
-            "PASS" if routed and split == "test" else "FAIL" if routed else "MISSING",  # valid items choose, never gate
-        )
-    ]
-    speedup = metrics.get("ttft_speedup")
-    status = "MISSING" if speedup is None else "PASS" if speedup >= min_speedup else "FAIL"  # nan fails
-    measured = "—" if speedup is None else f"{speedup:.2f}× (p50 {metrics.get('ttft.routed_ms_p50', math.nan):.1f} ms)"
-    verdicts.append(Verdict("latency: end-to-end TTFT speedup", measured, f"≥ {min_speedup}×", status))
-    verdicts.append(_harness(metrics, DEFAULTS.max_harness_skew if max_skew is None else max_skew))
-    verdicts.append(_quality(metrics, tags, max_loss, max_half_width))
+def _prefill(metrics: dict[str, float], max_prefill: float) -> Verdict:
     fraction = metrics.get("prefill_fraction")
-    verdicts.append(
-        Verdict(
-            "prefill fraction spent",
-            "—" if fraction is None else f"{fraction:.3f}",
-            "printed",
-            "MISSING" if fraction is None else "REPORTED",
-        )
-    )
+    status = "MISSING" if not _finite(fraction) else "PASS" if fraction <= max_prefill else "FAIL"
+    measured = "—" if fraction is None else f"{fraction:.3f}"
+    return Verdict("prefill fraction spent", measured, f"≤ {max_prefill:g}", status)
+
+
+def _routed(tags: dict[str, str]) -> Verdict:
+    """A routed workload run on the test items; one without a `split` tag is refused, never read as test items."""
+    routed = tags.get("job") == "routed" and bool(tags.get("workload"))
+    split = tags.get("split")
+    measured = f"job={tags.get('job')}, workload={tags.get('workload')}, split={split or '— (no split tag)'}"
+    status = "MISSING" if not routed or split is None else "PASS" if split == "test" else "FAIL"
+    return Verdict("routed workload run", measured, "job=routed, split=test", status)  # valid items choose, never gate
+
+
+def judge_run(metrics: dict[str, float], tags: dict[str, str], limits: Thresholds | None = None) -> list[Verdict]:
+    """The criteria for one run's metrics and tags (thresholds default to conf/gate/default.yaml)."""
+    limits = thresholds() if limits is None else limits
     rollback = metrics.get("rollback_verified")
-    verdicts.append(
+    return [
+        _routed(tags),
+        _latency(metrics, limits.min_speedup, limits.max_prefill_fraction),
+        _harness(metrics, limits.max_harness_skew),
+        _quality(metrics, tags, limits.max_loss_points),
+        _prefill(metrics, limits.max_prefill_fraction),
         Verdict(
             "rollback on this workload",
             "—" if rollback is None else ("verified" if rollback == 1.0 else "broken"),
             "verified",
             "MISSING" if rollback is None else ("PASS" if rollback == 1.0 else "FAIL"),
-        )
-    )
-    return verdicts
+        ),
+    ]
 
 
 def history_regime(metrics: dict[str, float]) -> str:
@@ -174,26 +250,34 @@ def history_regime(metrics: dict[str, float]) -> str:
     return f"{'>' if longest.startswith('gt_') else '≤'} {int(longest[3:])} tokens"
 
 
-def backfill(metrics: dict[str, float], items: list[dict]) -> dict[str, float]:
-    """A record that predates `ttft.same_work_ratio` and `task.<task>.loss_points_sd` gets them from its per-item
-    scores (routed/items.json; src/routed.py `same_work`, `loss_spread`); logged metrics win."""
-    from src.routed import loss_spread, same_work
+def backfill(metrics: dict[str, float], items: list[dict], params: dict[str, str]) -> dict[str, float]:
+    """A record that predates `ttft.same_work_ratio`, `task.<task>.loss_points_sd` or the speedup's CI
+    (`ttft_speedup_low` / `_high`) gets them from its per-item scores (routed/items.json; src/routed.py `same_work`,
+    `loss_spread`, `speedup_ci`, the CI resampled as the run's own: `eval.tasks.n_boot`, `seed`); logged metrics win."""
+    from src.routed import loss_spread, same_work, speedup_ci
 
-    return loss_spread(items) | same_work(items) | metrics
+    n_boot, seed = params.get("eval.tasks.n_boot"), params.get("seed")
+    latency = speedup_ci(items, int(n_boot), int(seed)) if n_boot is not None and seed is not None else {}
+    return loss_spread(items) | same_work(items) | latency | metrics
 
 
 def _backfilled(run) -> dict[str, float]:
-    """The run's metrics, backfilled from its items artifact when it has one."""
-    from mlflow.artifacts import load_dict
+    """The run's metrics, backfilled from its items artifact when it has one (a damaged one is a RecordError)."""
+    from mlflow.artifacts import download_artifacts
     from mlflow.exceptions import MlflowException
 
+    from src.tracking import items_of, read_json
+
     metrics = dict(run.data.metrics)
+    where = f"{run.info.artifact_uri}/routed/items.json"
     os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")  # one small file, no bar in the verdict
-    try:
-        items = load_dict(f"{run.info.artifact_uri}/routed/items.json")["items"]
-    except (MlflowException, OSError, KeyError):
-        return metrics
-    return backfill(metrics, items)
+    with tempfile.TemporaryDirectory() as folder:
+        try:
+            local = download_artifacts(artifact_uri=where, dst_path=folder)
+        except (MlflowException, OSError):  # no items artifact: nothing to backfill from
+            return metrics
+        items = items_of(read_json(Path(local), where), where)
+    return backfill(metrics, items, run.data.params)
 
 
 def check(
@@ -202,13 +286,20 @@ def check(
     parent: str | None = None,
     min_speedup: float | None = None,
     max_loss: float | None = None,
-    max_half_width: float | None = None,
     run: str | None = None,
     max_skew: float | None = None,
+    max_prefill_fraction: float | None = None,
 ) -> int:
-    """Print the verdict of each judged run; 0 when every one passes, else 1."""
+    """Print the verdict of each judged run; 0 when every one passes, else 1. Thresholds default to
+    conf/gate/default.yaml; one that cannot hold is a ValueError naming it, before any run is read."""
     import mlflow
 
+    limits = thresholds(
+        min_speedup=min_speedup,
+        max_loss_points=max_loss,
+        max_harness_skew=max_skew,
+        max_prefill_fraction=max_prefill_fraction,
+    )
     mlflow.set_tracking_uri(uri)
     if mlflow.get_experiment_by_name(experiment) is None:
         print(f"gate: FAIL — no MLflow experiment {experiment!r} at {uri}")
@@ -225,7 +316,8 @@ def check(
         where = f" under {parent}" if parent else ""
         print(f"gate: FAIL — no finished routed run{f' {run}' if run else 's'} in {experiment!r}{where}")
         return 1
-    on_test = lambda run: run.data.tags.get("split", "test") == "test"
+    split = lambda run: run.data.tags.get("split")  # no tag: refused (judge_run), never read as test items
+    on_test = lambda run: split(run) == "test"
     workload = lambda run: (run.data.tags.get("workload", "unknown"), run.data.tags.get("direction", "unknown"))
     tested = {workload(run) for run in runs if on_test(run)}
     groups: dict[tuple[str, str, str], list] = {}
@@ -235,18 +327,21 @@ def check(
             policy = candidate.data.tags.get("policy", "map")  # a session that chooses per handoff: its own point
             regime += "" if policy == "map" else f", policy {policy}"
             groups.setdefault((*workload(candidate), regime), []).append(candidate)
-    validation = Counter(workload(run) for run in runs if not on_test(run))
+    validation = Counter(workload(run) for run in runs if split(run) == "valid")
+    untagged = Counter(workload(run) for run in runs if split(run) is None)
     failed = False
     for (name, direction, regime), candidates in sorted(groups.items()):
         judged = candidates[0]  # the latest; a later run on validation items never shadows the reported one
-        verdicts = judge_run(_backfilled(judged), judged.data.tags, min_speedup, max_loss, max_half_width, max_skew)
+        verdicts = judge_run(_backfilled(judged), judged.data.tags, limits)
         passed = all(v.passed for v in verdicts)
         failed |= not passed
+        refused = untagged[(name, direction)]
         print(
             f"\n{name} · {direction} · histories {regime}: {'PASS' if passed else 'FAIL'} — run "
             f"{judged.info.run_name} ({judged.info.run_id[:8]}, weights={judged.data.tags.get('weights')}; latest of "
             f"{sum(on_test(c) for c in candidates)} on test items, not the best; "
-            f"{validation[(name, direction)]} on validation items not judged)"
+            f"{validation[(name, direction)]} on validation items not judged"
+            + (f"; {refused} without a split tag refused)" if refused else ")")
         )
         for v in verdicts:
             print(f"  {v.status:<12} {v.criterion:<34} measured {v.measured}  (threshold {v.threshold})")
@@ -261,10 +356,10 @@ def main() -> None:
     parser.add_argument("--run", default=DEFAULTS.run, help="judge this run only")
     parser.add_argument("--parent", default=DEFAULTS.parent, help="judge only the children of this (multirun) run")
     parser.add_argument("--uri", default=tracking.uri)
-    parser.add_argument("--min-speedup", type=float, default=DEFAULTS.min_speedup)
-    parser.add_argument("--max-loss-points", type=float, default=DEFAULTS.max_loss_points)
-    parser.add_argument("--max-ci-half-width", type=float, default=DEFAULTS.max_ci_half_width)
-    parser.add_argument("--max-harness-skew", type=float, default=DEFAULTS.max_harness_skew)
+    parser.add_argument("--min-speedup", type=float, help="default: conf/gate/default.yaml")
+    parser.add_argument("--max-loss-points", type=float, help="the non-inferiority margin; default: the YAML's")
+    parser.add_argument("--max-harness-skew", type=float, help="default: conf/gate/default.yaml")
+    parser.add_argument("--max-prefill-fraction", type=float, help="default: conf/gate/default.yaml")
     args = parser.parse_args()
     try:
         status = check(
@@ -273,11 +368,11 @@ def main() -> None:
             args.parent,
             args.min_speedup,
             args.max_loss_points,
-            args.max_ci_half_width,
             args.run,
             args.max_harness_skew,
+            args.max_prefill_fraction,
         )
-    except ValueError as error:  # a threshold that cannot hold
+    except ValueError as error:  # a threshold that cannot hold, a damaged items artifact
         parser.error(str(error))
     sys.exit(status)
 

@@ -4,9 +4,11 @@ Top to bottom: the pair → the mapper of each direction the workload needs (the
 pipeline.calibration / build_mapper), bound once (session.bind) → the workload's items (src/workloads.py) → for each,
 the routed session (workload.policy) beside the all-re-prefill session (the native target) and the source alone, on
 the same token ids → per task accuracy and loss in points with paired bootstrap CIs (and on the task mean), NLL of the
-reference answers, TTFT p50/p95 per path (map + new turn + first token; re-prefill of the whole conversation;
-same-model prefix hit), prefill fraction spent, handoff frequency, refusals by context length and direction, GPU
-memory, throughput, rollback replayed on the workload's own items → tracking (metrics, per-item JSON, plots).
+reference answers, TTFT p50/p95 per path (map + new turn + first token; re-prefill of what the receiver has not seen;
+same-model prefix hit), the median paired speedup with its seeded bootstrap CI, the same-work harness check (a sample
+of handoffs re-prefilled inside the routed session), prefill fraction spent, handoff frequency, refusals by context
+length and direction, GPU memory, throughput, rollback replayed on the workload's own items → tracking (metrics,
+per-item JSON, plots).
 Random weights: timing and plumbing only (tagged), never quality. The runners live in src/routed_runs.py.
 """
 
@@ -138,9 +140,10 @@ def paired_gain(first: list[dict], second: list[dict], n_boot: int, seed: int) -
     return _mean_difference_ci(pairs, n_boot, seed)
 
 
-def timing(items: list[dict]) -> dict[str, float]:
+def timing(items: list[dict], n_boot: int, seed: int) -> dict[str, float]:
     """TTFT p50/p95 per path, overall and by prefix length, and the end-to-end speedup of the run's own handoffs:
-    the median over handoffs of re-prefill TTFT / routed TTFT (paired), and the ratio of the p50s."""
+    the median over handoffs of re-prefill TTFT / routed TTFT (paired) with its bootstrap CI, and the ratio of the
+    p50s."""
     metrics: dict[str, float] = {}
     timed = [item for item in items if item["ttft"]]
     for path in ("routed", "reprefill", "hit"):
@@ -159,21 +162,58 @@ def timing(items: list[dict]) -> dict[str, float]:
         peaks = [item["gpu_peak_mb"][path] for item in timed if path in item.get("gpu_peak_mb", {})]
         if peaks and max(peaks) > 0:
             metrics[f"gpu_peak_mb.{path}"] = float(max(peaks))
-    paired = [i["ttft"]["reprefill"] / i["ttft"]["routed"] for i in timed if {"routed", "reprefill"} <= set(i["ttft"])]
-    if paired:
-        metrics["ttft_speedup"] = float(np.median(paired))
+    metrics |= speedup_ci(timed, n_boot, seed)
+    if "ttft_speedup" in metrics:
         metrics["ttft_speedup_of_p50"] = metrics["ttft.reprefill_ms_p50"] / metrics["ttft.routed_ms_p50"]
     return metrics | same_work(timed)
 
 
-def same_work(items: list[dict]) -> dict[str, float]:
-    """Median re-prefill / routed TTFT over the turns the routed session re-prefilled too (the baseline's own work,
-    timed seconds apart): ≈ 1 when the harness times the same work alike (src/gate.py checks it); {} when none."""
-    same = [
-        i["ttft"]["reprefill"] / i["ttft"]["routed"]
+def median_ci(values: list[float], n_boot: int, seed: int, level: float = 0.95) -> Interval:
+    """The median of `values` with a seeded percentile-bootstrap CI (resamples of the values with replacement).
+    No values, a non-finite one, or n_boot < 1 is a ValueError, never a NaN or silently wide interval."""
+    x = np.asarray(values, dtype=np.float64)
+    if x.ndim != 1 or x.size == 0:
+        raise ValueError(f"a median's CI needs values, got shape {x.shape}")
+    if not np.isfinite(x).all():
+        raise ValueError(f"a median's CI needs finite values: {int((~np.isfinite(x)).sum())} of {x.size} are not")
+    if n_boot < 1:
+        raise ValueError(f"a median's CI needs n_boot ≥ 1 resamples, got {n_boot}")
+    rng = np.random.default_rng(seed)
+    chunk = max(1, (1 << 22) // x.size)  # resamples per draw: memory bounded at [chunk, N]
+    boot = np.concatenate(
+        [np.median(x[rng.integers(0, x.size, (min(chunk, n_boot - at), x.size))], 1) for at in range(0, n_boot, chunk)]
+    )
+    low, high = np.quantile(boot, [(1 - level) / 2, (1 + level) / 2])
+    return Interval(float(np.median(x)), float(low), float(high))
+
+
+def speedup_ci(items: list[dict], n_boot: int, seed: int) -> dict[str, float]:
+    """`ttft_speedup` [`_low`, `_high`]: the median over handoffs of re-prefill / routed TTFT (paired, the same
+    handoff), with its seeded bootstrap 95 % CI over handoffs (what src/gate.py judges); {} without a paired handoff.
+    A ratio that is not finite (a TTFT of 0 or NaN) is logged as NaN, which the gate reads as MISSING."""
+    paired = [
+        i["ttft"]["reprefill"] / i["ttft"]["routed"] if i["ttft"]["routed"] > 0 else math.inf
         for i in items
-        if {"routed", "reprefill"} <= set(i["ttft"] or {}) and (i.get("handoff") or {}).get("path") == "reprefill"
+        if {"routed", "reprefill"} <= set(i["ttft"] or {})
     ]
+    if not paired:
+        return {}
+    if not all(math.isfinite(ratio) for ratio in paired):
+        return dict.fromkeys(("ttft_speedup", "ttft_speedup_low", "ttft_speedup_high"), math.nan)
+    found = median_ci(paired, n_boot, seed)
+    return {"ttft_speedup": found.estimate, "ttft_speedup_low": found.low, "ttft_speedup_high": found.high}
+
+
+def same_work(items: list[dict]) -> dict[str, float]:
+    """Median baseline re-prefill / the same re-prefill timed in the routed session: over the sampled items
+    (`ttft.same_work`, src/routed_runs.py `_same_work`) and the turns the routed session re-prefilled by policy —
+    ≈ 1 when the harness times the same work alike (src/gate.py checks it); {} when none."""
+    same = []
+    for i in items:
+        ttft, path = i["ttft"] or {}, (i.get("handoff") or {}).get("path")
+        inside = ttft.get("same_work", ttft.get("routed") if path == "reprefill" else None)
+        if inside is not None and "reprefill" in ttft:
+            same.append(ttft["reprefill"] / inside)
     return {"ttft.same_work_ratio": float(np.median(same)), "ttft.same_work_items": float(len(same))} if same else {}
 
 
@@ -237,7 +277,7 @@ def routed(cfg: DictConfig) -> float:
     bound, mappers = routes(cfg, pair, w.name in NEEDS_REVERSE)
     tokenizer = pair.tokenizer if pair.tokenizer is not None else Bytes(vocab_size(pair))
     policy = Policy(w.policy, Levers(**cfg.eval.levers), w.max_length_factor, w.guard_max_abs)
-    run = Run({"source": pair.source, "target": pair.target}, bound, policy, tokenizer, w.warmup)
+    run = Run({"source": pair.source, "target": pair.target}, bound, policy, tokenizer, w.warmup, w.same_work_every)
     method = mappers[("source", "target")].manifest.get("method", "mapper")
     run_name = f"{cfg.pair.name}:routed:{w.name}:{method}:{w.policy}" + (":valid" if w.split == "valid" else "")
     run_tags = tags(cfg, pair, "routed") | {"workload": w.name, "method": method, "policy": w.policy, "split": w.split}
@@ -259,7 +299,8 @@ def routed(cfg: DictConfig) -> float:
                 items, records = single_turn(run, chosen)
             turns = len(items)
             replays = [(run.encode(ex.history), run.groups(ex.item)[0][0]) for ex in chosen]
-        metrics = quality(items, cfg.eval.tasks.n_boot, cfg.seed) | timing(items) | handoffs(records, turns)
+        metrics = quality(items, cfg.eval.tasks.n_boot, cfg.seed) | timing(items, cfg.eval.tasks.n_boot, cfg.seed)
+        metrics |= handoffs(records, turns)
         transfer = bound[("source", "target")].transfer
         if cfg.eval.diagnose.fidelity and w.name != "multiturn" and transfer is not None:  # the histories mapped
             histories = [run.encode(ex.history) for ex in chosen[: cfg.eval.diagnose.prompts_per_task * len(w.tasks)]]

@@ -3,9 +3,13 @@ session (the native target: what a router does today) and the source alone, on t
 per-choice scores, TTFT per path and the handoff records. `rollback` replays every refusal kind on the workload's own
 items and checks the greedy outputs and caches against a session that never tried a transfer.
 
-TTFT, from "switch to the target" to its first token (argmax of the new turn's last logits), synchronized on CUDA:
-routed = map (or re-prefill, by policy) + new turn; reprefill = the target reads the whole conversation; hit = the
-target already holds its own history and reads the new turn.
+TTFT, from "switch to the target" to its first token (argmax of the new turn's last logits), synchronized on CUDA, every
+timed step under `torch.inference_mode` (`_timed`): routed = map (or re-prefill, by policy) + new turn; reprefill = the
+target reads what it has not seen of the conversation (its own earlier reads kept, as the routed receiver's are: the
+whole history in fewshot / passage, the chunks since its last turn in switches and multiturn); hit = the target
+already holds its own history and reads the new turn. On every `same_work_every`-th scored item (conversation, in
+multiturn) the routed session's handoff is also re-prefilled in a copy of that session, timed in the routed slot
+(`ttft.same_work`): the baseline's own work on the same clock, which src/gate.py's harness criterion compares.
 """
 
 from __future__ import annotations
@@ -13,7 +17,9 @@ from __future__ import annotations
 import copy
 import math
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
+from typing import TypeVar
 
 import torch
 from transformers import DynamicCache, PreTrainedModel
@@ -22,12 +28,13 @@ from src.artifact import Mapper
 from src.eval.accuracy import TaskScores, encode_pair
 from src.eval.scoring import score_continuations
 from src.runtime.routing import CostModel, Policy, Route, bind
-from src.runtime.session import Session
+from src.runtime.session import HandoffRecord, Session
 from src.tasks import METRICS, Item, choice_lengths
 from src.workloads import Chat, Example, chunks, conversations, shot_ids
 
 LENGTH_EDGES = (512, 2048, 8192, 32768)  # context-length buckets of refusals and TTFT (tokens)
 MODES = ("routed", "native_target", "native_source")
+T = TypeVar("T")
 
 
 def bucket(tokens: int, edges=LENGTH_EDGES) -> str:
@@ -48,20 +55,42 @@ def _peak_mb(model: PreTrainedModel) -> float:
     return torch.cuda.max_memory_allocated(device) / 2**20 if device.type == "cuda" else 0.0
 
 
+def _timed(model: PreTrainedModel, step: Callable[[], T]) -> tuple[T, float, float]:
+    """step() under torch.inference_mode, clocked from a device sync before it to its return (a step ends on a host
+    read of the first token: a device sync): (its result, ms, GPU peak MB). Every TTFT is taken here."""
+    began = _clock(model)
+    with torch.inference_mode():
+        result = step()
+    return result, (time.perf_counter() - began) * 1e3, _peak_mb(model)
+
+
 @dataclass
 class Run:
     """What every runner shares: the models ("source", "target"), their bound routes, the routed policy, the
-    tokenizer, untimed warm-up items, one cost model (every session's measurements), and throughput counters."""
+    tokenizer, untimed warm-up items, the same-work sampling rate (every k-th scored item), one cost model (every
+    session's measurements), and throughput counters."""
 
     models: dict[str, PreTrainedModel]
     routes: dict[tuple[str, str], Route]
     policy: Policy
     tokenizer: object
     warmup: int
+    same_work_every: int
     costs: CostModel = field(default_factory=CostModel)
     seconds: dict[str, float] = field(default_factory=lambda: {"routed": 0.0, "reprefill": 0.0})
     tokens: int = 0
     items: int = 0
+
+    def __post_init__(self) -> None:
+        if type(self.same_work_every) is not int or self.same_work_every < 1:  # bool is not a rate
+            raise ValueError(
+                f"workload.same_work_every must be an integer ≥ 1 (every k-th scored item re-prefills in the routed "
+                f"session: the gate's harness check), not {self.same_work_every!r}"
+            )
+
+    def sampled(self, n: int) -> bool:
+        """Whether scored item (conversation) n also times the same work in the routed session."""
+        return n % self.same_work_every == 0
 
     def session(self, kind: str) -> Session:
         """`routed`: the workload's policy; `reprefill`: a session that never tries a transfer."""
@@ -115,12 +144,30 @@ def _score(model: PreTrainedModel, cache: DynamicCache | None, drop: int, groups
 
 def _first_token(session: Session, receiver: str, turn: torch.Tensor):
     """Switch to the receiver with the new turn and take its first token: (record, TTFT ms, GPU peak MB)."""
-    model = session.readers[receiver].model
-    began = _clock(model)
-    record = session.switch_to(receiver, turn)
-    if session.logits is not None:  # no new turn (a confidence escalation): its token is read in scoring
-        int(session.logits.argmax())  # the first token (a device sync)
-    return record, (time.perf_counter() - began) * 1e3, _peak_mb(model)
+
+    def switch():
+        record = session.switch_to(receiver, turn)
+        if session.logits is not None:  # no new turn (a confidence escalation): its token is read in scoring
+            int(session.logits.argmax())  # the first token (a device sync)
+        return record
+
+    return _timed(session.readers[receiver].model, switch)
+
+
+def _same_work(session: Session, receiver: str, turn: torch.Tensor) -> tuple[float, float]:
+    """This handoff re-prefilled in a copy of the session — its caches, its conversation, policy `reprefill`, a cost
+    model of its own (the routed policy's costs stay untouched): the baseline's work, timed on the routed session's
+    clock and harness. Returns (TTFT ms, wall seconds of the whole check, copy included: not the routed session's
+    throughput). The session itself is left as it was."""
+    began = time.perf_counter()
+    twin = copy.copy(session)
+    twin.readers = {
+        name: replace(reader, cache=copy.deepcopy(reader.cache), segments=list(reader.segments))
+        for name, reader in session.readers.items()
+    }
+    twin.policy, twin.costs, twin.records = replace(session.policy, mode="reprefill"), CostModel(), []
+    _, ms, _ = _first_token(twin, receiver, turn)
+    return ms, time.perf_counter() - began
 
 
 def _row(item: Item, history: int, turn: int, groups, scores: dict, ttft: dict, peaks: dict, record) -> dict:
@@ -165,11 +212,10 @@ def _natives(run: Run, history: torch.Tensor, groups) -> tuple[dict, dict, dict]
     run.seconds["reprefill"] += time.perf_counter() - began
     cache = copy.deepcopy(native.cache("target"))
     cache.crop(-turn.numel())  # the target holds its own history: a same-model prefix hit
-    hit_began = _clock(target)
-    int(target(turn[None].to(target.device), past_key_values=cache, logits_to_keep=1).logits.argmax())
-    times = {"reprefill": ttft, "hit": (time.perf_counter() - hit_began) * 1e3}
+    hit = lambda: int(target(turn[None].to(target.device), past_key_values=cache, logits_to_keep=1).logits.argmax())
+    _, hit_ms, hit_peak = _timed(target, hit)
     scores["native_source"] = _score(run.models["source"], native.cache("source"), 0, groups)
-    return scores, times, {"reprefill": peak, "hit": _peak_mb(target)}
+    return scores, {"reprefill": ttft, "hit": hit_ms}, {"reprefill": peak, "hit": hit_peak}
 
 
 def single_turn(run: Run, examples: list[Example]) -> tuple[list[dict], list[dict]]:
@@ -181,6 +227,9 @@ def single_turn(run: Run, examples: list[Example]) -> tuple[list[dict], list[dic
         began = time.perf_counter()
         routed = run.session("routed")
         routed.append("source", history)
+        if n >= run.warmup and run.sampled(n - run.warmup):
+            ttft["same_work"], checked = _same_work(routed, "target", groups[0][0])
+            began += checked  # the check is not the routed session's throughput
         record, ttft["routed"], peaks["routed"] = _first_token(routed, "target", groups[0][0])
         scores["routed"] = _score(run.models["target"], routed.cache("target"), groups[0][0].numel(), groups)
         if n < run.warmup:  # untimed: kernels, allocator
@@ -194,25 +243,39 @@ def single_turn(run: Run, examples: list[Example]) -> tuple[list[dict], list[dic
     return rows, records
 
 
+def _alternate(session: Session, history: torch.Tensor, count: int) -> Session:
+    """The history cut into `count` chunks read by alternating models, the last by the source, so that the target
+    reads the question after `count` handoffs; returns the session."""
+    for i, chunk in enumerate(chunks(history, count)):
+        session.switch_to("target" if (count - i) % 2 == 0 else "source", chunk)
+    return session
+
+
 def switches(run: Run, examples: list[Example], counts) -> tuple[list[dict], list[dict], dict[int, list[dict]]]:
     """A→B→A…: the history cut into `s` chunks read by alternating models so that the target reads the question
-    after `s` handoffs. Rows per switch count (the last count's are the run's headline rows)."""
+    after `s` handoffs. The re-prefill baseline goes through the same switches in a session that never maps, so its
+    final handoff reads what the routed one covers: the tokens the target has not seen (the last chunk). Rows per
+    switch count (the last count's are the run's headline rows)."""
     per_count: dict[int, list[dict]] = {s: [] for s in counts}
     records = []
     for n, example in enumerate(examples[: run.warmup] + examples):
         history, groups = run.encode(example.history), run.groups(example.item)
         turn = groups[0][0]
-        natives, ttft, peaks = _natives(run, history, groups)
+        natives, whole, peaks = _natives(run, history, groups)
         for count in counts:
             if count > history.numel():
                 continue
-            routed = run.session("routed")
-            for i, chunk in enumerate(chunks(history, count)):
-                routed.switch_to("target" if (count - i) % 2 == 0 else "source", chunk)
+            ttft = {"hit": whole["hit"]}
+            _, ttft["reprefill"], peaks["reprefill"] = _first_token(
+                _alternate(run.session("reprefill"), history, count), "target", turn
+            )
+            routed = _alternate(run.session("routed"), history, count)
+            if n >= run.warmup and run.sampled(n - run.warmup):
+                ttft["same_work"], _ = _same_work(routed, "target", turn)
             record, ttft["routed"], peaks["routed"] = _first_token(routed, "target", turn)
             scores = natives | {"routed": _score(run.models["target"], routed.cache("target"), turn.numel(), groups)}
             if n >= run.warmup:
-                row = _row(example.item, history.numel(), turn.numel(), groups, scores, dict(ttft), dict(peaks), record)
+                row = _row(example.item, history.numel(), turn.numel(), groups, scores, ttft, dict(peaks), record)
                 per_count[count].append(row | {"switches": count})
                 records += [asdict(r) for r in routed.records]
         if n < run.warmup:
@@ -228,11 +291,23 @@ def _pick(scores: list[list[float]], item: Item) -> tuple[int, float]:
     return int(weights.argmax()), float(weights.softmax(0).max())
 
 
-def _converse(run: Run, session: Session, items: list[Item], escalation, escalate: bool) -> list[dict]:
+def _converse(run: Run, session: Session, items: list[Item], escalation, escalate: bool, sample: bool = False):
     """One conversation: per turn the answering model (the source, or the target when escalated: every
     `escalation.every`-th turn, or when the source's confidence in its pick is below `escalation.threshold`)
-    reads the user turn, its choices are scored, its pick joins the history as its answer."""
-    chat, turns = Chat(run.tokenizer), []
+    reads the user turn, its choices are scored, its pick joins the history as its answer. With `sample`, every
+    handoff is also re-prefilled in a copy of the session first (`_same_work`). Returns the turns and the wall seconds
+    those checks took (not the session's throughput)."""
+    chat, turns, checked = Chat(run.tokenizer), [], 0.0
+
+    def switch(reader: str, turn) -> tuple[HandoffRecord, float, float | None]:
+        nonlocal checked
+        same = None
+        if sample and session.active not in (None, reader):  # a handoff: the sender is another model
+            same, seconds = _same_work(session, reader, turn)
+            checked += seconds
+        record, ttft, _ = _first_token(session, reader, turn)
+        return record, ttft, same
+
     for i, item in enumerate(items):
         user = run.encode(chat.user(item.contexts[0]))
         answers = [chat.answer(c.removeprefix(" "), commit=False) for c in item.continuations]
@@ -240,20 +315,20 @@ def _converse(run: Run, session: Session, items: list[Item], escalation, escalat
         context = session.ids.numel()
         scheduled = escalate and escalation.policy == "schedule" and (i + 1) % escalation.every == 0
         reader = "target" if scheduled else "source"
-        record, ttft, _ = _first_token(session, reader, user)
+        record, ttft, same = switch(reader, user)
         scores = _score(session.readers[reader].model, session.cache(reader), 1, groups)
         pick, confidence = _pick(scores, item)
         if escalate and escalation.policy == "confidence" and confidence < escalation.threshold:
             reader = "target"
-            record, ttft, _ = _first_token(session, reader, [])
+            record, ttft, same = switch(reader, [])
             scores = _score(session.readers[reader].model, session.cache(reader), 1, groups)
             pick, _ = _pick(scores, item)
         text, tail = chat.answer(item.continuations[pick].removeprefix(" "))
         session.append(reader, torch.cat([run.encode(text), run.encode(tail)]))
         handoff = record.sender is not None and record.sender != record.receiver
         turns.append({"item": item, "reader": reader, "context": context, "turn": user.numel(), "groups": groups,
-                      "scores": scores, "ttft": ttft, "handoff": handoff, "record": record})  # fmt: skip
-    return turns
+                      "scores": scores, "ttft": ttft, "same_work": same, "handoff": handoff, "record": record})  # fmt: skip
+    return turns, checked
 
 
 def multiturn(
@@ -268,21 +343,24 @@ def multiturn(
         for kind in ("routed", "reprefill"):
             _converse(run, run.session(kind), items, escalation, True)
     run.warmed()
+    scored = 0  # conversations so far: every same_work_every-th is sampled
     for task in tasks:
         for n, items in enumerate(chained[task]):
             began = time.perf_counter()
             routed = run.session("routed")
-            mine = _converse(run, routed, items, escalation, True)
-            run.seconds["routed"] += time.perf_counter() - began
+            mine, checked = _converse(run, routed, items, escalation, True, run.sampled(scored))
+            run.seconds["routed"] += time.perf_counter() - began - checked
+            scored += 1
             began = time.perf_counter()
-            native = _converse(run, run.session("reprefill"), items, escalation, True)
+            native, _ = _converse(run, run.session("reprefill"), items, escalation, True)
             run.seconds["reprefill"] += time.perf_counter() - began
-            alone = _converse(run, run.session("reprefill"), items, escalation, False)
+            alone, _ = _converse(run, run.session("reprefill"), items, escalation, False)
             records += [asdict(r) for r in routed.records]
             run.items, run.tokens = run.items + len(items), run.tokens + routed.ids.numel()
             for r, t, s in zip(mine, native, alone, strict=True):
                 scores = {"routed": r["scores"], "native_target": t["scores"], "native_source": s["scores"]}
                 ttft = {"routed": r["ttft"]} if r["handoff"] else {}
+                ttft |= {"same_work": r["same_work"]} if r["handoff"] and r["same_work"] is not None else {}
                 ttft |= {"reprefill": t["ttft"]} if t["handoff"] else {"hit": t["ttft"]} if t["context"] else {}
                 row = _row(r["item"], r["context"], r["turn"], r["groups"], scores, ttft, {}, r["record"])
                 rows.append(row | {"conversation": f"{task}#{n}", "escalated": r["reader"] == "target"})

@@ -232,9 +232,9 @@ def gate(cfg: DictConfig) -> None:
             g.parent,
             g.min_speedup,
             g.max_loss_points,
-            g.max_ci_half_width,
             g.run,
             g.max_harness_skew,
+            g.max_prefill_fraction,
         )
     )
 

@@ -11,7 +11,8 @@ store); experiments are tagged as model-training ones so MLflow 3 opens them on 
 metrics (psutil) every `tracking.system_metrics_s` seconds. Backend `json` writes the same record as files
 (record.json + artifacts/, for the GPU machine without MLflow, and the committed records under results/);
 `python -m src.tracking import DIR` replays records into the MLflow store, `export EXPERIMENT DIR` writes an
-experiment's runs as records.
+experiment's runs as records. Every record reader goes through `read_record` / `read_items`: a truncated file, or one
+without a key the reader needs, is a RecordError that names the file and the key, never a bare JSON or key error.
 """
 
 from __future__ import annotations
@@ -293,15 +294,80 @@ def job_run(cfg: DictConfig, name: str, tags: dict[str, str] | None = None) -> I
     recorder.close("FINISHED")
 
 
+class RecordError(ValueError):
+    """A JSON record (record.json) or its items artifact that is truncated, not JSON, or lacks a key a reader needs;
+    the message names the file and the key."""
+
+
+RECORD_KEYS = ("name", "params", "tags", "metrics")  # what every record reader needs (`experiment` too, to import)
+METRIC_KEYS = ("key", "value", "step")
+ITEMS = "artifacts/routed/items.json"  # a routed run's per-item scores, beside its record.json
+
+
+def require(mapping: dict, key: str, where: str | Path) -> object:
+    """mapping[key], or a RecordError naming `where` and the missing key."""
+    if not isinstance(mapping, dict) or key not in mapping:
+        raise RecordError(f"{where}: no {key!r} (the record lacks what this reader needs)")
+    return mapping[key]
+
+
+def read_json(path: Path, name: str | Path | None = None) -> object:
+    """The JSON document at `path`, or a RecordError naming it (`name`: what to call it, e.g. the artifact URI it was
+    downloaded from) when it is missing, truncated or not JSON."""
+    name = path if name is None else name
+    try:
+        return json.loads(path.read_text())
+    except FileNotFoundError:
+        raise RecordError(f"{name}: no such file") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+        raise RecordError(f"{name}: not valid JSON, truncated or damaged ({error})") from None
+
+
+def read_record(path: str | Path) -> dict:
+    """A record.json, checked: a JSON object with name, params, tags and metrics, every metric a key, value and
+    step. Anything else is a RecordError naming the file and what is missing."""
+    path = Path(path)
+    record = read_json(path)
+    if not isinstance(record, dict):
+        raise RecordError(f"{path}: holds a JSON {type(record).__name__}, not a record object")
+    for key in RECORD_KEYS:
+        require(record, key, path)
+    for n, metric in enumerate(record["metrics"]):
+        for key in METRIC_KEYS:
+            require(metric, key, f"{path} metrics[{n}]")
+    return record
+
+
+def metric_values(record: dict, path: str | Path) -> dict[str, float]:
+    """The record's unstepped metrics, key → value (a read_record record; `path` names it in errors)."""
+    return {m["key"]: m["value"] for m in require(record, "metrics", path) if m["step"] is None}
+
+
+def items_of(document: object, where: str | Path) -> list[dict]:
+    """The per-item rows of a routed run's items artifact ({"items": [...]}), or a RecordError naming it."""
+    items = require(document, "items", where)
+    if not isinstance(items, list):
+        raise RecordError(f"{where}: 'items' is a {type(items).__name__}, not a list of rows")
+    return items
+
+
+def read_items(run: str | Path) -> list[dict]:
+    """The per-item rows of the routed run whose record folder is `run` (its artifacts/routed/items.json)."""
+    path = Path(run) / ITEMS
+    return items_of(read_json(path), path)
+
+
 def import_records(directory: str | Path, uri: str, artifacts: str) -> int:
-    """Replay every JSON record under `directory` as an MLflow run (times and status kept); returns how many."""
+    """Replay every JSON record under `directory` as an MLflow run (times and status kept); returns how many. A
+    truncated record, or one without a key the replay needs, is a RecordError naming it, before anything is replayed."""
     from mlflow import MlflowClient
     from mlflow.entities import Metric, Param
 
-    records = sorted(Path(directory).glob("**/record.json"))
+    records = [(path, read_record(path)) for path in sorted(Path(directory).glob("**/record.json"))]
+    for path, record in records:  # every record checked before any is imported: a bad one imports nothing
+        require(record, "experiment", path)
     client = MlflowClient(uri)
-    for path in records:
-        record = json.loads(path.read_text())
+    for path, record in records:
         experiment_id = configure(uri, record["experiment"], artifacts)
         start = record.get("start_time") or _now_ms()  # records from before issue 15 have no times
         tags = record["tags"] | {"imported_from": str(path.parent)}
@@ -406,7 +472,10 @@ def main() -> None:
         except ValueError as error:
             sys.exit(f"digest: {error}")
     elif args.command == "import":
-        print(f"imported {import_records(args.directory, args.uri, args.artifacts)} run(s) into {args.uri}")
+        try:
+            print(f"imported {import_records(args.directory, args.uri, args.artifacts)} run(s) into {args.uri}")
+        except RecordError as error:
+            sys.exit(f"import: {error}")
     else:
         print(f"exported {export_records(args.experiment, args.directory, args.uri)} run(s) to {args.directory}")
 

@@ -61,7 +61,15 @@ def _manifest(directory) -> dict:
     return json.loads((directory / MANIFEST_FILE).read_text())
 
 
-def _write_manifest(directory, manifest: dict) -> None:
+def _write_manifest(directory, manifest: dict | bytes) -> None:
+    """Save these manifest contents beside the artifact's tensor bytes as a consistent version (its id the sha256 of
+    the bytes): what the load's content checks then read."""
+    data = manifest if isinstance(manifest, bytes) else json.dumps(manifest).encode()
+    publish(directory, data, (directory / TENSOR_FILE).read_bytes())
+
+
+def _edit_in_place(directory, manifest: dict) -> None:
+    """Overwrite the manifest file where `manifest.json` leads (through the pointer, into the version directory)."""
     (directory / MANIFEST_FILE).write_text(json.dumps(manifest))
 
 
@@ -198,7 +206,7 @@ def _edit_shape(directory):
 CORRUPTIONS = {
     "missing manifest": (lambda d: (d / POINTER / VERSION_MANIFEST).unlink(), "incomplete: .*mapper.json is missing"),
     "missing tensors": (lambda d: (d / POINTER / TENSOR_FILE).unlink(), "incomplete: .*mapper.safetensors is missing"),
-    "manifest not json": (lambda d: (d / MANIFEST_FILE).write_text('{"schema_version": 1,'), "not valid JSON"),
+    "manifest not json": (lambda d: _write_manifest(d, b'{"schema_version": 1,'), "not valid JSON"),
     "wrong schema": (_edit_manifest(schema_version=SCHEMA_VERSION + 1), f"schema_version {SCHEMA_VERSION + 1}"),
     "no schema": (_edit_manifest(schema_version=None), "schema_version None"),
     "truncated tensors": (_truncate, "corrupt or was replaced: sha256"),
@@ -261,9 +269,32 @@ def test_manifest_missing_a_shape_refused(pair, artifact):
 
 
 def test_manifest_not_an_object_refused(pair, artifact):
-    (artifact / MANIFEST_FILE).write_text("[1, 2, 3]")
-    with pytest.raises(ArtifactError):
+    _write_manifest(artifact, b"[1, 2, 3]")
+    with pytest.raises(ArtifactError, match="holds a JSON list, not a manifest object"):
         _load(artifact, pair)
+
+
+@pytest.mark.parametrize(
+    "edit",
+    [
+        lambda m: dict(m, calibration=dict(m["calibration"], seq_len=10**6)),  # past the length guard's reach
+        lambda m: dict(m, source_fingerprint="0" * 64),
+        lambda m: m,  # the same contents re-serialized: other bytes, another sha256
+    ],
+    ids=["calibration-length", "fingerprint", "reformatted"],
+)
+def test_a_manifest_edited_after_its_save_is_refused(pair, artifact, edit):
+    """The version id is the sha256 of the manifest bytes: an edit in place (which would still load: every field is
+    consistent with the tensors) is refused, naming the version directory and both digests."""
+    version = (artifact / POINTER).resolve()
+    manifest = edit(_manifest(artifact))
+    _edit_in_place(artifact, manifest)
+    edited = hashlib.sha256((version / VERSION_MANIFEST).read_bytes()).hexdigest()
+    assert edited != version.name
+    for load in (lambda: _load(artifact, pair, source_fingerprint=None), lambda: load_mapper(artifact)):
+        with pytest.raises(ArtifactError, match=f"{version}: the manifest was changed after it was saved") as caught:
+            load()
+        assert f"sha256 {edited} ≠ the version id {version.name}" in str(caught.value)
 
 
 # ---------------------------------------------------------------- binding to models
@@ -317,7 +348,7 @@ def test_copied_artifact_loads(pair, saved, tmp_path):
     copy = shutil.copytree(saved, tmp_path / "copy")
     assert not (copy / POINTER).is_symlink() and not (copy / MANIFEST_FILE).is_symlink()
     assert _load(copy, pair).manifest == _manifest(saved)
-    _write_manifest(copy, dict(_manifest(copy), source_fingerprint="0" * 64))  # what a load reads is what is shown
+    _edit_in_place(copy, dict(_manifest(copy), source_fingerprint="0" * 64))  # what a load reads is what is shown
     with pytest.raises(ArtifactError, match="source fingerprint 000000000000"):
         _load(copy, pair)
     mapper = _load(saved, pair)

@@ -15,10 +15,11 @@ REPO = Path(__file__).resolve().parents[1]
 DATA = REPO.parent / "shared/data"
 
 
-def _record(root: Path, name: str, levers: dict, losses: dict, prefill: float, **tags) -> None:
+def _record(root: Path, name: str, levers: dict, losses: dict, prefill: float, mean: float | None = None, **tags):
     tags = {"job": "routed", "split": "valid", "workload": "passage", "direction": "a_to_b"} | tags
     metrics = {f"task.{t}.loss_points": v for t, v in losses.items()}
-    metrics |= {"task.mean.loss_points": sum(losses.values()) / len(losses), "prefill_fraction": prefill}
+    mean = sum(losses.values()) / len(losses) if mean is None else mean
+    metrics |= {"task.mean.loss_points": mean, "prefill_fraction": prefill}
     folder = root / name
     folder.mkdir(parents=True)
     record = {
@@ -100,3 +101,20 @@ def test_data_rescoring_drops_the_items_a_reported_test_run_scores(tmp_path):
     (rescored,) = validation_runs(tmp_path, data=DATA)
     assert logged["metrics"]["task.boolq.loss_points"] == 50.0
     assert rescored["metrics"]["task.boolq.loss_points"] == 0.0 and rescored["metrics"]["prefill_fraction"] == 0.2
+
+
+def test_a_run_whose_losses_are_nan_is_never_chosen(tmp_path):
+    """NaN compares false both ways, so `min` would keep a NaN run met first: it is left out instead; a NaN prefill
+    fraction counts as spending everything."""
+    nan = float("nan")
+    _record(tmp_path, "a_nan_task", {"recompute": 0.05}, {"boolq": nan, "lambada": 0.0}, 0.0)  # first in path order
+    _record(tmp_path, "b_nan_mean", {"recompute": 0.06}, {"boolq": 0.0, "lambada": 0.0}, 0.0, mean=nan)
+    _record(tmp_path, "pure", {"recompute": 0.0}, {"boolq": 30.0, "lambada": 38.0}, 0.0)
+    runs = validation_runs(tmp_path)
+    assert [r["name"] for r in runs] == ["a_nan_task", "b_nan_mean", "pure"]
+    assert choose(runs)["name"] == "pure"  # none within the margin: the least mean loss among finite ones
+    _record(tmp_path, "c_nan_prefill", {"recompute": 0.1}, {"boolq": 0.5, "lambada": 0.5}, nan)
+    _record(tmp_path, "r25", {"recompute": 0.25}, {"boolq": 0.8, "lambada": 0.2}, 0.33)
+    assert choose(validation_runs(tmp_path))["name"] == "r25"  # 0.33 spent beats an unknown (NaN) spend
+    with pytest.raises(ValueError, match="no validation run has finite losses on every task and the mean"):
+        choose(runs[:2])

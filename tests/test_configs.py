@@ -353,6 +353,6 @@ def test_sweep_and_gate_defaults():
         "parent": None,
         "min_speedup": 2.0,
         "max_loss_points": 1.0,
-        "max_ci_half_width": 2.0,
         "max_harness_skew": 1.25,
+        "max_prefill_fraction": 0.5,
     }

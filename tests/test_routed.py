@@ -5,7 +5,9 @@ from the per-item rows, and `routed(cfg)` runs end to end on the tiny random pai
 it (random weights carry no quality evidence)."""
 
 import json
-from dataclasses import replace
+import math
+import time
+from dataclasses import asdict, replace
 from pathlib import Path
 
 import numpy as np
@@ -14,7 +16,7 @@ import torch
 import yaml
 from omegaconf import OmegaConf
 
-from src.routed import handoffs, paired_gain, quality, timing
+from src.routed import handoffs, median_ci, paired_gain, quality, speedup_ci, timing
 from src.routed_runs import Run, bucket, multiturn, rollback, single_turn, switches
 from src.runtime.routing import Policy, bind
 from src.tasks import Item, load_task
@@ -40,7 +42,8 @@ def pair():
     return exact_pair("llama", seed=1)
 
 
-def run_of(pair, mapper=None, **policy) -> Run:
+def run_of(pair, mapper=None, every: int = 2, **policy) -> Run:
+    """The exact pair's run; every `every`-th scored item times the same work in the routed session."""
     exact = pair.exact
     inverse = replace(
         exact,
@@ -55,7 +58,7 @@ def run_of(pair, mapper=None, **policy) -> Run:
         ("target", "source"): bind(pair.target, pair.source, inverse, pair.tokenizer_hash),
     }
     models = {"source": pair.source, "target": pair.target}
-    return Run(models, routes, Policy(**policy), Bytes(96), warmup=1)
+    return Run(models, routes, Policy(**policy), Bytes(96), warmup=1, same_work_every=every)
 
 
 def test_warm_up_turns_leave_no_cost_behind(pair):
@@ -80,7 +83,8 @@ def test_single_turn_routed_equals_native_on_the_exact_pair_only(pair):
     assert all(r["path"] == "map" and r["mapped"] == r["context"] for r in records)
     assert np.allclose(scores(rows, "routed"), scores(rows, "native_target"), atol=1e-3)
     assert not np.allclose(scores(rows, "native_source"), scores(rows, "native_target"), atol=1e-2)
-    assert all({"routed", "reprefill", "hit"} == set(row["ttft"]) for row in rows)
+    sampled, plain = {"routed", "reprefill", "hit", "same_work"}, {"routed", "reprefill", "hit"}
+    assert [set(row["ttft"]) for row in rows] == [sampled, plain, sampled]  # every 2nd scored item: the same work too
     wrong, _ = single_turn(run_of(pair, pair.wrong), EXAMPLES)
     assert not np.allclose(scores(wrong, "routed"), scores(wrong, "native_target"), atol=1e-2)
     assert np.allclose(scores(wrong, "native_target"), scores(rows, "native_target"), atol=1e-5)
@@ -193,15 +197,22 @@ def test_metrics_from_rows():
     assert metrics["task.mean.below_source_points_low"] < -87.5 < metrics["task.mean.below_source_points_high"]
     rows[0]["ttft"] = {"routed": 10.0, "reprefill": 100.0, "hit": 1.0}
     rows[1]["history_tokens"] = 5000
-    times = timing(rows)
+    times = timing(rows, 500, 0)
     assert times["ttft_speedup"] == 3.0 and times["ttft.reprefill_ms_p50"] == 30.0
+    assert (
+        times["ttft_speedup_low"] == times["ttft_speedup_high"] == 3.0
+    )  # 79 of 80 ratios are 3: every resample's median
     assert "ttft.routed.le_8192_ms_p50" in times and "ttft.hit.le_512_ms_p95" in times
-    assert "ttft.same_work_ratio" not in times  # every handoff mapped: no same-work pair to check the harness on
+    assert "ttft.same_work_ratio" not in times  # every handoff mapped, none sampled: no same-work pair
     rows[2] |= {"ttft": {"routed": 20.0, "reprefill": 30.0, "hit": 1.0}, "handoff": {"path": "reprefill"}}
     rows[3] |= {"ttft": {"routed": 40.0, "reprefill": 40.0, "hit": 1.0}, "handoff": {"path": "reprefill"}}
     rows[4] |= {"ttft": {"routed": 20.0, "reprefill": 50.0, "hit": 1.0}, "handoff": {"path": "reprefill"}}
-    times = timing(rows)  # the routed session re-prefilled 3 turns: the baseline's work, timed 1.5× slower (median)
+    times = timing(rows, 500, 0)  # the routed session re-prefilled 3 turns: the baseline's work, 1.5× slower (median)
     assert times["ttft.same_work_ratio"] == 1.5 and times["ttft.same_work_items"] == 3.0
+    rows[5]["ttft"] |= {"same_work": 15.0}  # a sampled item: the baseline's 30 ms re-prefill took 15 in the routed slot
+    rows[6]["ttft"] |= {"same_work": 15.0}
+    times = timing(rows, 500, 0)
+    assert times["ttft.same_work_ratio"] == 2.0 and times["ttft.same_work_items"] == 5.0
     records = [
         {"sender": "source", "receiver": "target", "status": "applied", "path": "map", "context": 100, "hit": 0,
          "prefill_fraction": 0.0, "bytes": 10},
@@ -254,6 +265,8 @@ def test_routed_job_end_to_end_on_the_tiny_random_pair(items, tmp_path, monkeypa
     assert scored == [item.index for item in load_task("lambada", DATA, 2, items)]
     assert metrics["task.mean.acc"] == accuracy and metrics["task.lambada.items"] == 2
     assert {"task.lambada.loss_points_low", "ttft_speedup", "prefill_fraction", "handoff_frequency"} <= set(metrics)
+    assert metrics["ttft_speedup_low"] <= metrics["ttft_speedup"] <= metrics["ttft_speedup_high"]  # the gate's CI
+    assert metrics["ttft.same_work_items"] == 1.0 and metrics["ttft.same_work_ratio"] > 0  # item 0 of 2, every 8th
     assert metrics["rollback_verified"] == 1.0 and metrics["handoffs.applied"] == 2
     assert -1 <= metrics["fidelity.attention_output_cosine"] <= 1 and "fidelity.prompt_r2_v" in metrics
     artifacts = path.parent / "artifacts"
@@ -288,3 +301,175 @@ def test_paired_gain_compares_two_runs_on_their_shared_items():
     assert paired_gain(second, first, 200, 0).estimate == pytest.approx(-0.25)
     with pytest.raises(ValueError, match="share no scored item"):
         paired_gain(first, [_scored("boolq", 1, True)], 200, 0)
+
+
+# --- the clock: what each TTFT contains -----------------------------------------------------------------------------
+
+
+class _Slow:
+    """A transfer that takes at least `seconds` per call (the mapper's own work, made visible to the clock)."""
+
+    def __init__(self, transfer, seconds: float):
+        self.transfer, self.seconds = transfer, seconds
+
+    def __call__(self, *args, **kwargs):
+        time.sleep(self.seconds)
+        return self.transfer(*args, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self.transfer, name)
+
+
+def slow_run(pair, seconds: float) -> Run:
+    run = run_of(pair)
+    routes = {key: replace(route, transfer=_Slow(route.transfer, seconds)) for key, route in run.routes.items()}
+    return replace(run, routes=routes)
+
+
+@pytest.mark.parametrize("runner", ["single_turn", "switches"])
+def test_the_routed_ttft_contains_the_map(pair, runner):
+    """A map that takes 40 ms must be inside the routed TTFT of every mapped handoff, and the TTFT cannot be shorter
+    than the map's own recorded ms: a clock started after the switch, or a map moved out of the timed region, fails."""
+    delay = 0.04
+    run = slow_run(pair, delay)
+    rows = single_turn(run, EXAMPLES)[0] if runner == "single_turn" else switches(run, EXAMPLES[:2], [1, 2])[0]
+    assert rows and all(row["handoff"]["path"] == "map" for row in rows)
+    for row in rows:
+        assert row["handoff"]["ms_map"] >= 1e3 * delay  # the spy's delay is the map's
+        assert row["ttft"]["routed"] >= row["handoff"]["ms_map"] >= 1e3 * delay
+        assert row["ttft"]["routed"] >= row["handoff"]["ms"]
+
+
+def test_every_timed_path_runs_under_inference_mode(pair, monkeypatch):
+    """Every switch the runners time (routed, re-prefill baseline, same work) and the prefix hit run under
+    torch.inference_mode, and no forward of either model runs with autograd on."""
+    from src.runtime.session import Session
+
+    switched, forwards = [], []
+    honest = Session.switch_to
+
+    def spy(self, model, turn=()):
+        switched.append(torch.is_inference_mode_enabled())
+        forwards.append("switch")
+        try:
+            return honest(self, model, turn)
+        finally:
+            forwards.append("end")
+
+    def hook(module, args):
+        forwards.append((torch.is_inference_mode_enabled(), torch.is_grad_enabled()))
+
+    monkeypatch.setattr(Session, "switch_to", spy)
+    handles = [model.register_forward_pre_hook(hook) for model in (pair.source, pair.target)]
+    try:
+        single_turn(run_of(pair), EXAMPLES)
+    finally:
+        for handle in handles:
+            handle.remove()
+    assert switched and all(switched)  # 4 items × (baseline + routed) + 2 sampled same-work switches
+    assert len(switched) == 4 * 2 + 2
+    assert not any(entry[1] for entry in forwards if isinstance(entry, tuple))  # autograd never on
+    depth, hits = 0, 0
+    for entry in forwards:  # forwards in inference mode outside every switch: the prefix hits, one per item
+        depth += entry == "switch"
+        depth -= entry == "end"
+        hits += isinstance(entry, tuple) and depth == 0 and entry[0]
+    assert hits == 4
+
+
+def _spied(monkeypatch) -> list[tuple[str, dict]]:
+    """Every timed switch: (the session's policy mode, its handoff record)."""
+    import src.routed_runs as runners
+
+    calls, honest = [], runners._first_token
+
+    def spy(session, receiver, turn):
+        found = honest(session, receiver, turn)
+        calls.append((session.policy.mode, asdict(found[0])))
+        return found
+
+    monkeypatch.setattr(runners, "_first_token", spy)
+    return calls
+
+
+def test_the_switches_baseline_reads_only_what_its_receiver_has_not_seen(pair, monkeypatch):
+    """After s switches the target holds the chunks before the last (read natively or mapped): the routed handoff
+    maps the last chunk only, so the re-prefill baseline goes through the same switches and re-prefills exactly
+    those tokens (and the same work sampled in the routed session does too)."""
+    calls = _spied(monkeypatch)
+    switches(run_of(pair, every=1), EXAMPLES[1:2], [1, 2, 4])
+    history = Run.encode(run_of(pair), EXAMPLES[1].history).numel()
+    timed = [(mode, r) for mode, r in calls if r["receiver"] == "target" and r["context"] == history]
+    per_count = [timed[i : i + 3] for i in range(len(timed) - 9, len(timed), 3)]  # the scored item: 3 counts
+    for count, (baseline, same, routed) in zip([1, 2, 4], per_count, strict=True):
+        assert (baseline[0], same[0], routed[0]) == ("reprefill", "reprefill", "map")
+        unseen = routed[1]["context"] - routed[1]["hit"]
+        assert routed[1]["mapped"] == unseen and (count == 1) == (unseen == history)
+        for other in (baseline[1], same[1]):
+            assert (other["hit"], other["prefilled"], other["path"]) == (routed[1]["hit"], unseen, "reprefill")
+
+
+def test_the_same_work_is_the_baseline_s_work_in_the_routed_slot(pair, monkeypatch):
+    """Every k-th scored item re-prefills its handoff in a copy of the routed session: the baseline's tokens, on the
+    routed session's clock; the routed session's records and the `auto` policy's costs are untouched by it."""
+    calls = _spied(monkeypatch)
+    run = run_of(pair, every=1)
+    rows, records = single_turn(run, EXAMPLES)
+    assert all("same_work" in row["ttft"] for row in rows) and len(records) == 3
+    modes = [mode for mode, _ in calls]
+    assert modes == ["reprefill", "map"] + ["reprefill", "reprefill", "map"] * 3  # warm-up: not sampled
+    for baseline, same in ((calls[i][1], calls[i + 1][1]) for i in range(2, len(calls), 3)):
+        assert {k: baseline[k] for k in ("hit", "prefilled", "turn")} == {
+            k: same[k] for k in ("hit", "prefilled", "turn")
+        }
+    observed = []
+    for every in (1, 1000):
+        costed = run_of(pair, every=every)
+        single_turn(costed, EXAMPLES)
+        observed.append({key: len(samples) for key, samples in costed.costs.samples.items()})
+    assert observed[0] == observed[1]
+
+
+@pytest.mark.parametrize("every", [0, -1, 2.0, True, None])
+def test_a_same_work_rate_that_samples_nothing_is_a_clear_error(pair, every):
+    with pytest.raises(ValueError, match="workload.same_work_every must be an integer ≥ 1"):
+        run_of(pair, every=every)
+
+
+def test_multiturn_samples_the_handoffs_of_every_kth_conversation(pair):
+    if not (DATA / "eval").is_dir():
+        pytest.skip("shared data not found")
+    escalation = OmegaConf.create({"policy": "schedule", "every": 2, "threshold": 0.0})
+    rows, _, _, _ = multiturn(run_of(pair, every=2), DATA, ["arc_easy"], 6, 2, escalation)
+    sampled = [row["conversation"] for row in rows if "same_work" in row["ttft"]]
+    assert sampled == ["arc_easy#0", "arc_easy#2"]  # conversations 0 and 2 of 3, their one handoff each
+    assert all({"routed", "same_work"} <= set(row["ttft"]) for row in rows if "same_work" in row["ttft"])
+
+
+# --- the speedup's CI ---------------------------------------------------------------------------------------------
+
+
+def test_median_ci_is_seeded_and_narrows_with_more_handoffs():
+    rng = np.random.default_rng(0)
+    few, many = rng.lognormal(0.7, 0.3, 20), rng.lognormal(0.7, 0.3, 2000)
+    first, again = median_ci(list(few), 1000, 3), median_ci(list(few), 1000, 3)
+    assert first == again and first.low <= first.estimate == np.median(few) <= first.high
+    wide, narrow = first.high - first.low, median_ci(list(many), 1000, 3)
+    assert narrow.high - narrow.low < wide / 4  # ≈ 1/√100 of the width: the resampling is over handoffs
+    assert narrow.low <= np.exp(0.7) <= narrow.high  # the lognormal's median
+
+
+@pytest.mark.parametrize(
+    ("values", "n_boot", "message"),
+    [([], 10, "needs values"), ([1.0, float("nan")], 10, "finite values: 1 of 2"), ([1.0], 0, "n_boot ≥ 1")],
+)
+def test_median_ci_refuses_what_it_cannot_summarize(values, n_boot, message):
+    with pytest.raises(ValueError, match=message):
+        median_ci(values, n_boot, 0)
+
+
+def test_a_zero_or_nan_ttft_gives_a_nan_speedup_not_a_number():
+    """The gate reads NaN as MISSING; an infinite or NaN ratio must not become a median or a bound."""
+    handoffs_ = [{"ttft": {"routed": 10.0, "reprefill": 30.0}}, {"ttft": {"routed": 0.0, "reprefill": 30.0}}]
+    assert all(math.isnan(v) for v in speedup_ci(handoffs_, 100, 0).values())
+    assert speedup_ci([{"ttft": {"hit": 1.0}}], 100, 0) == {}
