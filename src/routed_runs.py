@@ -160,12 +160,8 @@ def _same_work(session: Session, receiver: str, turn: torch.Tensor) -> tuple[flo
     clock and harness. Returns (TTFT ms, wall seconds of the whole check, copy included: not the routed session's
     throughput). The session itself is left as it was."""
     began = time.perf_counter()
-    twin = copy.copy(session)
-    twin.readers = {
-        name: replace(reader, cache=copy.deepcopy(reader.cache), segments=list(reader.segments))
-        for name, reader in session.readers.items()
-    }
-    twin.policy, twin.costs, twin.records = replace(session.policy, mode="reprefill"), CostModel(), []
+    twin = session.fork()  # caches copied; policy and cost model replaced on the copy alone
+    twin.policy, twin.costs = replace(session.policy, mode="reprefill"), CostModel()
     _, ms, _ = _first_token(twin, receiver, turn)
     return ms, time.perf_counter() - began
 
@@ -291,6 +287,12 @@ def _pick(scores: list[list[float]], item: Item) -> tuple[int, float]:
     return int(weights.argmax()), float(weights.softmax(0).max())
 
 
+def _session_scores(session: Session, reader: str, groups) -> list[list[float]]:
+    """[ll, greedy] per choice, scored after the whole conversation (its turn included) on the reader's own state."""
+    ((_, choices),) = groups
+    return [[score.logprob, float(score.greedy)] for score in session.score(reader, [ids for _, ids in choices])]
+
+
 def _converse(run: Run, session: Session, items: list[Item], escalation, escalate: bool, sample: bool = False):
     """One conversation: per turn the answering model (the source, or the target when escalated: every
     `escalation.every`-th turn, or when the source's confidence in its pick is below `escalation.threshold`)
@@ -316,12 +318,12 @@ def _converse(run: Run, session: Session, items: list[Item], escalation, escalat
         scheduled = escalate and escalation.policy == "schedule" and (i + 1) % escalation.every == 0
         reader = "target" if scheduled else "source"
         record, ttft, same = switch(reader, user)
-        scores = _score(session.readers[reader].model, session.cache(reader), 1, groups)
+        scores = _session_scores(session, reader, groups)
         pick, confidence = _pick(scores, item)
         if escalate and escalation.policy == "confidence" and confidence < escalation.threshold:
             reader = "target"
             record, ttft, same = switch(reader, [])
-            scores = _score(session.readers[reader].model, session.cache(reader), 1, groups)
+            scores = _session_scores(session, reader, groups)
             pick, _ = _pick(scores, item)
         text, tail = chat.answer(item.continuations[pick].removeprefix(" "))
         session.append(reader, torch.cat([run.encode(text), run.encode(tail)]))
@@ -413,7 +415,7 @@ def rollback(
             for session in (Session(run.models, route, replace(run.policy, **overrides)), run.session("reprefill")):
                 session.append("source", history)
                 if poison:
-                    session.cache("source").layers[0].keys[..., -1, 0] = float("nan")
+                    session.cache("source", live=True).layers[0].keys[..., -1, 0] = float("nan")
                 record = session.switch_to("target", turn)
                 outputs.append((record, session.generate("target", [], max_new_tokens), session.cache("target")))
             (record, tokens, cache), (_, reference, reference_cache) = outputs
