@@ -412,6 +412,51 @@ def routed_paired(rows: list[Row], run_set: str | None = None) -> str:
     return "\n".join(lines)
 
 
+def _step(row: Row, name: str, step: int) -> float:
+    return float(row.get(f"series.{name}", {}).get(step, math.nan))
+
+
+def engine(rows: list[Row]) -> str:
+    """Handoff TTFT per history length on each engine (+experiment=handoff, src/eval/ttft.py): the map alone, each
+    engine's map (routed TTFT) / faster re-prefill / prefix hit (ms, p50), the routed speedup and routed / hit on the
+    graph engine, fused recompute's speedups; one block per record."""
+    lines = []
+    for row in rows:
+        if row.get("params.job") != "handoff":
+            continue
+        engines = [e for e in ("hf", "static", "graph") if f"series.ttft.{e}.map_ms_p50" in row]
+        shares = sorted(
+            key.removeprefix("series.speedup.graph.recompute_")
+            for key in row
+            if key.startswith("series.speedup.graph.recompute_")
+        )
+        arrow = str(row.get("tags.direction", "?")).replace("qwen25coder_", "").replace("_to_", " → ")
+        lines += [
+            f"{arrow}, {row.get('params.pair.dtype')}, random weights, new turn {row.get('params.eval.handoff.new_turn')}"
+            f" tokens — {provenance(row)}",
+            "",
+            "| history | map alone | "
+            + " | ".join(f"{e}: map / re-prefill / hit (ms)" for e in engines)
+            + " | graph: speedup, routed / hit | "
+            + " | ".join(f"recompute {float(r):.0%}" for r in shares)
+            + " |",
+            "|" + "---|" * (3 + len(engines) + len(shares)),
+        ]
+        for step in sorted(row["series.map_ms_p50"]):
+            cells = [f"{step:,}", _fmt(_step(row, "map_ms_p50", step), 2)]
+            for e in engines:
+                base = "reprefill_best" if f"series.ttft.{e}.reprefill_best_ms_p50" in row else "reprefill"
+                cells.append(
+                    " / ".join(_fmt(_step(row, f"ttft.{e}.{p}_ms_p50", step), 1) for p in ("map", base, "hit"))
+                )
+            speedup, ratio = _step(row, "speedup.graph.map", step), _step(row, "graph.map_over_hit", step)
+            cells.append(f"{_fmt(speedup, 2)}×, {_fmt(ratio, 2)}×")
+            cells += [f"{_fmt(_step(row, f'speedup.graph.recompute_{r}', step), 2)}×" for r in shares]
+            lines.append("| " + " | ".join(cells) + " |")
+        lines.append("")
+    return "\n".join(lines).rstrip()
+
+
 @dataclass(frozen=True)
 class Table:
     run_sets: tuple[str, ...]  # folders under results/
@@ -420,6 +465,7 @@ class Table:
 
 ROUTED, LEVERS, FITS = "routed-h200-2026-12-03", "routed2-h200-2026-12-03", "routed3-h200-2026-12-04"
 BF16 = "routed4-h200-2026-12-04"
+ENGINE = "engine-h200-2026-12-05"
 TABLES: dict[str, Table] = {
     "quickstart": Table(("quickstart-cpu",), quickstart),
     "routed": Table((ROUTED,), routed),
@@ -434,6 +480,7 @@ TABLES: dict[str, Table] = {
     "routed_bf16": Table((BF16,), routed),
     "routed_bf16_tasks": Table((BF16,), routed_tasks),
     "routed_bf16_paired": Table((ROUTED, LEVERS, FITS, BF16), partial(routed_paired, run_set=BF16)),
+    "engine": Table((ENGINE,), engine),
 }
 
 
