@@ -8,20 +8,9 @@ norms, src/runtime/engine.py: a turn's forward is launch-bound, and HF's norm is
 
 from __future__ import annotations
 
-import functools
-import os
-from types import SimpleNamespace
-
 import torch
 
-try:
-    import triton
-    import triton.language as tl
-
-    HAVE_TRITON = True
-except ImportError:  # CPU CI: the reference only
-    HAVE_TRITON = False
-    tl = SimpleNamespace(constexpr=int)
+from kernels.jit import interpreting, jit, tl, triton, unavailable
 
 MAX_COLUMNS = 16384
 
@@ -47,28 +36,13 @@ def _rms_norm_kernel(
     tl.store(out_ptr + row.to(tl.int64) * columns + c, out.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-@functools.cache
-def _jit(interpret: bool):
-    """The kernel decorated once per interpreter setting (TRITON_INTERPRET is read when a kernel is decorated)."""
-    del interpret  # part of the cache key only
-    return triton.jit(_rms_norm_kernel)
-
-
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET") == "1"
-
-
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, backend: str = "auto") -> torch.Tensor:
     """x [..., C], weight [C] → [..., C] in the dtype of weight · x (HF's). backend: auto | triton | torch."""
     if backend not in ("auto", "triton", "torch"):
         raise ValueError(f"backend must be auto, triton or torch, not {backend!r}")
     columns = x.shape[-1]
-    reason = None
-    if not HAVE_TRITON:
-        reason = "triton is not installed"
-    elif not x.is_cuda and not _interpreting():
-        reason = "tensors are on the CPU (and TRITON_INTERPRET is not set)"
-    elif columns > MAX_COLUMNS or x.stride(-1) != 1:
+    reason = unavailable(x)
+    if reason is None and (columns > MAX_COLUMNS or x.stride(-1) != 1):
         reason = f"rows of {columns} channels (stride {x.stride(-1)}) are not one contiguous block ≤ {MAX_COLUMNS}"
     if backend == "triton" and reason is not None:
         raise ValueError(f"Triton RMSNorm unavailable: {reason}")
@@ -76,7 +50,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, backend: str = "
         return rms_norm_ref(x, weight, eps)
     rows = x.reshape(-1, columns)  # [R, C] (a view for the engine's activations)
     out = torch.empty(rows.shape, dtype=torch.result_type(weight, x), device=x.device)
-    _jit(_interpreting())[(rows.shape[0],)](
+    jit(_rms_norm_kernel, interpreting())[(rows.shape[0],)](
         rows, weight, out, columns, eps, rows.stride(0), BLOCK=triton.next_power_of_2(columns)
     )
     return out.view(x.shape)

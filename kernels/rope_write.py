@@ -13,20 +13,9 @@ the fallback (CPU, no triton, head_dim not a power of two).
 
 from __future__ import annotations
 
-import functools
-import os
-from types import SimpleNamespace
-
 import torch
 
-try:
-    import triton
-    import triton.language as tl
-
-    HAVE_TRITON = True
-except ImportError:  # CPU CI: the reference only
-    HAVE_TRITON = False
-    tl = SimpleNamespace(constexpr=int)
+from kernels.jit import interpreting, jit, tl, unavailable
 
 
 def _rope_write_kernel(
@@ -86,17 +75,6 @@ def _rope_write_kernel(
         tl.store(target + HALF + i, tl.load(source + HALF + i))
 
 
-@functools.cache
-def _jit(interpret: bool):
-    """The kernel decorated once per interpreter setting (TRITON_INTERPRET is read when a kernel is decorated)."""
-    del interpret  # part of the cache key only
-    return triton.jit(_rope_write_kernel)
-
-
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET") == "1"
-
-
 def rope_write(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -116,21 +94,19 @@ def rope_write(
         raise ValueError(f"backend must be auto, triton or torch, not {backend!r}")
     count, q_heads, dim = q.shape
     kv_heads = k.shape[1]
-    reason = None
-    if not HAVE_TRITON:
-        reason = "triton is not installed"
-    elif not q.is_cuda and not _interpreting():
-        reason = "tensors are on the CPU (and TRITON_INTERPRET is not set)"
-    elif dim < 32 or dim & (dim - 1):
+    reason = unavailable(q)
+    if reason is None and (dim < 32 or dim & (dim - 1)):
         reason = f"head_dim {dim} is not a power of two ≥ 32"
-    elif any(t.stride(-1) != 1 for t in (q, k, v)) or not all(t.is_contiguous() for t in (cos, sin, keys, values)):
+    elif reason is None and (
+        any(t.stride(-1) != 1 for t in (q, k, v)) or not all(t.is_contiguous() for t in (cos, sin, keys, values))
+    ):
         reason = "channels must be contiguous and the tables and the cache layer contiguous"
     if backend == "triton" and reason is not None:
         raise ValueError(f"Triton rope_write unavailable: {reason}")
     if backend == "torch" or reason is not None:
         return rope_write_ref(q, k, v, cos, sin, positions, slots, keys, values)
     q_out = torch.empty(count, q_heads, dim, dtype=q.dtype, device=q.device)
-    _jit(_interpreting())[(count, q_heads + 2 * kv_heads)](
+    jit(_rope_write_kernel, interpreting())[(count, q_heads + 2 * kv_heads)](
         q, k, v, cos, sin, positions, slots, q_out, keys, values,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), keys.shape[1],
         Q_HEADS=q_heads, KV_HEADS=kv_heads, HALF=dim // 2,

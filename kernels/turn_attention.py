@@ -17,21 +17,11 @@ long query set (the queries are).
 
 from __future__ import annotations
 
-import functools
 import math
-import os
-from types import SimpleNamespace
 
 import torch
 
-try:
-    import triton
-    import triton.language as tl
-
-    HAVE_TRITON = True
-except ImportError:  # CPU CI: the reference only
-    HAVE_TRITON = False
-    tl = SimpleNamespace(constexpr=int)
+from kernels.jit import interpreting, jit, tl, unavailable
 
 BLOCK_T = 16  # queries per program
 BLOCK_N = 64  # slots per inner step
@@ -143,17 +133,6 @@ def _combine_kernel(
     tl.store(out_ptr + (head * seq + t).to(tl.int64) * HEAD_DIM + d, (out / total).to(out_ptr.dtype.element_ty))
 
 
-@functools.cache
-def _jit(interpret: bool, name: str = "attention"):
-    """A kernel decorated once per interpreter setting (TRITON_INTERPRET is read when a kernel is decorated)."""
-    del interpret  # part of the cache key only
-    return triton.jit({"attention": _turn_attention_kernel, "combine": _combine_kernel}[name])
-
-
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET") == "1"
-
-
 def split_count(query_heads: int, queries: int, slots: int) -> int:
     """Splits of the slot axis: enough programs for the GPU (TARGET_PROGRAMS), none shorter than BLOCK_N slots."""
     blocks = query_heads * math.ceil(queries / BLOCK_T)
@@ -162,10 +141,8 @@ def split_count(query_heads: int, queries: int, slots: int) -> int:
 
 def unsupported(q: torch.Tensor, keys: torch.Tensor) -> str | None:
     """Why the Triton path cannot run these inputs, or None."""
-    if not HAVE_TRITON:
-        return "triton is not installed"
-    if not q.is_cuda and not _interpreting():
-        return "tensors are on the CPU (and TRITON_INTERPRET is not set)"
+    if reason := unavailable(q):
+        return reason
     head_dim = q.shape[-1]
     if head_dim < 16 or head_dim & (head_dim - 1):
         return f"head_dim {head_dim} is not a power of two ≥ 16"
@@ -204,7 +181,7 @@ def turn_attention(
     for t in (q, keys, values):
         if t.stride(-1) != 1:
             raise ValueError("turn_attention needs channels contiguous (stride 1 on the last axis)")
-    _jit(_interpreting())[grid](
+    jit(_turn_attention_kernel, interpreting())[grid](
         q, keys, values, positions, acc, m, total,
         seq, scale,
         q.stride(0), q.stride(1), keys.stride(0), keys.stride(1), values.stride(0), values.stride(1),
@@ -212,7 +189,9 @@ def turn_attention(
         IEEE=q.dtype == torch.float32, UPCAST=not q.is_cuda,
     )  # fmt: skip
     out = torch.empty(query_heads, seq, head_dim, dtype=q.dtype, device=q.device)
-    _jit(_interpreting(), "combine")[(query_heads * seq,)](acc, m, total, out, seq, SPLITS=splits, HEAD_DIM=head_dim)
+    jit(_combine_kernel, interpreting())[(query_heads * seq,)](
+        acc, m, total, out, seq, SPLITS=splits, HEAD_DIM=head_dim
+    )
     return out
 
 

@@ -12,7 +12,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels.turn_attention import HAVE_TRITON, split_count, turn_attention, turn_attention_ref
+from kernels.jit import HAVE_TRITON
+from kernels.turn_attention import split_count, turn_attention, turn_attention_ref
 
 REPO = Path(__file__).resolve().parents[1]
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from kernels.rms_norm import HAVE_TRITON, rms_norm, rms_norm_ref
+from kernels.jit import HAVE_TRITON
+from kernels.rms_norm import rms_norm, rms_norm_ref
 from kernels.rope_write import rope_write, rope_write_ref
 
 REPO = Path(__file__).resolve().parents[1]

@@ -14,7 +14,7 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 FLOORS = [
-    {"src.models", "src.rope", "src.tasks", "src.tracking"},
+    {"src.models", "src.rope", "src.tasks", "src.tracking", "kernels.jit"},
     {"src.corpus", "src.traces", "src.stats", "src.support", "src.weighting", "src.artifact"},
     {"src.select", "src.maps", "src.forward", "kernels.fused_fit"},
     {
