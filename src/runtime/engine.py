@@ -33,7 +33,8 @@ from kernels.turn_attention import turn_attention
 from src.models import describe_kv
 from src.rope import rope_cos_sin
 
-GRAPH_BUCKETS = tuple(2**i for i in range(13))  # token counts 1 … 4,096 captured as CUDA graphs; longer run eagerly
+GRAPH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 192, 256, 384, 512, 768, 1024, 1536, 2048, 3072, 4096)  # token counts
+# captured as CUDA graphs (each on first use; ≤ 1.5× padding above 128); longer forwards run eagerly
 FLASH_MIN_TOKENS = 256  # a contiguous forward at least this long uses sdpa's causal flash path (eager)
 
 
