@@ -4,7 +4,7 @@
 #   bash scripts/device_engine.sh tests    the GPU tests of the engine and the turn-attention kernel
 #   bash scripts/device_engine.sh probe    ../shared/tools/engine_probe.py (carried as .stage/engine_probe.py) beside
 #   bash scripts/device_engine.sh pair     +experiment=handoff, Qwen2.5-Coder 0.5B → 1.5B shapes, 1K–16K, three engines
-#   bash scripts/device_engine.sh large    +experiment=handoff, Qwen3 14B → 32B shapes, 4K–32K, static + graph engines
+#   bash scripts/device_engine.sh large    +experiment=handoff, Qwen3 14B → 32B shapes, 4K / 16K / 32K, graph engine
 # Records are JSON (tracking.backend=json) packed into $OUT/trk-<stage>.tgz; here: `python -m src.tracking import DIR`.
 set -euo pipefail
 stage=$1
@@ -31,10 +31,9 @@ case $stage in
       "eval.handoff.prefix_lens=[1024,2048,4096,8192,16384]" eval.handoff.profile=true 2>&1 | tee "$OUT/pair.txt" | grep -v "^prefix" || true
     grep "^prefix" "$OUT/pair.txt" | cut -c1-400 ;;
   large)
-    python3 -m src.run "${COMMON[@]}" pair=qwen3_14b_to_32b fit.k=8 "eval.handoff.engines=[static,graph]" \
-      "eval.handoff.recompute_shares=[0.25]" eval.handoff.warmup=1 \
-      "eval.handoff.prefix_lens=[4096,8192,16384,32768]" eval.handoff.repeats=10 eval.handoff.prefill_repeats=2 \
-      2>&1 | tee "$OUT/large.txt" | grep -v "^prefix" || true
+    python3 -m src.run "${COMMON[@]}" pair=qwen3_14b_to_32b fit.k=8 "eval.handoff.engines=[graph]" \
+      "eval.handoff.recompute_shares=[]" eval.handoff.warmup=1 "eval.handoff.prefix_lens=[4096,16384,32768]" \
+      eval.handoff.repeats=10 eval.handoff.prefill_repeats=2 2>&1 | tee "$OUT/large.txt" | grep -v "^prefix" || true
     grep "^prefix" "$OUT/large.txt" | cut -c1-400 ;;
   *) echo "unknown stage $stage"; exit 2 ;;
 esac
