@@ -161,8 +161,8 @@ def handoff_ttft(
     device = transfer.device
     prefix, turn = prefix.to(device), turn.to(device)
     source_cache = prefill(transfer.source, prefix)  # S's cache exists before the switch: not timed
-    hf = handoff_paths(transfer, source_cache, prefix, turn)
-    reference = hf["reprefill"]().float()  # [1, V]
+    hf = handoff_paths(transfer, source_cache, prefix, turn) if "hf" in engines else {}  # its hit cache is T's own
+    reference = transfer.target(torch.cat([prefix, turn], 1), use_cache=False, logits_to_keep=1).logits[:, -1].float()
     metrics = percentiles(time_ms(lambda: transfer(source_cache, input_ids=prefix), repeats, warmup, device), "map")
     static = [name for name in engines if name != "hf"]
     built = engine_paths(transfer, source_cache, prefix, turn, shares) if static else None
