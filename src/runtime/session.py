@@ -274,7 +274,7 @@ class Session:
         if not isinstance(engines, dict | None):
             raise ValueError(f"engines maps model names to a capacity or an Engine, not a {type(engines).__name__}")
         for name, engine in (engines or {}).items():
-            self._reader(name).engine = self._engine(name, engine)
+            self.readers[name].engine = self._engine(name, engine)
         capacities = [r.engine.capacity for r in self.readers.values() if r.engine is not None]
         self.capacity = min(capacities) if capacities else None  # the most tokens the conversation may hold
         self.routes = dict(routes or {})
@@ -297,7 +297,7 @@ class Session:
 
     def _engine(self, name: str, engine: object) -> Engine:
         """The reader's engine from a capacity or an Engine of the session's model; a ValueError otherwise."""
-        model = self.readers[name].model
+        model = self._reader(name).model
         if isinstance(engine, Engine):
             if engine.model is not model:
                 raise ValueError(f"the engine given for {name!r} runs another model than the session's {name!r}")
