@@ -193,6 +193,8 @@ def test_a_model_the_engine_cannot_run_is_refused_when_the_session_is_built(pair
     given.forward(tokens(3, 48), torch.arange(3))
     s = Session(models(pair), engines={"b": given})
     assert s.readers["b"].engine is given and given.length == 0 and s.capacity == 32  # taken over, emptied
+    with pytest.raises(ValueError, match="already holds another model's conversation"):
+        Session({"a": pair.target, "b": pair.target}, engines={"a": given, "b": given})
 
 
 def test_the_attention_rule_is_refused_on_the_engine_before_anything_changes(pair, routes):

@@ -301,6 +301,8 @@ class Session:
         if isinstance(engine, Engine):
             if engine.model is not model:
                 raise ValueError(f"the engine given for {name!r} runs another model than the session's {name!r}")
+            if any(reader.engine is engine for reader in self.readers.values()):
+                raise ValueError(f"the engine given for {name!r} already holds another model's conversation")
             engine.truncate(0)
             return engine
         if isinstance(engine, bool) or not isinstance(engine, Integral):
@@ -386,8 +388,9 @@ class Session:
 
     def exact_prefix(self, model: str) -> tuple[torch.Tensor, DynamicCache | None]:
         """The longest prefix whose K/V are the model's own computation over an exact context — what a prefix cache
-        may serve as a hit: its ids [P] and a copy of the cache cut to it (None when P = 0). Mapped tokens, and
-        tokens read after them, are never part of it."""
+        may serve as a hit: its ids [P] and a copy of the cache cut to it (None when P = 0; on an engine reader, a
+        DynamicCache built from its slots 0..P − 1). Mapped tokens, and tokens read after them, are never part of
+        it."""
         reader = self._reader(model)
         length = 0
         for segment in reader.segments:
@@ -797,9 +800,10 @@ class Session:
         turn: torch.Tensor,
     ) -> int:
         """Commit a map that passed every check through the one splice (src/runtime/splice.py): sink tokens read
-        natively, the mapped pieces appended, the levers' native layers and recomputed tokens, then the hold-back
-        tokens and the turn read natively in one forward (at least one token: `_cover`). Returns how many mapped
-        tokens were recomputed."""
+        natively, the mapped pieces appended (on an engine: committed, `_map` wrote their slots), the levers' native
+        layers and recomputed tokens (on an engine: read again in the tail's forward), then the hold-back tokens and
+        the turn read natively in one forward (at least one token: `_cover`). Returns how many mapped tokens were
+        recomputed."""
         reader = self._reader(model)
         target = reader.model
         held, total = reader.length, self._ids.numel()
