@@ -7,7 +7,8 @@ Invariants: an invalid call raises a ValueError (TransferError is one) that says
 every cache (bit for bit), every segment list, the logits and the records unchanged — a call is invalid exactly when
 its arguments are, or it needs a model that does not hold the conversation; a valid call keeps every cache equal to
 its model's own prefill of the ids it holds (float tolerance), `exact_prefix` free of mapped tokens, and `score`
-changes nothing. A fork is untouched by what its original does after it.
+changes nothing. A fork is untouched by what its original does after it. The same properties hold with both models on
+the static engine (`Session(..., engines=...)`), whose levers are those the engine runs (no attention rule).
 
 Profiles: the default is short and derandomized (the suite); `HYPOTHESIS_PROFILE=slow` runs ≥ 1,000 random examples.
 """
@@ -85,16 +86,24 @@ CONTINUATIONS = mostly(
     st.lists(st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=4), min_size=1, max_size=3),
     st.sampled_from([[], [[]], "ab", [[1], [VOCAB]], [[1.5]], [[-3]]]),
 )
-LEVERS = st.builds(
-    Levers,
-    native_sink=st.integers(0, 5),
-    hold_back=st.integers(0, 5),
-    native_layers=st.integers(0, 3),
-    recompute=st.sampled_from([0.0, 0.3, 1.0]),
-    recompute_rule=st.sampled_from(["deviation", "attention", "recency"]),
-    recompute_layers=st.integers(1, 3),
-)
-POLICY = st.builds(Policy, mode=st.sampled_from(["map", "reprefill", "auto"]), levers=LEVERS)
+ENGINES = {"a": 256, "b": 256}  # room for any drawn conversation (≤ 12 calls of ≤ 11 tokens)
+
+
+def policies(rules: list[str]) -> st.SearchStrategy:
+    levers = st.builds(
+        Levers,
+        native_sink=st.integers(0, 5),
+        hold_back=st.integers(0, 5),
+        native_layers=st.integers(0, 3),
+        recompute=st.sampled_from([0.0, 0.3, 1.0]),
+        recompute_rule=st.sampled_from(rules),
+        recompute_layers=st.integers(1, 3),
+    )
+    return st.builds(Policy, mode=st.sampled_from(["map", "reprefill", "auto"]), levers=levers)
+
+
+POLICY = policies(["deviation", "attention", "recency"])
+ENGINE_POLICY = policies(["deviation", "recency"])  # the static splice refuses the attention rule
 BAD_POLICY = st.sampled_from([
     lambda: Levers(native_sink=2.5), lambda: Levers(hold_back=None), lambda: Levers(recompute=float("nan")),
     lambda: Levers(native_layers=True), lambda: Levers(recompute_layers=0), lambda: Levers(recompute_rule="random"),
@@ -102,14 +111,16 @@ BAD_POLICY = st.sampled_from([
     lambda: Policy(max_length_factor=0), lambda: Policy(mode="fastest"), lambda: Policy(levers={"native_sink": 1}),
 ])  # fmt: skip
 
-OPS = st.one_of(
-    st.tuples(st.just("append"), MODEL, IDS),
-    st.tuples(st.just("switch_to"), MODEL, IDS),
-    st.tuples(st.just("generate"), MODEL, IDS, MAX_NEW),
-    st.tuples(st.just("score"), MODEL, CONTINUATIONS),
-    st.tuples(st.just("fork"), st.booleans()),  # go on with the fork (True) or the original
-    st.tuples(st.just("fresh"), mostly(POLICY, BAD_POLICY)),
-)
+
+def operations(policy: st.SearchStrategy) -> st.SearchStrategy:
+    return st.one_of(
+        st.tuples(st.just("append"), MODEL, IDS),
+        st.tuples(st.just("switch_to"), MODEL, IDS),
+        st.tuples(st.just("generate"), MODEL, IDS, MAX_NEW),
+        st.tuples(st.just("score"), MODEL, CONTINUATIONS),
+        st.tuples(st.just("fork"), st.booleans()),  # go on with the fork (True) or the original
+        st.tuples(st.just("fresh"), mostly(policy, BAD_POLICY)),
+    )
 
 
 # ---------------------------------------------------------------- one call and its invariants
@@ -182,11 +193,21 @@ def _apply(s: Session, op: tuple, exact) -> Session:
 
 
 @settings(PROFILE)
-@given(policy=POLICY, ops=st.lists(OPS, min_size=3, max_size=12))
+@given(policy=POLICY, ops=st.lists(operations(POLICY), min_size=3, max_size=12))
 def test_every_call_is_valid_and_exact_or_refused_and_changes_nothing(policy, ops):
+    _run(policy, ops, None)
+
+
+@settings(PROFILE)
+@given(policy=ENGINE_POLICY, ops=st.lists(operations(ENGINE_POLICY), min_size=3, max_size=12))
+def test_on_the_static_engine_every_call_is_valid_and_exact_or_refused_and_changes_nothing(policy, ops):
+    _run(policy, ops, ENGINES)
+
+
+def _run(policy: Policy, ops: list, engines: dict | None) -> None:
     pair, routes = _exact()
     models = {"a": pair.source, "b": pair.target}
-    s = Session(models, routes, policy)
+    s = Session(models, routes, policy, engines=engines)
     untouched = []  # (session, its state) no call reaches after a fork
     for op in ops:
         if op[0] == "fork":
@@ -200,7 +221,7 @@ def test_every_call_is_valid_and_exact_or_refused_and_changes_nothing(policy, op
                 with pytest.raises(ValueError, match=r"\w{4,}"):
                     make()
             else:
-                s = Session(models, routes, make)
+                s = Session(models, routes, make, engines=engines)
         else:
             s = _apply(s, op, pair)
     for other, before in untouched:

@@ -7,6 +7,7 @@
     scores = session.score("large", [yes_ids, no_ids])   # log p of each continuation; the session is unchanged
     branch = session.fork()                              # an independent copy of the conversation and its caches
     answer = session.generate("large", [], max_new_tokens=32)   # HF greedy generate on large's cache
+    served = Session(models, routes, policy, engines={"large": 16384})  # large on the static engine (opt-in)
 
 `switch_to` gives the receiver a cache of the whole conversation: the tokens it already holds are reused (a same-model
 prefix hit); the tokens it has not seen are mapped at their own positions, segment by segment, each from a model that
@@ -25,6 +26,14 @@ every model that may read them), model names, lever settings the splice refuses,
 raises leaves the conversation, every cache, every segment list, the logits and the records exactly as they were
 (the cost model keeps what it measured). Routes must be bound to the session's own models (same objects, or the same
 fingerprint), checked once when the session is built.
+
+A model may hold its conversation on the static receiver engine instead (`engines`: a capacity or an `Engine` per
+name; src/runtime/engine.py): slot = position, the mapped pieces written straight into its slots, the recompute fused
+into the tail's forward, greedy decoding by one-token forwards. The semantics are the DynamicCache path's — the same
+records, provenance, rollback and all-or-nothing calls — within float tolerance, and `cache` / `exact_prefix` hand
+out DynamicCache copies of its slots. What it refuses: the attention recompute rule (the splice's own refusal, before
+anything changes), generate's keyword arguments and generation-config settings a greedy argmax does not reproduce,
+and a conversation longer than the smallest engine's capacity (every model may come to read it).
 """
 
 from __future__ import annotations
@@ -45,6 +54,7 @@ from src.apply import KVTransfer
 from src.forward import ids_problem
 from src.maps import TransferError, cache_layers
 from src.models import fingerprint
+from src.runtime.engine import Engine
 from src.runtime.levers import Levers, spent
 from src.runtime.routing import CostModel, Policy, Route
 from src.runtime.splice import check_splice, splice
@@ -52,6 +62,12 @@ from src.runtime.splice import check_splice, splice
 PATHS = ("hit", "map", "reprefill")
 STATUSES = ("applied", "fallback_reprefill", "unsupported")
 RESERVED = ("input_ids", "inputs", "attention_mask", "past_key_values")  # generate's own: not a caller's kwargs
+GREEDY_NEUTRAL = frozenset({  # generation-config fields an engine reader's greedy argmax honours or need not read
+    "bos_token_id", "eos_token_id", "pad_token_id", "do_sample", "temperature", "top_p", "top_k", "min_p",
+    "typical_p", "num_beams", "num_return_sequences", "max_length", "max_new_tokens", "use_cache",
+    "output_attentions", "output_hidden_states", "output_scores", "output_logits", "return_dict_in_generate",
+    "_from_model_config", "transformers_version",
+})  # fmt: skip
 
 
 class RouteRefusedWarning(UserWarning):
@@ -108,9 +124,10 @@ class Score(NamedTuple):
 @dataclass
 class _Reader:
     model: PreTrainedModel
-    cache: DynamicCache | None = None
+    cache: DynamicCache | None = None  # None before it read anything, and always on an engine reader
     segments: list[Segment] = field(default_factory=list)
     logits: torch.Tensor | None = None  # [1, V] after the last token it read (valid while it holds the conversation)
+    engine: Engine | None = None  # the static engine holding its tokens in slots 0..length − 1 (engine.length)
 
     @property
     def length(self) -> int:
@@ -128,22 +145,57 @@ class _Reader:
         else:
             self.segments.append(segment)
 
+    def layers(self, start: int, end: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """(K, V) [1, H_kv, end − start, d] per layer of tokens start..end − 1: views of the cache or of the slots."""
+        if self.engine is not None:
+            keys, values = self.engine.keys[:, None, :, start:end], self.engine.values[:, None, :, start:end]
+            return list(zip(keys, values, strict=True))
+        return [(k[:, :, start:end], v[:, :, start:end]) for k, v in cache_layers(self.cache)]
+
+    def dynamic(self, length: int, live: bool = False) -> DynamicCache | None:
+        """Tokens 0..length − 1 as a DynamicCache (None when there are none, or before it read anything): a copy, or
+        with `live` the session's own cache — on an engine reader, one whose tensors are views of the slots, so an
+        in-place write reaches the engine (cache methods such as `crop` or `update` do not)."""
+        if self.engine is None:
+            if live or self.cache is None:
+                return self.cache
+            cache = copy.deepcopy(self.cache)
+            if length < self.length:
+                cache.crop(length - self.length)
+            return cache
+        if length == 0:
+            return None
+        layers = self.layers(0, length)  # [(K, V) [1, H_kv, length, d]] views
+        cache = DynamicCache(layers, config=self.model.config)  # `update` copies them
+        if live:
+            for layer, (keys, values) in zip(cache.layers, layers, strict=True):
+                layer.keys, layer.values = keys, values
+        return cache
+
     def copy(self) -> _Reader:
-        """The same model with its own copy of the cache, segments and logits."""
+        """The same model with its own copy of the cache (or a new engine of the same capacity, its slots up to the
+        length copied: the fork holds a second set of full-capacity buffers), segments and logits."""
         logits = None if self.logits is None else self.logits.clone()
-        return _Reader(self.model, copy.deepcopy(self.cache), list(self.segments), logits)
+        engine = None
+        if self.engine is not None:
+            own = self.engine
+            engine = Engine(own.model, own.capacity, own.graphs_enabled, own.backend)
+            if own.length:
+                engine.write(own.keys[:, :, : own.length], own.values[:, :, : own.length], 0)
+        return _Reader(self.model, copy.deepcopy(self.cache), list(self.segments), logits, engine)
 
 
 @dataclass
 class _Saved:
     """What a failed call restores: the conversation, the records' count, and per reader its cache object, every
     cache layer's state (tensors are never written in place below a reader's length, so the references are exact),
-    its segments and logits."""
+    its segments, logits and engine length (every call writes only slots ≥ the length it held when it began — reads
+    past it, the map, the native layers and the recompute of the span past it — so truncating back is exact)."""
 
     ids: torch.Tensor
     active: str | None
     records: int
-    readers: dict[str, tuple[DynamicCache | None, list[dict] | None, list[Segment], torch.Tensor | None]]
+    readers: dict[str, tuple[DynamicCache | None, list[dict] | None, list[Segment], torch.Tensor | None, int | None]]
 
 
 class _Vocabulary(LogitsProcessor):
@@ -201,7 +253,9 @@ def _check_generation(max_new_tokens: object, kwargs: dict) -> None:
 
 
 class Session:
-    """One conversation (token ids) held by several models, each with its own `DynamicCache` (module docstring)."""
+    """One conversation (token ids) held by several models, each with its own `DynamicCache` or, for the names in
+    `engines`, a static `Engine`: a capacity (the session builds one, CUDA graphs on a GPU) or an Engine of that very
+    model, which the session takes over (emptied first) — module docstring."""
 
     def __init__(
         self,
@@ -209,6 +263,7 @@ class Session:
         routes: dict[tuple[str, str], Route] | None = None,
         policy: Policy | None = None,
         costs: CostModel | None = None,
+        engines: dict[str, int | Engine] | None = None,
     ):
         if not isinstance(models, dict) or not models:
             raise ValueError("a session needs a dict of at least one named model")
@@ -216,6 +271,12 @@ class Session:
             if not isinstance(name, str) or not isinstance(model, PreTrainedModel):
                 raise ValueError(f"model {name!r} must be a str naming a PreTrainedModel, not a {type(model).__name__}")
         self.readers = {name: _Reader(model) for name, model in models.items()}
+        if not isinstance(engines, dict | None):
+            raise ValueError(f"engines maps model names to a capacity or an Engine, not a {type(engines).__name__}")
+        for name, engine in (engines or {}).items():
+            self.readers[name].engine = self._engine(name, engine)
+        capacities = [r.engine.capacity for r in self.readers.values() if r.engine is not None]
+        self.capacity = min(capacities) if capacities else None  # the most tokens the conversation may hold
         self.routes = dict(routes or {})
         for key, route in self.routes.items():
             if not (isinstance(key, tuple) and len(key) == 2):
@@ -233,6 +294,31 @@ class Session:
         self._ids = torch.zeros(0, dtype=torch.long)  # [T] the conversation
         self.active: str | None = None
         self._records: list[HandoffRecord] = []
+
+    def _engine(self, name: str, engine: object) -> Engine:
+        """The reader's engine from a capacity or an Engine of the session's model; a ValueError otherwise."""
+        model = self._reader(name).model
+        if isinstance(engine, Engine):
+            if engine.model is not model:
+                raise ValueError(f"the engine given for {name!r} runs another model than the session's {name!r}")
+            if any(reader.engine is engine for reader in self.readers.values()):
+                raise ValueError(f"the engine given for {name!r} already holds another model's conversation")
+            engine.truncate(0)
+            return engine
+        if isinstance(engine, bool) or not isinstance(engine, Integral):
+            raise ValueError(f"engine {name!r} must be a capacity (an integer) or an Engine, not {engine!r}")
+        try:
+            return Engine(model, int(engine))
+        except ValueError as problem:
+            raise ValueError(f"model {name!r} cannot run on the static engine: {problem}") from problem
+
+    def _check_room(self, tokens: int) -> None:
+        """A ValueError when the conversation would grow by `tokens` past the smallest engine's capacity."""
+        if self.capacity is not None and self._ids.numel() + tokens > self.capacity:
+            raise ValueError(
+                f"the conversation would hold {self._ids.numel() + tokens} tokens, past the engine capacity "
+                f"{self.capacity} (every model may come to read it)"
+            )
 
     def _check_route(self, sender: str, receiver: str, route: Route) -> None:
         """A ValueError unless the route joins two of the session's models and its transfer was bound to them (the
@@ -289,10 +375,12 @@ class Session:
         return self._reader(model).length
 
     def cache(self, model: str, live: bool = False) -> DynamicCache | None:
-        """A copy of the model's cache (None before it read anything). `live=True` returns the session's own cache:
-        whatever is done to it is done to the session (src/routed_runs.py poisons a source cache through it)."""
-        cache = self._reader(model).cache
-        return cache if live else copy.deepcopy(cache)
+        """A copy of the model's cache (None before it read anything; on an engine, a DynamicCache of slots
+        0..length − 1). `live=True` returns the session's own cache: whatever is done to it is done to the session
+        (src/routed_runs.py poisons a source cache through it; on an engine only in-place writes to its tensors, which
+        are views of the slots)."""
+        reader = self._reader(model)
+        return reader.dynamic(reader.length, live)
 
     def segments(self, model: str) -> list[Segment]:
         """Provenance of the model's cache, segment by segment."""
@@ -300,8 +388,9 @@ class Session:
 
     def exact_prefix(self, model: str) -> tuple[torch.Tensor, DynamicCache | None]:
         """The longest prefix whose K/V are the model's own computation over an exact context — what a prefix cache
-        may serve as a hit: its ids [P] and a copy of the cache cut to it (None when P = 0). Mapped tokens, and
-        tokens read after them, are never part of it."""
+        may serve as a hit: its ids [P] and a copy of the cache cut to it (None when P = 0; on an engine reader, a
+        DynamicCache built from its slots 0..P − 1). Mapped tokens, and tokens read after them, are never part of
+        it."""
         reader = self._reader(model)
         length = 0
         for segment in reader.segments:
@@ -310,14 +399,13 @@ class Session:
             length = segment.end
         if length == 0:
             return self._ids[:0].clone(), None
-        cache = copy.deepcopy(reader.cache)
-        if length < reader.length:
-            cache.crop(length - reader.length)
-        return self._ids[:length].clone(), cache
+        return self._ids[:length].clone(), reader.dynamic(length)  # on an engine: a DynamicCache of its slots
 
     def fork(self) -> Session:
         """An independent copy of the conversation: caches, segments, logits and records copied; models, routes,
-        policy and the cost model (measurements of the hardware) shared. Either then evolves without the other."""
+        policy and the cost model (measurements of the hardware) shared. Either then evolves without the other. An
+        engine reader's fork is a new Engine of the same capacity: another full set of K/V buffers, 2 · L · H_kv ·
+        (capacity + 1) · d elements, and its own CUDA graphs."""
         twin = copy.copy(self)
         twin.readers = {name: reader.copy() for name, reader in self.readers.items()}
         twin.routes = dict(self.routes)
@@ -341,15 +429,25 @@ class Session:
             row = token_ids(continuation, _vocabulary(reader.model), f"{model!r}'s vocabulary")
             if row.numel() == 0:
                 raise ValueError(f"continuation {index} is empty: score at least one token")
+            if reader.engine is not None and reader.length + row.numel() - 1 > reader.engine.capacity:
+                raise ValueError(f"continuation {index} would read past {model!r}'s engine capacity "
+                                 f"{reader.engine.capacity}")  # fmt: skip
             rows.append(row)
         with self._atomic():  # whatever happens, the crop-back is exact
             return [self._score(reader, row) for row in rows]
 
     @staticmethod
     def _score(reader: _Reader, row: torch.Tensor) -> Score:
-        """(sum log p, tokens, greedy) of row [L] after the conversation the reader holds; its cache cropped back."""
+        """(sum log p, tokens, greedy) of row [L] after the conversation the reader holds; its cache cropped back
+        (an engine truncated back: the slots past its length are written before any query reads them)."""
         logits = reader.logits  # [1, V] the next token's
-        if row.numel() > 1:
+        if row.numel() > 1 and reader.engine is not None:
+            held = reader.engine.length
+            rows = torch.arange(row.numel() - 1)
+            out = reader.engine.forward(row[:-1], held + rows, rows=rows)  # [L − 1, V]
+            reader.engine.truncate(held)
+            logits = torch.cat([logits, out])  # [L, V]
+        elif row.numel() > 1:
             out = reader.model(row[None, :-1].to(logits.device), past_key_values=reader.cache, use_cache=True)
             reader.cache.crop(1 - row.numel())
             logits = torch.cat([logits, out.logits[0]])  # [L, V]
@@ -370,6 +468,7 @@ class Session:
                 None if r.cache is None else [dict(vars(layer)) for layer in r.cache.layers],
                 list(r.segments),
                 r.logits,
+                None if r.engine is None else r.engine.length,
             )
             for name, r in self.readers.items()
         }
@@ -378,9 +477,11 @@ class Session:
     def _restore(self, saved: _Saved) -> None:
         self._ids, self.active = saved.ids, saved.active
         del self._records[saved.records :]
-        for name, (cache, layers, segments, logits) in saved.readers.items():
+        for name, (cache, layers, segments, logits, length) in saved.readers.items():
             reader = self.readers[name]
             reader.cache, reader.segments, reader.logits = cache, segments, logits
+            if length is not None:  # a call never shortens an engine below the length it began with
+                reader.engine.truncate(length)
             for layer, state in zip(cache.layers if cache is not None else [], layers or [], strict=True):
                 vars(layer).clear()
                 vars(layer).update(state)
@@ -397,17 +498,24 @@ class Session:
 
     # --- reading and generating --------------------------------------------------------------------------------
 
-    def _read(self, name: str, ids: torch.Tensor) -> torch.Tensor:
-        """The model reads ids [N] natively on its cache; returns the last logits [1, V]."""
+    def _read(self, name: str, ids: torch.Tensor, recompute: torch.Tensor | None = None) -> torch.Tensor:
+        """The model reads ids [N] natively on its cache; returns the last logits [1, V]. recompute: positions [R]
+        of held (mapped) conversation tokens an engine reads again in the same forward, first — fused recompute."""
         reader = self._reader(name)
-        if reader.cache is None:
-            reader.cache = DynamicCache(config=reader.model.config)
         start = reader.length
-        out = reader.model(
-            ids[None].to(_device(reader.model)), past_key_values=reader.cache, use_cache=True, logits_to_keep=1
-        )
+        if reader.engine is not None:
+            recompute = torch.zeros(0, dtype=torch.long) if recompute is None else recompute
+            positions = torch.cat([recompute, torch.arange(start, start + ids.numel())])  # [R + N]
+            logits = reader.engine.forward(torch.cat([self._ids[recompute], ids]), positions)  # [1, V]
+        else:
+            if reader.cache is None:
+                reader.cache = DynamicCache(config=reader.model.config)
+            out = reader.model(
+                ids[None].to(_device(reader.model)), past_key_values=reader.cache, use_cache=True, logits_to_keep=1
+            )
+            logits = out.logits[:, -1]  # [1, V]
         reader.add(Segment(start, start + ids.numel(), "native", reader.exact))
-        reader.logits = out.logits[:, -1]  # [1, V]
+        reader.logits = logits
         return reader.logits
 
     def _current(self, name: str) -> _Reader:
@@ -425,6 +533,7 @@ class Session:
         logits [1, V] (None for no tokens)."""
         self._current(model)
         ids = self._conversation_ids(tokens)
+        self._check_room(ids.numel())
         with self._atomic():
             self.active = model
             if ids.numel() == 0:
@@ -438,14 +547,45 @@ class Session:
         """HF `generate` (greedy unless kwargs say otherwise, one sequence) on the model's cache after the new turn,
         restricted to the ids every model of the session reads; the turn and the generated tokens join the
         conversation (the last one read too, so the cache covers them all). Returns the generated ids [G].
-        max_new_tokens must be ≥ 1 (0 is a ValueError, nothing changed)."""
+        max_new_tokens must be ≥ 1 (0 is a ValueError, nothing changed). On an engine reader: greedy decoding by
+        one-token forwards, stopped by the generation config's eos ids as HF's is; sampling and every other
+        keyword argument are refused (ValueError), as is a generation config whose settings a greedy argmax does
+        not reproduce (`GREEDY_NEUTRAL`: e.g. a repetition penalty); the conversation must leave room for
+        max_new_tokens."""
         reader = self._current(model)
         turn = self._conversation_ids(turn)
         _check_generation(max_new_tokens, kwargs)
         if self._ids.numel() + turn.numel() == 0:
             raise ValueError("nothing to generate from: the conversation and the turn are empty")
+        self._check_room(turn.numel() + max_new_tokens)
+        if reader.engine is not None:
+            if kwargs:
+                raise ValueError(f"an engine reader decodes greedily: generate takes no {sorted(kwargs)}")
+            if unknown := sorted(set(reader.model.generation_config.to_diff_dict()) - GREEDY_NEUTRAL):
+                raise ValueError(f"{model!r}'s generation config sets {unknown}, which the engine's greedy argmax "
+                                 "does not apply")  # fmt: skip
         with self._atomic():
+            if reader.engine is not None:
+                return self._decode(model, reader, turn, max_new_tokens)
             return self._generate(model, reader, turn, max_new_tokens, kwargs)
+
+    def _decode(self, model: str, reader: _Reader, turn: torch.Tensor, max_new_tokens: int) -> torch.Tensor:
+        """Greedy decoding on the engine: the turn read, then one-token forwards, each token the argmax over the
+        ids every model reads; stops after max_new_tokens or an eos id (kept). Returns the generated ids [G]."""
+        logits = self._read(model, turn) if turn.numel() else reader.logits  # [1, V]
+        eos = reader.model.generation_config.eos_token_id
+        stop = set(eos if isinstance(eos, list) else [] if eos is None else [eos])
+        new = []
+        for _ in range(max_new_tokens):
+            token = logits[0, : self.vocab].argmax().reshape(1).cpu()  # [1]
+            new.append(token)
+            logits = self._read(model, token)
+            if int(token) in stop:
+                break
+        new = torch.cat(new)  # [G]
+        self._ids = torch.cat([self._ids, turn, new])
+        self.active = model
+        return new
 
     def _generate(self, model: str, reader: _Reader, turn: torch.Tensor, max_new_tokens: int, kwargs: dict):
         if turn.numel() == 0:  # HF reads at least one uncached token: re-read the last one (the crop is exact)
@@ -522,8 +662,11 @@ class Session:
                 pieces.append((low, high, owner))
         return pieces
 
-    def _map(self, receiver: str, pieces: list[tuple[int, int, str]]) -> tuple[list[DynamicCache], int]:
-        """Each piece mapped at its own positions; raises TransferError on any refusal (nothing is changed)."""
+    def _map(
+        self, receiver: str, pieces: list[tuple[int, int, str]]
+    ) -> tuple[list[DynamicCache | tuple[int, int]], int]:
+        """Each piece mapped at its own positions — a cache, or on an engine receiver (low, high): its slots, written
+        in place — and the bytes read; raises TransferError on any refusal (nothing is changed)."""
         mapped, read = [], 0
         for start, end, sender in pieces:
             route = self.routes[(sender, receiver)]
@@ -533,12 +676,19 @@ class Session:
                     f"position {end - 1} is beyond {limit:g} × the mapper's calibration length "
                     f"{route.calibrated_length}"
                 )
-            layers = [(k[:, :, start:end], v[:, :, start:end]) for k, v in cache_layers(self.readers[sender].cache)]
+            layers = self.readers[sender].layers(start, end)  # [(K, V) [1, H_kv, n, d]]
             read += sum(t.numel() * t.element_size() for pair in layers for t in pair)
-            cache = route.transfer(layers, positions=torch.arange(start, end), input_ids=self._ids[None, start:end])
+            positions, ids = torch.arange(start, end), self._ids[None, start:end]
+            engine = self.readers[receiver].engine
+            if engine is None:
+                cache = route.transfer(layers, positions=positions, input_ids=ids)
+                result = cache_layers(cache)
+            else:  # straight into the slots past what the receiver holds: a refusal leaves its state unchanged
+                route.transfer.into(engine.slots(start, end), layers, positions=positions, input_ids=ids)
+                cache, result = (start, end), [(engine.keys[:, :, start:end], engine.values[:, :, start:end])]
             bound = self.policy.guard_max_abs
             if bound is not None:
-                peak = float(torch.stack([t.abs().amax() for pair in cache_layers(cache) for t in pair]).max())
+                peak = float(torch.stack([t.abs().amax() for pair in result for t in pair]).max())
                 if peak > bound:
                     raise TransferError(f"guard: mapped |K|, |V| reach {peak:.3g} > {bound:g}")
             mapped.append(cache)
@@ -550,6 +700,7 @@ class Session:
         returns the handoff record (the receiver's next-token logits are `session.logits`)."""
         reader = self._reader(model)
         turn = self._conversation_ids(turn)
+        self._check_room(turn.numel())
         with self._atomic():
             device = _device(reader.model)
             began = _clock(device)
@@ -614,7 +765,8 @@ class Session:
                 reason = f"auto: map ≈ {sum(estimate_map):.2f} ms < re-prefill ≈ {estimate_prefill:.2f} ms"
         else:
             reason = "policy: map"
-        check_splice(span, transfer.token_features, unseen, hold + turn.numel())  # the splice's own refusals, first
+        static = self._reader(model).engine is not None
+        check_splice(span, transfer.token_features, unseen, hold + turn.numel(), static)  # the splice's, first
         device = _device(self._reader(model).model)
         began = _clock(device)
         try:
@@ -640,7 +792,7 @@ class Session:
         self,
         model: str,
         pieces: list[tuple[int, int, str]],
-        mapped: list[DynamicCache],
+        mapped: list[DynamicCache | tuple[int, int]],
         start: int,
         end: int,
         span: Levers,
@@ -648,13 +800,14 @@ class Session:
         turn: torch.Tensor,
     ) -> int:
         """Commit a map that passed every check through the one splice (src/runtime/splice.py): sink tokens read
-        natively, the mapped pieces appended, the levers' native layers and recomputed tokens, then the hold-back
-        tokens and the turn read natively in one forward (at least one token: `_cover`). Returns how many mapped
-        tokens were recomputed."""
+        natively, the mapped pieces appended (on an engine: committed, `_map` wrote their slots), the levers' native
+        layers and recomputed tokens (on an engine: read again in the tail's forward), then the hold-back tokens and
+        the turn read natively in one forward (at least one token: `_cover`). Returns how many mapped tokens were
+        recomputed."""
         reader = self._reader(model)
         target = reader.model
         held, total = reader.length, self._ids.numel()
-        if reader.cache is None:
+        if reader.cache is None and reader.engine is None:
             reader.cache = DynamicCache(config=target.config)
         native = torch.cat([self._ids[end:total], turn])[None]  # [1, hold-back + turn]
         mapped_segments = [
@@ -662,17 +815,19 @@ class Session:
             for low, high, sender in pieces
         ]
 
-        def read(ids: torch.Tensor, part: str) -> None:
+        def read(ids: torch.Tensor, part: str, recompute: torch.Tensor | None = None) -> None:
             if part == "sink":
                 self._read(model, ids[0])
                 return
             for segment in mapped_segments:  # the span precedes the tail in the provenance
                 reader.add(segment)
             began = _clock(_device(target))
-            self._read(model, ids[0])
-            self.costs.observe(model, "prefill", ids.shape[1], (_clock(_device(target)) - began) * 1e3)
+            self._read(model, ids[0], recompute)  # an engine's recomputed positions [R] first, in the same forward
+            count = ids.shape[1] + (0 if recompute is None else recompute.numel())
+            self.costs.observe(model, "prefill", count, (_clock(_device(target)) - began) * 1e3)
 
+        receiver = reader.cache if reader.engine is None else reader.engine
         return splice(
-            target, reader.cache, self._ids[None, :end], start, mapped, span, total - held, transfer.token_features,
+            target, receiver, self._ids[None, :end], start, mapped, span, total - held, transfer.token_features,
             native, native, read,
         )  # fmt: skip
