@@ -341,6 +341,34 @@ def test_fork_copies_the_slots_into_a_new_engine(pair, routes):
         assert max_cache_diff(x.cache("a"), native(pair.source, x.ids)) < TOL
 
 
+def test_fork_into_warm_engines_reuses_them(pair, routes):
+    """fork(engines=…): the slots are copied into the given engines (kept warm: their graphs already captured), the
+    twin equals a fork into new engines, and an engine that cannot hold the twin is refused before anything changes."""
+    s = Session(models(pair), routes, POLICIES["deviation"][0], engines=BOTH)
+    s.append("a", tokens(14, 63))
+    s.switch_to("b", tokens(3, 64))
+    spare = {"b": Engine(pair.target, s.readers["b"].engine.capacity)}
+    spare["b"].forward(tokens(30, 70), torch.arange(30))  # stale, longer than the conversation: emptied first
+    twin = s.fork(engines=spare)
+    assert twin.readers["b"].engine is spare["b"] and same(state(twin), state(s.fork()))
+    fresh = s.fork()
+    for x in (twin, fresh):
+        x.switch_to("a", tokens(2, 71))
+        x.switch_to("b", tokens(2, 72))
+    clocks = lambda x: [replace(r, ms=0.0, ms_map=0.0) for r in x.records]  # the clock differs, nothing else
+    assert same(state(twin)._replace(records=clocks(twin)), state(fresh)._replace(records=clocks(fresh)))
+    before = state(s)
+    for bad in (
+        {"b": s.readers["b"].engine},
+        {"b": Engine(pair.source, 64)},
+        {"b": Engine(pair.target, 8)},
+        {"c": spare["b"]},
+    ):
+        with pytest.raises(ValueError, match="fork|Engine"):
+            s.fork(engines=bad)
+    assert same(state(s), before)
+
+
 def test_engine_generate_keeps_to_the_ids_every_model_reads(pair):
     wide = tiny("llama", vocab_size=160)  # its head writes ids 96..159 the source cannot read
     outputs = []

@@ -172,14 +172,17 @@ class _Reader:
                 layer.keys, layer.values = keys, values
         return cache
 
-    def copy(self) -> _Reader:
-        """The same model with its own copy of the cache (or a new engine of the same capacity, its slots up to the
-        length copied: the fork holds a second set of full-capacity buffers), segments and logits."""
+    def copy(self, engine: Engine | None = None) -> _Reader:
+        """The same model with its own copy of the cache (or its engine's slots up to the length copied into `engine`,
+        else into a new engine of the same capacity: a second set of full-capacity buffers), segments and logits."""
         logits = None if self.logits is None else self.logits.clone()
-        engine = None
         if self.engine is not None:
             own = self.engine
-            engine = Engine(own.model, own.capacity, own.graphs_enabled, own.backend)
+            if engine is None:
+                engine = Engine(own.model, own.capacity, own.graphs_enabled, own.backend)
+            elif engine is own or engine.model is not own.model or engine.capacity < own.capacity:
+                raise ValueError("a fork's engine must be another Engine of the same model, at least as large")
+            engine.truncate(0)
             if own.length:
                 engine.write(own.keys[:, :, : own.length], own.values[:, :, : own.length], 0)
         return _Reader(self.model, copy.deepcopy(self.cache), list(self.segments), logits, engine)
@@ -401,13 +404,17 @@ class Session:
             return self._ids[:0].clone(), None
         return self._ids[:length].clone(), reader.dynamic(length)  # on an engine: a DynamicCache of its slots
 
-    def fork(self) -> Session:
+    def fork(self, engines: dict[str, Engine] | None = None) -> Session:
         """An independent copy of the conversation: caches, segments, logits and records copied; models, routes,
         policy and the cost model (measurements of the hardware) shared. Either then evolves without the other. An
-        engine reader's fork is a new Engine of the same capacity: another full set of K/V buffers, 2 · L · H_kv ·
-        (capacity + 1) · d elements, and its own CUDA graphs."""
+        engine reader's fork copies its slots into `engines[name]` (an engine kept warm for forks: its CUDA graphs
+        are already captured) or else into a new Engine of the same capacity: another full set of K/V buffers,
+        2 · L · H_kv · (capacity + 1) · d elements, and its own graphs, captured on first use."""
+        engines = engines or {}
+        if set(engines) - {name for name, reader in self.readers.items() if reader.engine is not None}:
+            raise ValueError(f"fork engines {sorted(engines)} name models that are not on an engine in this session")
         twin = copy.copy(self)
-        twin.readers = {name: reader.copy() for name, reader in self.readers.items()}
+        twin.readers = {name: reader.copy(engines.get(name)) for name, reader in self.readers.items()}
         twin.routes = dict(self.routes)
         twin._ids = self._ids.clone()
         twin._records = self.records
