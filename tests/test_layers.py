@@ -33,7 +33,7 @@ FLOORS = [
     {"src.runtime.session"},
     {"src.eval"},  # the package: every src.eval.* module
     {"src.pipeline", "src.workloads"},
-    {"src.bench", "src.routed", "src.routed_runs", "src.sweep", "src.gate", "src.distributed"},
+    {"src.bench", "src.routed", "src.routed_runs", "src.routed_workloads", "src.sweep", "src.gate", "src.distributed"},
     {"src.report"},  # the package: every src.report.* module
     {"src.choose"},
     {"src.run"},
