@@ -14,7 +14,7 @@ from src.routed_workloads import WORKLOADS, examples
 
 REPO = Path(__file__).resolve().parents[1]
 DATA = REPO.parent / "shared/data"
-SMALL = {  # the fewest items that exercise each workload
+SMALL = {  # the fewest items that exercise each workload (a new workload runs at workload.limit=2 unless listed)
     "fewshot": ["workload.tasks=[arc_easy]", "workload.shots={arc_easy: 2}"],
     "passage": ["workload.tasks=[lambada]"],
     "switches": ["workload.tasks=[lambada]", "workload.switch_counts=[1,2]"],
@@ -32,13 +32,13 @@ def configured(workload: str, tmp_path: Path):
         "+experiment=routed", f"+workload={workload}", "workload.limit=2", "workload.rollback_items=1",
         "workload.rollback_tokens=2", "budget.sequences=8", "budget.seq_len=64", f"paths.data={DATA}",
         "tracking.backend=json", f"tracking.json_dir={tmp_path / 'records'}", "eval.diagnose.fidelity=true",
-        "eval.diagnose.prompts_per_task=1", *SMALL[workload],
+        "eval.diagnose.prompts_per_task=1", *SMALL.get(workload, []),
     ]  # fmt: skip
     with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
         return compose("run", overrides=overrides)
 
 
-@pytest.mark.parametrize("workload", sorted(SMALL))
+@pytest.mark.parametrize("workload", sorted(WORKLOADS))
 def test_each_workload_runs_from_its_registry_entry(workload, tmp_path, monkeypatch):
     if not (DATA / "eval").is_dir():
         pytest.skip("shared data not found")
@@ -53,9 +53,9 @@ def test_each_workload_runs_from_its_registry_entry(workload, tmp_path, monkeypa
     record = json.loads(path.read_text())
     metrics = {m["key"] for m in record["metrics"]}
     assert record["status"] == "FINISHED" and record["tags"]["workload"] == workload
-    back = workload in ("switches", "multiturn")  # the conversation comes back to the source
-    assert len(built) == (2 if back else 1) and WORKLOADS[workload].reverse == back  # that mapper only when needed
-    assert any(key.startswith("handoffs.target_to_source.") for key in metrics) == back
+    back = WORKLOADS[workload].reverse
+    assert len(built) == (2 if back else 1)  # the target → source mapper only when the conversation comes back
+    assert any(key.startswith("handoffs.target_to_source.") for key in metrics) == back  # … and exactly then
     assert ("switches.s2.mean.acc" in metrics) == (workload == "switches")
     assert ("fidelity.attention_output_cosine" in metrics) == (workload != "multiturn")
     assert {"task.mean.acc", "rollback_verified", "handoff_frequency"} <= metrics
