@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 from hydra import compose, initialize_config_dir
 
+import src.pipeline
 import src.routed
 from src.routed_workloads import WORKLOADS, examples
 
@@ -43,6 +44,7 @@ def test_each_workload_runs_from_its_registry_entry(workload, tmp_path, monkeypa
     if not (DATA / "eval").is_dir():
         pytest.skip("shared data not found")
     monkeypatch.setenv("KVRELAY_HOME", str(tmp_path / "home"))
+    monkeypatch.setattr(src.pipeline, "_MEMO", {})  # this test's pair and traces stay out of the process's memo
     built = []
     build_mapper = src.routed.build_mapper
     monkeypatch.setattr(
