@@ -34,6 +34,7 @@ import sys  # noqa: E402
 import tempfile  # noqa: E402
 import time  # noqa: E402
 from pathlib import Path  # noqa: E402
+from statistics import median_high  # noqa: E402
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
@@ -45,6 +46,7 @@ sys.path.insert(0, str(ROOT))  # run as a script from anywhere
 from src.apply import KVTransfer  # noqa: E402
 from src.artifact import save_mapper  # noqa: E402
 from src.distributed import GPU_ENV, fit_mapper_sharded, init_distributed  # noqa: E402
+from src.eval.latency import percentiles, synchronize, wall_ms  # noqa: E402
 from src.fit import STATISTICS, fit_mapper  # noqa: E402
 from src.forward import prefill  # noqa: E402
 from src.maps import cache_layers  # noqa: E402
@@ -74,16 +76,6 @@ def environment(device: torch.device) -> dict:
         "nccl": ".".join(map(str, torch.cuda.nccl.version())) if cuda else None,
         "env": {name: os.environ.get(name) for name in GPU_ENV},
     }
-
-
-def sync(*devices: torch.device) -> None:
-    for device in devices:
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-
-
-def median(values: list[float]) -> float:
-    return sorted(values)[len(values) // 2]
 
 
 # --------------------------------------------------------------------------- construction
@@ -139,12 +131,12 @@ def construction(args) -> None:
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
         dist.barrier()
-        sync(device)
+        synchronize(device)
         start, timings = time.perf_counter(), {}
         mapper = fit_mapper_sharded(
             shard, source_layers, head_index, **fit, statistics=args.statistics, timings=timings
         )
-        sync(device)
+        synchronize(device)
         dist.barrier()
         timings["wall_seconds"] = time.perf_counter() - start
         keys = sorted(key for key in timings if key.endswith("seconds"))
@@ -173,8 +165,10 @@ def construction(args) -> None:
         "statistics": args.statistics,
         "storage_dtype": args.storage,
         "runs": runs,
-        "median_seconds": median([run["wall_seconds"] for run in runs]),
-        "median_seconds_without_weights": median([run["wall_seconds"] - run["max_weights_seconds"] for run in runs]),
+        "median_seconds": median_high([run["wall_seconds"] for run in runs]),
+        "median_seconds_without_weights": median_high(
+            [run["wall_seconds"] - run["max_weights_seconds"] for run in runs]
+        ),
         "environment": environment(device),
     }
     if args.check:
@@ -191,10 +185,10 @@ def construction(args) -> None:
 def check(args, whole: Traces | None, mapper, source_layers, head_index, fit: dict, device: torch.device) -> dict:
     """One process, all rows, the same statistics path: max |Δ| / max |W| per tensor (goal ≤ 1e-6)."""
     whole = random_shard(args, 0, 1, device) if whole is None else whole
-    sync(device)
+    synchronize(device)
     began = time.perf_counter()
     reference = fit_mapper(whole, source_layers, head_index, statistics=args.statistics, **fit)
-    sync(device)
+    synchronize(device)
     seconds = time.perf_counter() - began
     largest = lambda a, b: float((a - b).abs().max() / b.abs().max())
     relative = {name: largest(getattr(mapper, name), getattr(reference, name)) for name in COEFFICIENTS}
@@ -238,25 +232,6 @@ def receiver(spec: dict, device: torch.device, args) -> KVTransfer:
     return KVTransfer(mapper, source, target, identity["tokenizer_hash"], compute, spec["apply_backend"])
 
 
-def timed(fn, repeats: int, warmup: int, devices: tuple, before=lambda: None) -> list[float]:
-    """Wall-clock ms of each of `repeats` calls after `warmup`, all `devices` synchronized before and after."""
-    times = []
-    for index in range(warmup + repeats):
-        before()
-        sync(*devices)
-        start = time.perf_counter()
-        fn()
-        sync(*devices)
-        if index >= warmup:
-            times.append((time.perf_counter() - start) * 1e3)
-    return times
-
-
-def percentiles(times: list[float], name: str) -> dict[str, float]:
-    t = torch.tensor(times, dtype=torch.float64)
-    return {f"{name}_ms_p50": float(t.quantile(0.5)), f"{name}_ms_p95": float(t.quantile(0.95))}
-
-
 def cache_shapes(spec: dict, length: int) -> list[tuple[int, ...]]:
     """S's cache at a prefix of `length` tokens: K, V per source layer, each [1, H_s, length, d_s]."""
     config = spec["source"]["config"]
@@ -282,7 +257,7 @@ def receive_side(transfer: KVTransfer, buffers: list, arrive, before, devices: t
     mapped = lambda: transfer(pairs, input_ids=prefix)
     first_token = lambda: transfer.target(turn, past_key_values=mapped(), logits_to_keep=1).logits[:, -1].argmax(-1)
     cache_bytes = sum(b.numel() * b.element_size() for b in buffers)
-    run = lambda fn, name, hook=(lambda: None): percentiles(timed(fn, args.repeats, args.warmup, devices, hook), name)
+    run = lambda fn, name, hook=(lambda: None): percentiles(wall_ms(fn, args.repeats, args.warmup, devices, hook), name)
     metrics = {"cache_bytes": cache_bytes}
     metrics |= run(arrive, "transport", before)
     metrics |= run(lambda: (arrive(), first_token()), "ttft_cross", before)
@@ -291,7 +266,7 @@ def receive_side(transfer: KVTransfer, buffers: list, arrive, before, devices: t
     if args.prefill_repeats:
         whole = torch.cat([prefix, turn], 1)
         reprefill = lambda: transfer.target(whole, logits_to_keep=1).logits[:, -1].argmax(-1)
-        metrics |= percentiles(timed(reprefill, args.prefill_repeats, 1, devices), "prefill")
+        metrics |= percentiles(wall_ms(reprefill, args.prefill_repeats, 1, devices), "prefill")
         metrics["speedup_cross_vs_prefill"] = metrics["prefill_ms_p50"] / metrics["ttft_cross_ms_p50"]
     metrics["transport_gbps"] = cache_bytes / metrics["transport_ms_p50"] / 1e6
     if device.type == "cuda":
@@ -333,7 +308,7 @@ def handoff(args) -> None:
                 dist.barrier()
                 for request in dist.batch_isend_irecv([dist.P2POp(dist.isend, t, 1) for t in tensors]):
                     request.wait()
-            sync(sender)
+            synchronize(sender)
             continue
         shapes = cache_shapes(spec, length)
         buffers = [torch.empty(shape, dtype=transfer.dtype, device=target_device) for shape in shapes]

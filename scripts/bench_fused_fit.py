@@ -23,6 +23,7 @@ import platform
 import sys
 import time
 from pathlib import Path
+from statistics import median_high
 
 import torch
 
@@ -39,6 +40,7 @@ from kernels.fused_fit import (  # noqa: E402
     triton_available,
 )
 from src.fit import fit_mapper  # noqa: E402
+from src.select import depth_layers  # noqa: E402
 from src.stats import Moments, reference_moments, ridge_solve, streaming_moments  # noqa: E402
 from src.support import gather_features, head_assignment  # noqa: E402
 from src.traces import Traces  # noqa: E402
@@ -46,14 +48,6 @@ from src.weighting import attn_repair_weights  # noqa: E402
 
 PATHS = ("generic", "streaming", "fused", "emulate", "fit")
 COMPONENTS = ("k", "v")
-
-
-def depth_layers(source_layers: int, target_layers: int, k: int) -> torch.Tensor:
-    """The k source layers nearest in relative depth to each target layer [L_t, k] (= src.select.depth_layers)."""
-    source_depth = torch.arange(source_layers) / max(source_layers - 1, 1)
-    target_depth = torch.arange(target_layers) / max(target_layers - 1, 1)
-    distance = (target_depth[:, None] - source_depth[None, :]).abs()  # [L_t, L_s]
-    return distance.argsort(dim=1, stable=True)[:, :k].sort(dim=1).values
 
 
 def random_traces(args, device: str, dtype: torch.dtype) -> dict[str, torch.Tensor]:
@@ -292,7 +286,7 @@ def measure(path: str, traces, weights, fit_traces, source_layers, head_index, a
         first = first or coefficients
         timing["bitwise_equal_to_first_run"] = bitwise_equal(coefficients, first)
         runs.append(timing)
-    seconds = sorted(run["seconds"] for run in runs)[len(runs) // 2]
+    seconds = median_high(run["seconds"] for run in runs)
     entry = {
         "runs": runs,
         "layers": layers,

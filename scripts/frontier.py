@@ -16,8 +16,8 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from tables import _metric, record_rows  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's src/, from anywhere
+from src.report.rows import metric, record_rows  # noqa: E402
 
 
 def series(
@@ -32,7 +32,7 @@ def series(
         recompute = float(row.get("params.eval.levers.recompute") or 0)
         label = f"recompute, {row.get('params.eval.levers.recompute_rule')} rule" if recompute else "no recompute"
         point = tuple(
-            _metric(row, n) for n in ("prefill_fraction", *(f"task.mean.loss_points{s}" for s in ("", "_low", "_high")))
+            metric(row, n) for n in ("prefill_fraction", *(f"task.mean.loss_points{s}" for s in ("", "_low", "_high")))
         )
         found.setdefault(panel, {}).setdefault(label, []).append(point)
     return {panel: {label: sorted(points) for label, points in labels.items()} for panel, labels in found.items()}

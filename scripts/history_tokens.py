@@ -18,7 +18,7 @@ from hydra import compose, initialize_config_dir
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from src.routed import examples  # noqa: E402
+from src.routed_workloads import examples  # noqa: E402
 
 
 def main() -> None:

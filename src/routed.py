@@ -9,7 +9,8 @@ same-model prefix hit), the median paired speedup with its seeded bootstrap CI, 
 of handoffs re-prefilled inside the routed session), prefill fraction spent, handoff frequency, refusals by context
 length and direction, GPU memory, throughput, rollback replayed on the workload's own items → tracking (metrics,
 per-item JSON, plots).
-Random weights: timing and plumbing only (tagged), never quality. The runners live in src/routed_runs.py.
+Random weights: timing and plumbing only (tagged), never quality. The runners live in src/routed_runs.py; which
+workload plays how: src/routed_workloads.py `WORKLOADS`.
 """
 
 from __future__ import annotations
@@ -30,16 +31,15 @@ from src.eval.latency import percentiles
 from src.eval.metrics import Interval
 from src.models import Pair
 from src.pipeline import build_mapper, calibration, load, tags, vocab_size
-from src.routed_runs import LENGTH_EDGES, Run, bucket, multiturn, rollback, single_turn, switches, task_scores
+from src.routed_runs import LENGTH_EDGES, Run, bucket, rollback, task_scores
+from src.routed_workloads import WORKLOADS
 from src.runtime.levers import Levers
 from src.runtime.routing import Policy, Route, bind
 from src.tasks import METRICS
-from src.workloads import Bytes, calibration_files, fewshot, passage
+from src.workloads import Bytes
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
-
-NEEDS_REVERSE = ("multiturn", "switches")  # the conversation comes back to the source
 
 
 def routes(cfg: DictConfig, pair: Pair, reverse: bool) -> tuple[dict[tuple[str, str], Route], dict]:
@@ -56,17 +56,6 @@ def routes(cfg: DictConfig, pair: Pair, reverse: bool) -> tuple[dict[tuple[str, 
             oriented.source, oriented.target, mappers[key], pair.tokenizer_hash, compute, cfg.pair.apply_backend
         )
     return bound, mappers
-
-
-def examples(cfg: DictConfig, name: str) -> list:
-    """The fewshot / passage items of every task of the workload."""
-    w, data = cfg.workload, cfg.paths.data
-    if name == "fewshot":
-        seen = calibration_files(cfg.budget.corpus) if not cfg.budget.synthetic else frozenset()
-        return [ex for task in w.tasks for ex in fewshot(data, task, w.limit, w.shots[task], cfg.seed, seen, w.split)]
-    if name == "passage":
-        return [ex for task in w.tasks for ex in passage(data, task, w.limit, w.split)]
-    raise ValueError(f"unknown example workload {name!r}: fewshot or passage")
 
 
 def quality(items: list[dict], n_boot: int, seed: int, prefix: str = "task") -> dict[str, float]:
@@ -273,8 +262,11 @@ def routed(cfg: DictConfig) -> float:
     """Run the configured workload through the router session; returns the routed task-mean accuracy."""
     torch.manual_seed(cfg.seed)
     w = cfg.workload
+    if w.name not in WORKLOADS:
+        raise ValueError(f"unknown workload {w.name!r}: one of {sorted(WORKLOADS)} (src/routed_workloads.py WORKLOADS)")
+    workload = WORKLOADS[w.name]
     pair = load(cfg)
-    bound, mappers = routes(cfg, pair, w.name in NEEDS_REVERSE)
+    bound, mappers = routes(cfg, pair, workload.reverse)
     tokenizer = pair.tokenizer if pair.tokenizer is not None else Bytes(vocab_size(pair))
     policy = Policy(w.policy, Levers(**cfg.eval.levers), w.max_length_factor, w.guard_max_abs)
     run = Run({"source": pair.source, "target": pair.target}, bound, policy, tokenizer, w.warmup, w.same_work_every)
@@ -282,41 +274,32 @@ def routed(cfg: DictConfig) -> float:
     run_name = f"{cfg.pair.name}:routed:{w.name}:{method}:{w.policy}" + (":valid" if w.split == "valid" else "")
     run_tags = tags(cfg, pair, "routed") | {"workload": w.name, "method": method, "policy": w.policy, "split": w.split}
     with tracking.job_run(cfg, run_name, run_tags) as tracked:
+        played = workload.play(run, cfg)
         curve: dict[int, dict[str, float]] = {}
-        if w.name == "multiturn":
-            items, records, turns, replays = multiturn(
-                run, cfg.paths.data, w.tasks, w.limit, w.turns, w.escalation, w.split
-            )
-        else:
-            chosen = examples(cfg, w.base if w.name == "switches" else w.name)
-            if w.name == "switches":
-                items, records, per_count = switches(run, chosen, w.switch_counts)
-                for count, rows in per_count.items():
-                    scores = quality(rows, cfg.eval.tasks.n_boot, cfg.seed, f"switches.s{count}")
-                    tracked.metrics(scores)
-                    curve[count] = {k.rsplit(".", 1)[-1]: v for k, v in scores.items() if ".mean." in k}
-            else:
-                items, records = single_turn(run, chosen)
-            turns = len(items)
-            replays = [(run.encode(ex.history), run.groups(ex.item)[0][0]) for ex in chosen]
+        for count, rows in played.per_switches.items():
+            scores = quality(rows, cfg.eval.tasks.n_boot, cfg.seed, f"switches.s{count}")
+            tracked.metrics(scores)
+            curve[count] = {k.rsplit(".", 1)[-1]: v for k, v in scores.items() if ".mean." in k}
+        items = played.items
         metrics = quality(items, cfg.eval.tasks.n_boot, cfg.seed) | timing(items, cfg.eval.tasks.n_boot, cfg.seed)
-        metrics |= handoffs(records, turns)
+        metrics |= handoffs(played.records, played.turns)
         transfer = bound[("source", "target")].transfer
-        if cfg.eval.diagnose.fidelity and w.name != "multiturn" and transfer is not None:  # the histories mapped
-            histories = [run.encode(ex.history) for ex in chosen[: cfg.eval.diagnose.prompts_per_task * len(w.tasks)]]
+        if cfg.eval.diagnose.fidelity and played.examples and transfer is not None:  # the histories mapped
+            shown = played.examples[: cfg.eval.diagnose.prompts_per_task * len(w.tasks)]
+            histories = [run.encode(ex.history) for ex in shown]
             metrics |= {f"fidelity.{k}": v for k, v in cache_fidelity(transfer, histories).items()}
         bind_args = (pair.tokenizer_hash, getattr(torch, cfg.pair.compute_dtype), cfg.pair.apply_backend)
         mapper = mappers[("source", "target")]
-        metrics |= rollback(run, mapper, replays[: w.rollback_items], w.rollback_tokens, bind_args)
+        metrics |= rollback(run, mapper, played.replays[: w.rollback_items], w.rollback_tokens, bind_args)
         metrics |= run.throughput()
         peaks = [value for key, value in metrics.items() if key.startswith("gpu_peak_mb.")]
         if peaks:  # per-path peaks (each timed switch resets the counter)
             metrics["gpu_peak_memory_mb"] = max(peaks)
         tracked.metrics(metrics)
-        tracked.dict({"items": items, "handoffs": records, "policy": repr(policy)}, "routed/items.json")
+        tracked.dict({"items": items, "handoffs": played.records, "policy": repr(policy)}, "routed/items.json")
         for path, figure in _plots(items, curve).items():
             tracked.figure(figure, path)
-    print(f"\n{run_name}  (weights={pair.weights}, {len(items)} scored turns, {len(records)} switches)")
+    print(f"\n{run_name}  (weights={pair.weights}, {len(items)} scored turns, {len(played.records)} switches)")
     for name, value in sorted(metrics.items()):
         print(f"  {name:<48} {value:12.4f}")
     return float(metrics["task.mean.acc"])

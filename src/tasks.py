@@ -15,6 +15,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+import yaml
+
 TASKS = ("hellaswag", "arc_easy", "arc_challenge", "winogrande", "piqa", "mmlu", "lambada", "boolq")
 
 # what lm-eval reports per task, the usual headline metric first; acc_norm divides each choice's
@@ -85,9 +87,9 @@ def choice_lengths(item: Item) -> list[int]:
 
 
 SPLITS = ("test", "valid")  # the scored items that are reported | items no reported run scores, for choices only
-REPORTED_LIMITS = (50, 100)  # the item limits of reported (test) runs: no validation item is one of their items
-# … and of one task's: the long-history ARC runs (100-shot: 40 items; 200-shot: 20 and 120 items; H200, 2026-12-04)
-REPORTED_TASK_LIMITS = {"arc_easy": (20, 40, 120), "arc_challenge": (20, 40, 120)}
+_REPORTED = yaml.safe_load((Path(__file__).resolve().parents[1] / "conf/reported.yaml").read_text())
+REPORTED_LIMITS = tuple(_REPORTED["limits"])  # the item limits of reported (test) runs: never validation items
+REPORTED_TASK_LIMITS = {task: tuple(limits) for task, limits in _REPORTED["tasks"].items()}  # … and of one task's
 
 
 def subsample(count: int, limit: int | None, split: str = "test", task: str = "") -> list[int]:

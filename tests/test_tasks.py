@@ -19,6 +19,7 @@ from src.tasks import (
     choice_lengths,
     hellaswag_preprocess,
     load_task,
+    reported,
     subsample,
 )
 
@@ -205,6 +206,23 @@ def test_a_tasks_own_reported_limits_are_no_validation_items(task):
     for cap in REPORTED_TASK_LIMITS[task]:
         assert not set(valid) & set(subsample(count, cap)), cap
     assert subsample(count, 30, "valid", "boolq") == subsample(count, 30, "valid")
+
+
+@pytest.mark.parametrize(
+    ("task", "count", "limit", "first", "last", "reported_count"),
+    [
+        ("arc_challenge", 1_172, 20, [30, 91, 150, 210, 267, 326], [1032, 1090, 1138], 280),
+        ("arc_easy", 2_376, 60, [17, 56, 97, 135, 174, 214], [2236, 2274, 2310], 347),
+        ("boolq", 3_270, 40, [40, 121, 204, 285, 367, 449], [3065, 3147, 3227], 186),
+        ("", 1_000, 10, [51, 151, 251, 351, 451, 551], [751, 851, 951], 100),
+    ],
+)
+def test_the_reported_limits_select_the_recorded_validation_items(task, count, limit, first, last, reported_count):
+    """The reported limits (conf/reported.yaml, a record of past runs) select the very validation items they selected
+    when they lived in src/tasks.py: recorded validation grids keep their items."""
+    valid = subsample(count, limit, "valid", task)
+    assert valid[:6] == first and valid[-3:] == last and len(valid) == limit
+    assert len(reported(count, limit, task)) == reported_count
 
 
 @pytest.mark.parametrize(("count", "limit"), [(10, None), (10, 3), (100, 1), (300, 150), (5_000, None)])

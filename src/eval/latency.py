@@ -1,7 +1,8 @@
 """Handoff latency: mapping a present source cache vs the target re-prefilling the same prefix.
 
 Timing discipline: warm-up, then `repeats` timed calls; CUDA events on GPU (synchronized), wall
-clock on CPU; the methods are measured side by side in one process.
+clock on CPU; the methods are measured side by side in one process. Work across devices (a cross-GPU handoff):
+`wall_ms`, every device synchronized around each call.
 """
 
 from __future__ import annotations
@@ -33,6 +34,35 @@ def time_ms(fn: Callable[[], object], repeats: int, warmup: int, device: torch.d
         else:
             began = time.perf_counter()
             fn()
+            times.append((time.perf_counter() - began) * 1e3)
+    return times
+
+
+def synchronize(*devices: torch.device) -> None:
+    """Wait for every CUDA device among `devices` (CPU devices have nothing in flight)."""
+    for device in devices:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
+
+def wall_ms(
+    fn: Callable[[], object],
+    repeats: int,
+    warmup: int,
+    devices: tuple[torch.device, ...],
+    before: Callable[[], object] = lambda: None,
+) -> list[float]:
+    """Wall-clock milliseconds of each of `repeats` calls of fn after `warmup` untimed ones, every device of
+    `devices` synchronized before and after each call and `before()` (e.g. a barrier) run untimed first: work that
+    spans devices or processes, which one device's CUDA events cannot time."""
+    times = []
+    for index in range(warmup + repeats):
+        before()
+        synchronize(*devices)
+        began = time.perf_counter()
+        fn()
+        synchronize(*devices)
+        if index >= warmup:
             times.append((time.perf_counter() - began) * 1e3)
     return times
 

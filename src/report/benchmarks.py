@@ -1,0 +1,86 @@
+"""BENCHMARKS.md's marked tables: which record set each is built from, the rebuild, and the check.
+
+A marked table sits between `<!-- table: NAME -->` and `<!-- /table -->`; NAME is a key of TABLES, which names its
+record set (a folder under results/) and the function that renders it.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+from functools import partial
+from pathlib import Path
+
+from src.report.engine_table import engine
+from src.report.quality_tables import quickstart
+from src.report.routed_tables import routed, routed_paired, routed_switches, routed_tasks
+from src.report.rows import Row, record_rows
+
+ROOT = Path(__file__).resolve().parents[2]
+RESULTS, BENCHMARKS = ROOT / "results", ROOT / "BENCHMARKS.md"
+MARKED = re.compile(r"(<!-- table: (\S+) -->\n)(.*?)(<!-- /table -->)", re.S)
+
+
+@dataclass(frozen=True)
+class Table:
+    run_sets: tuple[str, ...]  # folders under results/
+    render: Callable[[list[Row]], str]
+
+
+ROUTED, LEVERS, FITS = "routed-h200-2026-12-03", "routed2-h200-2026-12-03", "routed3-h200-2026-12-04"
+BF16 = "routed4-h200-2026-12-04"
+ENGINE = "engine-h200-2026-12-05"
+TABLES: dict[str, Table] = {
+    "quickstart": Table(("quickstart-cpu",), quickstart),
+    "routed": Table((ROUTED,), routed),
+    "routed_tasks": Table((ROUTED,), routed_tasks),
+    "routed_switches": Table((ROUTED,), routed_switches),
+    "routed_levers": Table((LEVERS,), routed),
+    "routed_levers_tasks": Table((LEVERS,), routed_tasks),
+    "routed_levers_paired": Table((ROUTED, LEVERS), routed_paired),
+    "routed_fits": Table((FITS,), routed),
+    "routed_fits_tasks": Table((FITS,), routed_tasks),
+    "routed_fits_paired": Table((ROUTED, FITS), partial(routed_paired, run_set=FITS)),
+    "routed_bf16": Table((BF16,), routed),
+    "routed_bf16_tasks": Table((BF16,), routed_tasks),
+    "routed_bf16_paired": Table((ROUTED, LEVERS, FITS, BF16), partial(routed_paired, run_set=BF16)),
+    "engine": Table((ENGINE,), engine),
+}
+
+
+def build(name: str, results: Path = RESULTS) -> str:
+    """The table NAME rebuilt from its record set."""
+    if name not in TABLES:
+        raise ValueError(f"no table {name!r} in src/report/benchmarks.py TABLES (registered: {sorted(TABLES)})")
+    table = TABLES[name]
+    rows = [row for run_set in table.run_sets for row in record_rows(results / run_set)]
+    if not rows:
+        raise ValueError(
+            f"table {name!r}: {[str(results / s) for s in table.run_sets]}: none holds a FINISHED record.json"
+        )
+    return table.render(sorted(rows, key=lambda row: (row["start_time"], row["name"])))
+
+
+def marked(text: str) -> dict[str, str]:
+    """NAME → the table text between its markers (without the trailing newline)."""
+    found: dict[str, str] = {}
+    for match in MARKED.finditer(text):
+        if match.group(2) in found:
+            raise ValueError(f"table {match.group(2)!r} is marked twice")
+        found[match.group(2)] = match.group(3).rstrip("\n")
+    return found
+
+
+def rebuild(text: str, results: Path = RESULTS) -> str:
+    """`text` with every marked table replaced by its rebuild; a registered table without a marker is an error."""
+    missing = sorted(set(TABLES) - set(marked(text)))
+    if missing:
+        raise ValueError(f"registered tables without a `<!-- table: NAME -->` marker in BENCHMARKS.md: {missing}")
+    return MARKED.sub(lambda m: f"{m.group(1)}{build(m.group(2), results)}\n{m.group(4)}", text)
+
+
+def stale(text: str, results: Path = RESULTS) -> list[str]:
+    """Names of the marked tables whose text differs from their rebuild."""
+    fresh = marked(rebuild(text, results))
+    return [name for name, table in marked(text).items() if table != fresh[name]]

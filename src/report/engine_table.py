@@ -1,0 +1,46 @@
+"""The handoff-TTFT table (+experiment=handoff, src/eval/ttft.py): per history length and engine."""
+
+from __future__ import annotations
+
+from src.report.rows import Row, at_step, fmt, provenance
+
+
+def engine(rows: list[Row]) -> str:
+    """Handoff TTFT per history length on each engine (+experiment=handoff, src/eval/ttft.py): the map alone, each
+    engine's map (routed TTFT) / faster re-prefill / prefix hit (ms, p50), the routed speedup and routed / hit on the
+    graph engine, fused recompute's speedups; one block per record."""
+    lines = []
+    for row in rows:
+        if row.get("params.job") != "handoff":
+            continue
+        engines = [e for e in ("hf", "static", "graph") if f"series.ttft.{e}.map_ms_p50" in row]
+        shares = sorted(
+            key.removeprefix("series.speedup.graph.recompute_")
+            for key in row
+            if key.startswith("series.speedup.graph.recompute_")
+        )
+        arrow = str(row.get("tags.direction", "?")).replace("qwen25coder_", "").replace("_to_", " → ")
+        lines += [
+            f"{arrow}, {row.get('params.pair.dtype')}, random weights, new turn {row.get('params.eval.handoff.new_turn')}"
+            f" tokens — {provenance(row)}",
+            "",
+            "| history | map alone | "
+            + " | ".join(f"{e}: map / re-prefill / hit (ms)" for e in engines)
+            + " | graph: speedup, routed / hit | "
+            + " | ".join(f"recompute {float(r):.0%}" for r in shares)
+            + " |",
+            "|" + "---|" * (3 + len(engines) + len(shares)),
+        ]
+        for step in sorted(row["series.map_ms_p50"]):
+            cells = [f"{step:,}", fmt(at_step(row, "map_ms_p50", step), 2)]
+            for e in engines:
+                base = "reprefill_best" if f"series.ttft.{e}.reprefill_best_ms_p50" in row else "reprefill"
+                cells.append(
+                    " / ".join(fmt(at_step(row, f"ttft.{e}.{p}_ms_p50", step), 1) for p in ("map", base, "hit"))
+                )
+            speedup, ratio = at_step(row, "speedup.graph.map", step), at_step(row, "graph.map_over_hit", step)
+            cells.append(f"{fmt(speedup, 2)}×, {fmt(ratio, 2)}×")
+            cells += [f"{fmt(at_step(row, f'speedup.graph.recompute_{r}', step), 2)}×" for r in shares]
+            lines.append("| " + " | ".join(cells) + " |")
+        lines.append("")
+    return "\n".join(lines).rstrip()

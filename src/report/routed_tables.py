@@ -1,0 +1,194 @@
+"""The routed-workload tables (src/routed.py runs): one row per run, per task, after s switches, and levers paired on
+the same items; each run's gate verdict (src/gate.py) beside its numbers."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from omegaconf import OmegaConf
+
+from src.gate import backfill, judge_run
+from src.report.rows import Row, fmt, metric, slashed
+from src.routed import paired_gain, quality
+from src.tracking import read_items, require
+
+FEWSHOT = Path(__file__).resolve().parents[2] / "conf/workload/fewshot.yaml"
+FEWSHOT_SHOTS = dict(OmegaConf.load(FEWSHOT).shots)  # a run with more shows its count
+
+
+def _ci(row: Row, name: str) -> str:
+    """'value [low, high]' of a metric logged with its `_low` / `_high` paired bootstrap CI."""
+    return f"{fmt(metric(row, name))} [{fmt(metric(row, name + '_low'), 0)}, {fmt(metric(row, name + '_high'), 0)}]"
+
+
+def _loss(row: Row, prefix: str) -> str:
+    """Loss in points of `<prefix>.loss_points` with its CI."""
+    return _ci(row, f"{prefix}.loss_points")
+
+
+def routed_label(row: Row) -> str:
+    levers = [
+        f"{name}={row[f'params.eval.levers.{name}']}"
+        for name in ("native_sink", "hold_back", "native_layers", "recompute")
+        if row.get(f"params.eval.levers.{name}") not in (None, "0", "0.0")
+    ]
+    if levers and row.get("params.eval.levers.recompute") not in (None, "0", "0.0"):
+        levers.append(f"rule={row.get('params.eval.levers.recompute_rule')}")
+    if row.get("params.fit.v_space", "token") != "token":  # lever 3: the mapper fitted where the receiver reads
+        levers.append(f"V fit in {row['params.fit.v_space']} space")
+    if row.get("params.budget.continuation") not in (None, "0", "0.0"):  # lever 4: calibration the target wrote
+        levers.append(f"calibration {float(row['params.budget.continuation']):.0%} target-greedy")
+    if row.get("params.workload.policy", "map") != "map":  # the session chose per handoff (src/runtime/session.py)
+        levers.insert(0, f"policy {row['params.workload.policy']}")
+    arrow = str(row.get("tags.direction", "?")).replace("qwen25coder_", "").replace("_to_", " → ")
+    notes = ["validation items"] if row.get("tags.split") == "valid" else []
+    longer = [n for task, k in FEWSHOT_SHOTS.items() if (n := int(row.get(f"params.workload.shots.{task}", k))) > k]
+    notes += [f"{max(longer)} shots"] if row.get("tags.workload") == "fewshot" and longer else []
+    notes += ["bf16"] if row.get("params.pair.dtype") == "bfloat16" else []  # the models' weights and compute
+    items = f" ({', '.join(notes)})" if notes else ""
+    return f"{row.get('tags.workload')}{items} | {arrow} | {', '.join(levers) or 'pure transfer'}"
+
+
+def _gate(row: Row) -> str:
+    """The gate's verdict on this run (src/gate.py judge_run), with the criteria that did not pass."""
+    metrics = {k[len("metrics.") :]: v for k, v in row.items() if k.startswith("metrics.")}
+    params = {k[len("params.") :]: v for k, v in row.items() if k.startswith("params.")}
+    metrics = backfill(metrics, _items(row), params)
+    tags = {k[len("tags.") :]: str(v) for k, v in row.items() if k.startswith("tags.")}
+    failing = [v for v in judge_run(metrics, tags) if not v.passed]
+    names = {
+        "latency: end-to-end TTFT speedup": "latency",
+        "latency harness: same work alike": "latency harness",
+        "quality: loss vs all-re-prefill": "quality",
+        "prefill fraction spent": "prefill",
+    }
+    reasons = ", ".join(f"{names.get(v.criterion, v.criterion)} {v.status}" for v in failing)
+    return f"FAIL ({reasons})" if failing else "PASS"
+
+
+def _floor(row: Row) -> str:
+    """Source alone minus the routed session on the mean, points [95 % CI] (> 0: escalating made answers worse);
+    recomputed from the run's per-item scores (src/routed.py `quality`) where the record predates the metric."""
+    name = "task.mean.below_source_points"
+    if f"metrics.{name}" not in row:
+        path = row["record"]
+        n_boot, seed = (int(require(row, f"params.{key}", path)) for key in ("eval.tasks.n_boot", "seed"))
+        found = quality(_items(row), n_boot, seed)
+        row = row | {f"metrics.{key}": value for key, value in found.items()}
+    return _ci(row, name)
+
+
+def routed(rows: list[Row]) -> str:
+    """One row per routed-workload run (src/routed.py): accuracy vs the all-re-prefill session, TTFT per path,
+    prefill spent, handoffs, rollback, and the gate's verdict on that run alone."""
+    lines = [
+        "| workload | direction | levers | scored turns | acc routed / all-native / source (%) "
+        "| mean loss pt [95 % CI] | below the source pt [95 % CI] | TTFT p50 routed / re-prefill / hit (ms) "
+        "| p95 routed / re-prefill (ms) "
+        "| TTFT speedup (median paired) | prefill spent | handoffs per turn | rollback | gate |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for row in rows:
+        turns = sum(
+            v for k, v in row.items() if k.startswith("metrics.task.") and k.endswith(".items") and ".mean." not in k
+        )
+        lines.append(
+            f"| {routed_label(row)} | {turns:.0f} "
+            f"| {' / '.join(fmt(metric(row, f'task.mean.{n}'), 1, 100) for n in ('acc', 'acc_target', 'acc_source'))} "
+            f"| {_loss(row, 'task.mean')} | {_floor(row)} "
+            f"| {slashed(row, ('ttft.routed_ms_p50', 'ttft.reprefill_ms_p50', 'ttft.hit_ms_p50'))} "
+            f"| {slashed(row, ('ttft.routed_ms_p95', 'ttft.reprefill_ms_p95'))} "
+            f"| {fmt(metric(row, 'ttft_speedup'), 2)}× | {fmt(metric(row, 'prefill_fraction'), 0, 100)} % "
+            f"| {fmt(metric(row, 'handoff_frequency'), 2)} "
+            f"| {'verified' if metric(row, 'rollback_verified') == 1.0 else 'NOT verified'} | {_gate(row)} |"
+        )
+    return "\n".join(lines)
+
+
+def routed_tasks(rows: list[Row]) -> str:
+    """Per task of each routed run: routed accuracy (%) and loss in points vs the all-native session [95 % CI]."""
+    lines = [
+        "| workload | direction | levers | task: acc routed / all-native (loss pt [95 % CI]) |",
+        "|---|---|---|---|",
+    ]
+    for row in rows:
+        tasks = sorted(
+            {k.split(".")[2] for k in row if k.startswith("metrics.task.") and k.endswith(".acc")} - {"mean"}
+        )
+        cells = [
+            f"{task} {fmt(metric(row, f'task.{task}.acc'), 0, 100)} / {fmt(metric(row, f'task.{task}.acc_target'), 0, 100)}"
+            f" ({_loss(row, f'task.{task}')})"
+            for task in tasks
+        ]
+        lines.append(f"| {routed_label(row)} | {'; '.join(cells)} |")
+    return "\n".join(lines)
+
+
+def routed_switches(rows: list[Row]) -> str:
+    """Final-turn quality after s model switches (the switches workload): per s, the mean and each task."""
+    (row,) = [row for row in rows if row.get("tags.workload") == "switches"]
+    keys = [k.split(".") for k in row if k.startswith("metrics.switches.s")]  # metrics.switches.s<N>.<task>.<name>
+    counts, tasks = sorted({int(k[2][1:]) for k in keys}), sorted({k[3] for k in keys} - {"mean"})
+    lines = [
+        "| switches | mean acc routed / all-native / source (%) | mean loss pt [95 % CI] | "
+        + " | ".join(f"{task} loss pt [95 % CI]" for task in tasks)
+        + " | NLL routed / all-native (reference answers) |",
+        "|---|---|---|" + "---|" * len(tasks) + "---|",
+    ]
+    for s in counts:
+        prefix = f"switches.s{s}"
+        acc = (f"{prefix}.mean.acc", f"{prefix}.mean.acc_target", f"{prefix}.mean.acc_source")
+        lines.append(
+            f"| {s} | {' / '.join(fmt(metric(row, name), 1, 100) for name in acc)} | {_loss(row, f'{prefix}.mean')} | "
+            + " | ".join(_loss(row, f"{prefix}.{task}") for task in tasks)
+            + f" | {slashed(row, (f'{prefix}.mean.nll_routed', f'{prefix}.mean.nll_native_target'), 3)} |"
+        )
+    return "\n".join(lines)
+
+
+def _items(row: Row) -> list[dict]:
+    """The per-item rows of a routed record (artifacts/routed/items.json beside it); a damaged file names itself."""
+    return read_items(Path(str(row["record"])).parent)
+
+
+def routed_paired(rows: list[Row], run_set: str | None = None) -> str:
+    """Levers compared on the same items (src/routed.py `paired_gain`): within one direction and workload (its shots,
+    dtype and item split), every two recompute runs whose prefill spent differs by ≤ 5 points (equal compute), and every lever run
+    against pure transfer (with `run_set`: only pairs with a run of that results/ folder), when they share at least
+    half the items of the smaller run. Accuracy of the first minus the second, points [95 % CI]."""
+    group = lambda r: routed_label(r).split(" | ")[:2]  # workload (its shots, dtype, item split) and direction
+    recompute = lambda r: float(r.get("params.eval.levers.recompute") or 0) > 0
+    pure = lambda r: routed_label(r).endswith("pure transfer")
+    pairs = []
+    for i, first in enumerate(rows):
+        for second in rows[i + 1 :]:
+            if group(first) != group(second) or (
+                run_set
+                and run_set not in Path(str(first["record"])).parts
+                and run_set not in Path(str(second["record"])).parts
+            ):
+                continue
+            spent = abs(metric(first, "prefill_fraction") - metric(second, "prefill_fraction"))
+            if recompute(first) and recompute(second) and spent <= 0.05:
+                pairs.append((first, second))
+            elif pure(first) != pure(second):
+                pairs.append((second, first) if pure(first) else (first, second))
+    lines = [
+        "| workload | direction | run A | run B | prefill A / B | items paired | acc A − B, pt [95 % CI] |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    key = lambda item: (item["task"], item["index"])
+    for first, second in pairs:
+        mine, theirs = _items(first), _items(second)
+        shared = len({key(item) for item in mine} & {key(item) for item in theirs})
+        if 2 * shared < min(len(mine), len(theirs)):  # other item limits: a few items in common say nothing
+            continue
+        n_boot, seed = (int(require(first, f"params.{key}", first["record"])) for key in ("eval.tasks.n_boot", "seed"))
+        found = paired_gain(mine, theirs, n_boot, seed)
+        workload, arrow, levers = routed_label(first).split(" | ")
+        lines.append(
+            f"| {workload} | {arrow} | {levers} | {routed_label(second).split(' | ')[2]} "
+            f"| {fmt(metric(first, 'prefill_fraction'), 0, 100)} / {fmt(metric(second, 'prefill_fraction'), 0, 100)} % "
+            f"| {shared} | {100 * found.estimate:+.1f} [{100 * found.low:+.0f}, {100 * found.high:+.0f}] |"
+        )
+    return "\n".join(lines)
