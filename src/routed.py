@@ -33,6 +33,7 @@ from src.models import Pair
 from src.pipeline import build_mapper, calibration, load, tags, vocab_size
 from src.routed_runs import LENGTH_EDGES, Run, bucket, rollback, task_scores
 from src.routed_workloads import WORKLOADS
+from src.runtime.engine import Engine
 from src.runtime.levers import Levers
 from src.runtime.routing import Policy, Route, bind
 from src.tasks import METRICS
@@ -258,6 +259,10 @@ def _plots(items: list[dict], curve: dict[int, dict[str, float]]) -> dict[str, p
     return figures
 
 
+ENGINE_WORKLOADS = ("fewshot", "passage")  # single-turn runners: every session and timed path on the engine
+ENGINE_KINDS = ("routed", "reprefill", "twin")  # a session kind each; twins are the same-work forks
+
+
 def routed(cfg: DictConfig) -> float:
     """Run the configured workload through the router session; returns the routed task-mean accuracy."""
     torch.manual_seed(cfg.seed)
@@ -265,14 +270,25 @@ def routed(cfg: DictConfig) -> float:
     if w.name not in WORKLOADS:
         raise ValueError(f"unknown workload {w.name!r}: one of {sorted(WORKLOADS)} (src/routed_workloads.py WORKLOADS)")
     workload = WORKLOADS[w.name]
+    if w.engine_capacity is not None and w.name not in ENGINE_WORKLOADS:
+        raise ValueError(f"workload.engine_capacity: the {w.name} workload does not run on the engine yet "
+                         f"(only {ENGINE_WORKLOADS}); set it to null")  # fmt: skip
     pair = load(cfg)
     bound, mappers = routes(cfg, pair, workload.reverse)
     tokenizer = pair.tokenizer if pair.tokenizer is not None else Bytes(vocab_size(pair))
     policy = Policy(w.policy, Levers(**cfg.eval.levers), w.max_length_factor, w.guard_max_abs)
-    run = Run({"source": pair.source, "target": pair.target}, bound, policy, tokenizer, w.warmup, w.same_work_every)
+    models = {"source": pair.source, "target": pair.target}
+    engines = {}
+    if w.engine_capacity is not None:  # every kind of session on engines of its own, kept across items
+        engines = {kind: {n: Engine(m, w.engine_capacity) for n, m in models.items()} for kind in ENGINE_KINDS}
+    run = Run(models, bound, policy, tokenizer, w.warmup, w.same_work_every, engines=engines)
     method = mappers[("source", "target")].manifest.get("method", "mapper")
     run_name = f"{cfg.pair.name}:routed:{w.name}:{method}:{w.policy}" + (":valid" if w.split == "valid" else "")
     run_tags = tags(cfg, pair, "routed") | {"workload": w.name, "method": method, "policy": w.policy, "split": w.split}
+    graphs = any(e.graphs_enabled for kind in engines.values() for e in kind.values())
+    run_tags["engine"] = (
+        ("graph" if graphs else "static") if engines else "hf"
+    )  # the receiver runtime every path ran on
     with tracking.job_run(cfg, run_name, run_tags) as tracked:
         played = workload.play(run, cfg)
         curve: dict[int, dict[str, float]] = {}

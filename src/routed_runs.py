@@ -27,6 +27,7 @@ from transformers import DynamicCache, PreTrainedModel
 from src.artifact import Mapper
 from src.eval.accuracy import TaskScores, encode_pair
 from src.eval.scoring import score_continuations
+from src.runtime.engine import Engine
 from src.runtime.routing import CostModel, Policy, Route, bind
 from src.runtime.session import HandoffRecord, Session
 from src.tasks import METRICS, Item, choice_lengths
@@ -77,6 +78,7 @@ class Run:
     warmup: int
     same_work_every: int
     costs: CostModel = field(default_factory=CostModel)
+    engines: dict[str, dict[str, Engine]] = field(default_factory=dict)  # kind → model → Engine, kept across items
     seconds: dict[str, float] = field(default_factory=lambda: {"routed": 0.0, "reprefill": 0.0})
     tokens: int = 0
     items: int = 0
@@ -93,10 +95,12 @@ class Run:
         return n % self.same_work_every == 0
 
     def session(self, kind: str) -> Session:
-        """`routed`: the workload's policy; `reprefill`: a session that never tries a transfer."""
+        """`routed`: the workload's policy; `reprefill`: a session that never tries a transfer. With engines, each
+        kind's session holds its models on that kind's engines (emptied first: one session of a kind at a time)."""
+        engines = self.engines.get(kind)
         if kind == "routed":
-            return Session(self.models, self.routes, self.policy, self.costs)
-        return Session(self.models, {}, Policy(mode="reprefill"), self.costs)
+            return Session(self.models, self.routes, self.policy, self.costs, engines=engines)
+        return Session(self.models, {}, Policy(mode="reprefill"), self.costs, engines=engines)
 
     def warmed(self) -> None:
         """The warm-up turns are over: forget their clock (throughput) and their costs (the `auto` policy's line must
@@ -154,13 +158,15 @@ def _first_token(session: Session, receiver: str, turn: torch.Tensor):
     return _timed(session.readers[receiver].model, switch)
 
 
-def _same_work(session: Session, receiver: str, turn: torch.Tensor) -> tuple[float, float]:
+def _same_work(
+    session: Session, receiver: str, turn: torch.Tensor, engines: dict[str, Engine] | None = None
+) -> tuple[float, float]:
     """This handoff re-prefilled in a copy of the session — its caches, its conversation, policy `reprefill`, a cost
     model of its own (the routed policy's costs stay untouched): the baseline's work, timed on the routed session's
     clock and harness. Returns (TTFT ms, wall seconds of the whole check, copy included: not the routed session's
-    throughput). The session itself is left as it was."""
+    throughput). The session itself is left as it was; engine readers fork into `engines` (kept warm)."""
     began = time.perf_counter()
-    twin = session.fork()  # caches copied; policy and cost model replaced on the copy alone
+    twin = session.fork(engines)  # caches copied; policy and cost model replaced on the copy alone
     twin.policy, twin.costs = replace(session.policy, mode="reprefill"), CostModel()
     _, ms, _ = _first_token(twin, receiver, turn)
     return ms, time.perf_counter() - began
@@ -206,9 +212,19 @@ def _natives(run: Run, history: torch.Tensor, groups) -> tuple[dict, dict, dict]
     _, ttft, peak = _first_token(native, "target", turn)
     scores = {"native_target": _score(target, native.cache("target"), turn.numel(), groups)}
     run.seconds["reprefill"] += time.perf_counter() - began
-    cache = copy.deepcopy(native.cache("target"))
-    cache.crop(-turn.numel())  # the target holds its own history: a same-model prefix hit
-    hit = lambda: int(target(turn[None].to(target.device), past_key_values=cache, logits_to_keep=1).logits.argmax())
+    engine = native.readers["target"].engine
+    if engine is not None:  # the same hit on the engine: it holds its own history and reads the turn again
+        held = native.holds("target") - turn.numel()
+        positions = torch.arange(held, held + turn.numel())
+
+        def hit() -> int:
+            engine.truncate(held)
+            return int(engine.forward(turn, positions).argmax())
+
+    else:
+        cache = copy.deepcopy(native.cache("target"))
+        cache.crop(-turn.numel())  # the target holds its own history: a same-model prefix hit
+        hit = lambda: int(target(turn[None].to(target.device), past_key_values=cache, logits_to_keep=1).logits.argmax())
     _, hit_ms, hit_peak = _timed(target, hit)
     scores["native_source"] = _score(run.models["source"], native.cache("source"), 0, groups)
     return scores, {"reprefill": ttft, "hit": hit_ms}, {"reprefill": peak, "hit": hit_peak}
@@ -224,7 +240,7 @@ def single_turn(run: Run, examples: list[Example]) -> tuple[list[dict], list[dic
         routed = run.session("routed")
         routed.append("source", history)
         if n >= run.warmup and run.sampled(n - run.warmup):
-            ttft["same_work"], checked = _same_work(routed, "target", groups[0][0])
+            ttft["same_work"], checked = _same_work(routed, "target", groups[0][0], run.engines.get("twin"))
             began += checked  # the check is not the routed session's throughput
         record, ttft["routed"], peaks["routed"] = _first_token(routed, "target", groups[0][0])
         scores["routed"] = _score(run.models["target"], routed.cache("target"), groups[0][0].numel(), groups)
@@ -412,7 +428,8 @@ def rollback(
         held, refused, tokens_equal, diff = [], [], [], 0.0
         for history, turn in replays:
             outputs = []
-            for session in (Session(run.models, route, replace(run.policy, **overrides)), run.session("reprefill")):
+            attempt = Session(run.models, route, replace(run.policy, **overrides), engines=run.engines.get("routed"))
+            for session in (attempt, run.session("reprefill")):
                 session.append("source", history)
                 if poison:
                     session.cache("source", live=True).layers[0].keys[..., -1, 0] = float("nan")

@@ -61,6 +61,31 @@ def run_of(pair, mapper=None, every: int = 2, **policy) -> Run:
     return Run(models, routes, Policy(**policy), Bytes(96), warmup=1, same_work_every=every)
 
 
+def test_single_turn_on_engines_uses_them_for_every_path(pair, monkeypatch):
+    """With engines, the routed session, the all-re-prefill session (its hit too) and the same-work twin each run
+    on their own kind's engines — both sides of every ratio on the same runtime — and score as the HF sessions do."""
+    from src.runtime.engine import Engine
+
+    run = run_of(pair)
+    run.engines = {kind: {n: Engine(m, 128) for n, m in run.models.items()} for kind in ("routed", "reprefill", "twin")}
+    forwards = {kind: 0 for kind in run.engines}
+    for kind, engines in run.engines.items():
+        for engine in engines.values():
+            original = engine.forward
+
+            def counted(*args, kind=kind, original=original, **kwargs):
+                forwards[kind] += 1
+                return original(*args, **kwargs)
+
+            monkeypatch.setattr(engine, "forward", counted)
+    rows, _ = single_turn(run, EXAMPLES)
+    assert all(count > 0 for count in forwards.values()), forwards  # routed, re-prefill + hit, twin
+    reference, _ = single_turn(run_of(pair), EXAMPLES)
+    for got, want in zip(rows, reference, strict=True):
+        for mode in ("routed", "native_target"):
+            assert np.allclose(got["scores"][mode], want["scores"][mode], atol=1e-4), mode
+
+
 def test_warm_up_turns_leave_no_cost_behind(pair):
     """The `auto` policy's cost lines fit measured turns only: the warm-up's timings (kernel compilation, first
     allocations) are forgotten, so a run with warm-up observes exactly what a run without it does (policy `map`:
@@ -276,6 +301,37 @@ def test_routed_job_end_to_end_on_the_tiny_random_pair(items, tmp_path, monkeypa
     verdicts = {v.criterion.split(":")[0]: v.status for v in judge_run(metrics, tags)}
     assert verdicts["quality"] == "MISSING"  # random weights
     assert verdicts["routed workload run"] == ("PASS" if items == "test" else "FAIL")  # validation items never gate
+
+
+def test_routed_job_on_the_static_engine_scores_what_the_hf_sessions_score(tmp_path, monkeypatch):
+    """workload.engine_capacity: every session (routed, all-re-prefill, same-work twin, rollback replay) holds its
+    models on engines kept across items; on CPU (fp32) the items score as on HF DynamicCache sessions, rollback holds,
+    the harness is sampled, the run is tagged with its engine; a workload the engine does not run yet is refused."""
+    if not (DATA / "eval").is_dir():
+        pytest.skip("shared data not found")
+    from src.routed import routed
+
+    monkeypatch.setenv("KVRELAY_HOME", str(tmp_path / "home"))
+    with pytest.raises(ValueError, match="does not run on the engine"):  # refused before any model is loaded
+        routed(compose("workload=multiturn", "workload.engine_capacity=2048", f"paths.data={DATA}"))
+    common = (
+        "workload=passage", "workload.limit=2", "workload.tasks=[lambada]", "workload.rollback_items=1",
+        "workload.rollback_tokens=2",
+        "budget.sequences=8", "budget.seq_len=64", f"paths.data={DATA}", "tracking.backend=json",
+    )  # fmt: skip
+    results = {}
+    for engine in ("null", "2048"):
+        records = tmp_path / f"records-{engine}"
+        routed(compose(*common, f"workload.engine_capacity={engine}", f"tracking.json_dir={records}"))
+        (path,) = records.glob("*/record.json")
+        record = json.loads(path.read_text())
+        assert record["status"] == "FINISHED"
+        results[engine] = record["tags"], {m["key"]: m["value"] for m in record["metrics"] if m["step"] is None}
+    (hf_tags, hf), (engine_tags, on_engine) = results["null"], results["2048"]
+    assert (hf_tags["engine"], engine_tags["engine"]) == ("hf", "static")
+    for key in ("task.mean.acc", "task.mean.loss_points", "handoffs.applied", "prefill_fraction"):
+        assert on_engine[key] == pytest.approx(hf[key], abs=1e-9), key
+    assert on_engine["rollback_verified"] == 1.0 and on_engine["ttft.same_work_items"] == 1.0
 
 
 def _scored(task: str, index: int, right: bool) -> dict:
