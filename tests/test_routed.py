@@ -309,9 +309,11 @@ def test_routed_job_on_the_static_engine_scores_what_the_hf_sessions_score(tmp_p
     the harness is sampled, the run is tagged with its engine; a workload the engine does not run yet is refused."""
     if not (DATA / "eval").is_dir():
         pytest.skip("shared data not found")
+    import src.pipeline
     from src.routed import routed
 
     monkeypatch.setenv("KVRELAY_HOME", str(tmp_path / "home"))
+    monkeypatch.setattr(src.pipeline, "_MEMO", {})  # this test's pair and traces stay out of the process's memo
     with pytest.raises(ValueError, match="does not run on the engine"):  # refused before any model is loaded
         routed(compose("workload=multiturn", "workload.engine_capacity=2048", f"paths.data={DATA}"))
     common = (
