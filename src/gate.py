@@ -25,12 +25,14 @@ that run on that workload, as one-sided tests a statistician would sign (thresho
 A criterion with no logged measurement, or a non-finite one (NaN, ±inf), is MISSING and fails: nothing passes by
 default. A record that predates a metric the gate reads gets it from its per-item scores (`backfill`). The run judged
 is the one given (--run), else the latest finished routed run on test items of each (workload, direction, history
-length, policy) — never the best of several; runs on validation items, or without a split tag, are never judged
+length, policy, engine) — never the best of several; runs on validation items, or without a split tag, are never judged
 where a test run exists. The history length is the longest TTFT bucket the run logged (`ttft.routed.le_<N>_ms_p50`):
 a run on longer histories is another operating point and never shadows the verdict on shorter ones; so is a session
-policy other than `map` (tag `policy`, e.g. `auto`). The exit status is non-zero unless every judged run passes.
+policy other than `map` (tag `policy`, e.g. `auto`), and so is a receiver runtime other than HF eager (tag `engine`:
+`static` / `graph`, src/runtime/engine.py). The exit status is non-zero unless every judged run passes. `--summary`
+ends with the decision as one table: workload × direction × operating point → latency / harness / quality / rollback.
 
-    python -m src.gate --experiment routed [--run RUN_ID] [--parent RUN_ID] [--uri sqlite:///mlruns/mlflow.db]
+    python -m src.gate --experiment routed [--run RUN_ID] [--parent RUN_ID] [--uri sqlite:///mlruns/mlflow.db] [--summary]
 """
 
 from __future__ import annotations
@@ -289,9 +291,11 @@ def check(
     run: str | None = None,
     max_skew: float | None = None,
     max_prefill_fraction: float | None = None,
+    summary: bool = False,
 ) -> int:
     """Print the verdict of each judged run; 0 when every one passes, else 1. Thresholds default to
-    conf/gate/default.yaml; one that cannot hold is a ValueError naming it, before any run is read."""
+    conf/gate/default.yaml; one that cannot hold is a ValueError naming it, before any run is read. summary: end with
+    the decision as one table (`summary_table`)."""
     import mlflow
 
     limits = thresholds(
@@ -326,13 +330,16 @@ def check(
             regime = history_regime(candidate.data.metrics) if on_test(candidate) else "any length"
             policy = candidate.data.tags.get("policy", "map")  # a session that chooses per handoff: its own point
             regime += "" if policy == "map" else f", policy {policy}"
+            engine = candidate.data.tags.get("engine", "hf")  # the receiver runtime: another operating point
+            regime += "" if engine == "hf" else f", engine {engine}"
             groups.setdefault((*workload(candidate), regime), []).append(candidate)
     validation = Counter(workload(run) for run in runs if split(run) == "valid")
     untagged = Counter(workload(run) for run in runs if split(run) is None)
-    failed = False
+    failed, rows = False, []
     for (name, direction, regime), candidates in sorted(groups.items()):
         judged = candidates[0]  # the latest; a later run on validation items never shadows the reported one
         verdicts = judge_run(_backfilled(judged), judged.data.tags, limits)
+        rows.append((name, direction, regime, verdicts))
         passed = all(v.passed for v in verdicts)
         failed |= not passed
         refused = untagged[(name, direction)]
@@ -345,8 +352,28 @@ def check(
         )
         for v in verdicts:
             print(f"  {v.status:<12} {v.criterion:<34} measured {v.measured}  (threshold {v.threshold})")
+    if summary:
+        print("\n" + summary_table(rows))
     print(f"\ngate: {'FAIL' if failed else 'PASS'}")
     return int(failed)
+
+
+SUMMARY_CRITERIA = ("latency", "latency harness", "quality", "rollback")  # the columns, by criterion name prefix
+
+
+def summary_table(rows: list[tuple[str, str, str, list[Verdict]]]) -> str:
+    """The decision in one Markdown table: per workload × direction × operating point (history length, policy,
+    engine), each criterion's status with what was measured, and the run's verdict."""
+    head = "| workload | direction | operating point | " + " | ".join(SUMMARY_CRITERIA) + " | verdict |"
+    lines = [head, "|" + "---|" * (4 + len(SUMMARY_CRITERIA))]
+    for name, direction, regime, verdicts in rows:
+        by_name = {v.criterion.split(":")[0].removesuffix(" on this workload"): v for v in verdicts}
+        cells = [f"{by_name[c].status}: {by_name[c].measured}" if c in by_name else "—" for c in SUMMARY_CRITERIA]
+        verdict = "PASS" if all(v.passed for v in verdicts) else "FAIL"
+        lines.append(
+            f"| {name} | {direction} | {regime} | " + " | ".join(c.replace("|", "/") for c in cells) + f" | {verdict} |"
+        )
+    return "\n".join(lines)
 
 
 def main() -> None:
@@ -360,6 +387,7 @@ def main() -> None:
     parser.add_argument("--max-loss-points", type=float, help="the non-inferiority margin; default: the YAML's")
     parser.add_argument("--max-harness-skew", type=float, help="default: conf/gate/default.yaml")
     parser.add_argument("--max-prefill-fraction", type=float, help="default: conf/gate/default.yaml")
+    parser.add_argument("--summary", action="store_true", help="end with the decision as one table")
     args = parser.parse_args()
     try:
         status = check(
@@ -371,6 +399,7 @@ def main() -> None:
             args.run,
             args.max_harness_skew,
             args.max_prefill_fraction,
+            args.summary,
         )
     except ValueError as error:  # a threshold that cannot hold, a damaged items artifact
         parser.error(str(error))

@@ -362,6 +362,21 @@ def test_a_planted_passing_run_passes_and_a_random_one_fails(uri, experiment, ca
     assert "passage · small_to_large · histories any length: FAIL" in capsys.readouterr().out
 
 
+def test_summary_is_one_table_and_the_engine_is_an_operating_point(uri, experiment, capsys):
+    """--summary ends with one row per judged group; a run on the static engine is judged beside the HF run of the
+    same workload, never shadowing it."""
+    plant(uri, experiment, PASSING, REAL)
+    plant(uri, experiment, PASSING | {"ttft_speedup_low": 1.1, "ttft_speedup_high": 1.5}, REAL | {"engine": "graph"})
+    assert gate(uri, experiment, summary=True) == 1
+    out = capsys.readouterr().out
+    table = [line for line in out.splitlines() if line.startswith("| fewshot")]
+    assert len(table) == 2, out
+    hf, graph = sorted(table, key=lambda line: "engine graph" in line)
+    assert hf.endswith("| PASS |") and "PASS: " in hf and "engine" not in hf
+    assert "engine graph" in graph and "| FAIL: 3.00× [1.10, 1.50]" in graph and graph.endswith("| FAIL |")
+    assert out.index("| workload | direction | operating point | latency |") < out.index("gate: FAIL")
+
+
 def test_the_latest_run_is_judged_not_the_best(uri, experiment, capsys):
     best = plant(uri, experiment, PASSING, REAL)
     lost = {"task.mmlu.loss_points": 4.0, "task.mmlu.loss_points_low": 2.0, "task.mmlu.loss_points_high": 6.0}
