@@ -252,6 +252,16 @@ def history_regime(metrics: dict[str, float]) -> str:
     return f"{'>' if longest.startswith('gt_') else '≤'} {int(longest[3:])} tokens"
 
 
+def operating_point(metrics: dict[str, float], tags: dict[str, str], on_test: bool = True) -> str:
+    """What a run's verdict is about beside its workload and direction: the history length (`history_regime`; any
+    length for runs off the test items), a session policy other than `map`, a receiver runtime other than HF eager."""
+    regime = history_regime(metrics) if on_test else "any length"
+    policy = tags.get("policy", "map")  # a session that chooses per handoff: its own point
+    regime += "" if policy == "map" else f", policy {policy}"
+    engine = tags.get("engine", "hf")  # the receiver runtime: another operating point
+    return regime + ("" if engine == "hf" else f", engine {engine}")
+
+
 def backfill(metrics: dict[str, float], items: list[dict], params: dict[str, str]) -> dict[str, float]:
     """A record that predates `ttft.same_work_ratio`, `task.<task>.loss_points_sd` or the speedup's CI
     (`ttft_speedup_low` / `_high`) gets them from its per-item scores (routed/items.json; src/routed.py `same_work`,
@@ -327,11 +337,7 @@ def check(
     groups: dict[tuple[str, str, str], list] = {}
     for candidate in runs:  # newest first; a (workload, direction) with test runs is judged on them only
         if on_test(candidate) or workload(candidate) not in tested:
-            regime = history_regime(candidate.data.metrics) if on_test(candidate) else "any length"
-            policy = candidate.data.tags.get("policy", "map")  # a session that chooses per handoff: its own point
-            regime += "" if policy == "map" else f", policy {policy}"
-            engine = candidate.data.tags.get("engine", "hf")  # the receiver runtime: another operating point
-            regime += "" if engine == "hf" else f", engine {engine}"
+            regime = operating_point(candidate.data.metrics, candidate.data.tags, on_test(candidate))
             groups.setdefault((*workload(candidate), regime), []).append(candidate)
     validation = Counter(workload(run) for run in runs if split(run) == "valid")
     untagged = Counter(workload(run) for run in runs if split(run) is None)
@@ -358,7 +364,7 @@ def check(
     return int(failed)
 
 
-SUMMARY_CRITERIA = ("latency", "latency harness", "quality", "rollback")  # the columns, by criterion name prefix
+SUMMARY_CRITERIA = ("routed workload run", "latency", "latency harness", "quality", "rollback")  # by criterion name
 
 
 def summary_table(rows: list[tuple[str, str, str, list[Verdict]]]) -> str:

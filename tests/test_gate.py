@@ -374,7 +374,9 @@ def test_summary_is_one_table_and_the_engine_is_an_operating_point(uri, experime
     hf, graph = sorted(table, key=lambda line: "engine graph" in line)
     assert hf.endswith("| PASS |") and "PASS: " in hf and "engine" not in hf
     assert "engine graph" in graph and "| FAIL: 3.00× [1.10, 1.50]" in graph and graph.endswith("| FAIL |")
-    assert out.index("| workload | direction | operating point | latency |") < out.index("gate: FAIL")
+    assert out.index("| workload | direction | operating point | routed workload run | latency |") < out.index(
+        "gate: FAIL"
+    )
 
 
 def test_the_latest_run_is_judged_not_the_best(uri, experiment, capsys):

@@ -111,3 +111,28 @@ def test_routed_labels_name_every_mapper_change_and_long_histories():
     assert routed_label(long).startswith("fewshot (100 shots) |")
     short = long | {"params.workload.shots.arc_easy": "25"}
     assert routed_label(short).startswith("fewshot |")
+
+
+def test_the_decision_table_judges_as_the_gate_groups(tmp_path):
+    """One row per workload × direction × operating point: the latest test run of a group wins, a run on other items
+    never shadows a group that has test runs, and a run on the engine is a row of its own."""
+    from src.report.routed_tables import decision
+
+    def row(start: int, speedup: float, **tags) -> dict:
+        tags = {"job": "routed", "workload": "fewshot", "direction": "a_to_b", "split": "test"} | tags
+        metrics = {"ttft_speedup": speedup, "ttft_speedup_low": speedup, "ttft_speedup_high": speedup}
+        items = tmp_path / str(start) / "artifacts/routed/items.json"
+        items.parent.mkdir(parents=True)
+        items.write_text(json.dumps({"items": []}))
+        return (
+            {"start_time": start, "record": str(tmp_path / str(start) / "record.json")}
+            | {f"tags.{k}": v for k, v in tags.items()}
+            | {f"metrics.{k}": v for k, v in metrics.items()}
+        )
+
+    rows = [row(1, 1.5), row(2, 2.5), row(3, 9.0, split="valid"), row(4, 7.0, engine="graph")]
+    lines = decision(rows).splitlines()[2:]
+    assert len(lines) == 2, lines
+    hf, graph = sorted(lines, key=lambda line: "engine graph" in line)
+    assert "2.50×" in hf and "1.50×" not in hf and "9.00×" not in hf  # the latest test run, not validation items
+    assert "engine graph" in graph and "7.00×" in graph

@@ -14,7 +14,7 @@ from pathlib import Path
 
 from src.report.engine_table import engine
 from src.report.quality_tables import quickstart
-from src.report.routed_tables import routed, routed_paired, routed_switches, routed_tasks
+from src.report.routed_tables import decision, routed, routed_paired, routed_switches, routed_tasks
 from src.report.rows import Row, record_rows
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -46,6 +46,7 @@ TABLES: dict[str, Table] = {
     "routed_bf16_tasks": Table((BF16,), routed_tasks),
     "routed_bf16_paired": Table((ROUTED, LEVERS, FITS, BF16), partial(routed_paired, run_set=BF16)),
     "engine": Table((ENGINE,), engine),
+    "decision": Table((ROUTED, LEVERS, FITS, BF16), decision),
 }
 
 

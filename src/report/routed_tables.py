@@ -7,7 +7,7 @@ from pathlib import Path
 
 from omegaconf import OmegaConf
 
-from src.gate import backfill, judge_run
+from src.gate import backfill, judge_run, operating_point, summary_table
 from src.report.rows import Row, fmt, metric, slashed
 from src.routed import paired_gain, quality
 from src.tracking import read_items, require
@@ -49,12 +49,32 @@ def routed_label(row: Row) -> str:
     return f"{row.get('tags.workload')}{items} | {arrow} | {', '.join(levers) or 'pure transfer'}"
 
 
-def _gate(row: Row) -> str:
-    """The gate's verdict on this run (src/gate.py judge_run), with the criteria that did not pass."""
+def _judged(row: Row) -> tuple[dict[str, float], dict[str, str]]:
+    """A record row as the gate reads a run: its metrics (backfilled from its items) and tags."""
     metrics = {k[len("metrics.") :]: v for k, v in row.items() if k.startswith("metrics.")}
     params = {k[len("params.") :]: v for k, v in row.items() if k.startswith("params.")}
-    metrics = backfill(metrics, _items(row), params)
     tags = {k[len("tags.") :]: str(v) for k, v in row.items() if k.startswith("tags.")}
+    return backfill(metrics, _items(row), params), tags
+
+
+def decision(rows: list[Row]) -> str:
+    """The decision as the gate takes it (`python -m src.gate --summary`), from every routed record set: per workload ×
+    direction × operating point, the latest run on test items, its criteria and verdict."""
+    judged = [_judged(row) for row in rows]
+    judged = [(metrics, tags) for metrics, tags in judged if tags.get("job") == "routed"]
+    pair = lambda tags: (tags.get("workload", "unknown"), tags.get("direction", "unknown"))
+    tested = {pair(tags) for _, tags in judged if tags.get("split") == "test"}
+    latest: dict[tuple[str, str, str], tuple[dict, dict]] = {}
+    for metrics, tags in judged:  # oldest first: a later run of the same group replaces an earlier one
+        on_test = tags.get("split") == "test"
+        if on_test or pair(tags) not in tested:  # as the gate: test runs, else the group's latest (refused) run
+            latest[(*pair(tags), operating_point(metrics, tags, on_test))] = metrics, tags
+    return summary_table([(*key, judge_run(*latest[key])) for key in sorted(latest)])
+
+
+def _gate(row: Row) -> str:
+    """The gate's verdict on this run (src/gate.py judge_run), with the criteria that did not pass."""
+    metrics, tags = _judged(row)
     failing = [v for v in judge_run(metrics, tags) if not v.passed]
     names = {
         "latency: end-to-end TTFT speedup": "latency",
