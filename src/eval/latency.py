@@ -72,7 +72,7 @@ def percentiles(times: list[float], name: str) -> dict[str, float]:
     return {f"{name}_ms_p50": float(t.quantile(0.5)), f"{name}_ms_p95": float(t.quantile(0.95))}
 
 
-@torch.no_grad()
+@torch.inference_mode()
 def handoff_latency(
     transfer: KVTransfer, prefix: torch.Tensor, repeats: int, warmup: int, levers: Levers = NO_LEVERS
 ) -> dict[str, float]:

@@ -138,7 +138,7 @@ def profile_table(fn: Callable[[], object], device: torch.device, rows: int = 25
     return profiler.key_averages().table(sort_by="cpu_time_total", row_limit=rows)
 
 
-@torch.no_grad()
+@torch.inference_mode()
 def handoff_ttft(
     transfer: KVTransfer,
     prefix: torch.Tensor,

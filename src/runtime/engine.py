@@ -22,6 +22,8 @@ On CPU everything is eager, with the kernel's torch reference.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch.nn.attention.bias import causal_lower_right
@@ -98,26 +100,39 @@ class Engine:
         """The model's RMSNorm `module` on x in one launch (kernels/rms_norm.py; its torch reference on CPU)."""
         return rms_norm(x, module.weight, module.variance_epsilon, self.backend)
 
+    def _layer(
+        self,
+        layer: torch.nn.Module,
+        hidden: torch.Tensor,
+        positions: torch.Tensor,
+        slots: torch.Tensor,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        attend: Callable[[torch.Tensor], torch.Tensor],
+    ) -> torch.Tensor:
+        """One decoder layer on hidden [T, hidden]: its K/V written into keys / values [H_kv, N, d] at `slots` before
+        attend(q [1, H_q, T, d]) → [1, H_q, T, d] reads them; returns the layer's output [T, hidden]."""
+        attention, count = layer.self_attn, hidden.shape[0]
+        x = self._norm(layer.input_layernorm, hidden)  # [T, hidden]
+        q = attention.q_proj(x).view(count, self.q_heads, self.head_dim)  # [T, H_q, d]
+        k = attention.k_proj(x).view(count, self.kv_heads, self.head_dim)  # [T, H_kv, d]
+        v = attention.v_proj(x).view(count, self.kv_heads, self.head_dim)  # [T, H_kv, d]
+        if hasattr(attention, "q_norm"):  # Qwen3: RMSNorm per head before RoPE
+            q, k = self._norm(attention.q_norm, q), self._norm(attention.k_norm, k)
+        q = rope_write(q, k, v, self.cos, self.sin, positions, slots, keys, values, self.backend)  # [T, H_q, d]
+        out = attend(q.transpose(0, 1)[None])  # [1, H_q, T, d]
+        hidden = hidden + attention.o_proj(out[0].transpose(0, 1).reshape(count, self.q_heads * self.head_dim))
+        return hidden + layer.mlp(self._norm(layer.post_attention_layernorm, hidden))
+
     def _layers(
         self, ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, rows: torch.Tensor, flash: int | None
     ) -> torch.Tensor:
         """ids, positions, slots [T] (device) → logits [R, V] at rows [R]; every layer's K/V written into `slots`."""
-        decoder, count = self.model.model, ids.shape[0]
+        decoder = self.model.model
         hidden = decoder.embed_tokens(ids)  # [T, hidden]
         for index, layer in enumerate(decoder.layers):
-            attention = layer.self_attn
-            x = self._norm(layer.input_layernorm, hidden)  # [T, hidden]
-            q = attention.q_proj(x).view(count, self.q_heads, self.head_dim)  # [T, H_q, d]
-            k = attention.k_proj(x).view(count, self.kv_heads, self.head_dim)  # [T, H_kv, d]
-            v = attention.v_proj(x).view(count, self.kv_heads, self.head_dim)  # [T, H_kv, d]
-            if hasattr(attention, "q_norm"):  # Qwen3: RMSNorm per head before RoPE
-                q, k = self._norm(attention.q_norm, q), self._norm(attention.k_norm, k)
-            q = rope_write(  # K/V written into their slots before the layer's attention reads them
-                q, k, v, self.cos, self.sin, positions, slots, self.keys[index], self.values[index], self.backend
-            )  # fmt: skip
-            out = self._attend(q.transpose(0, 1)[None], index, positions, flash)  # [1, H_q, T, d]
-            hidden = hidden + attention.o_proj(out[0].transpose(0, 1).reshape(count, self.q_heads * self.head_dim))
-            hidden = hidden + layer.mlp(self._norm(layer.post_attention_layernorm, hidden))
+            attend = lambda q, index=index: self._attend(q, index, positions, flash)
+            hidden = self._layer(layer, hidden, positions, slots, self.keys[index], self.values[index], attend)
         return self.model.lm_head(self._norm(decoder.norm, hidden[rows]))  # [R, V]
 
     @torch.inference_mode()
@@ -198,9 +213,8 @@ class Engine:
 
     def write(self, keys: torch.Tensor, values: torch.Tensor, start: int) -> None:
         """Mapped K/V [L, H_kv, T, d] (or [L, 1, H_kv, T, d]) into slots start..start + T − 1."""
-        keys, values = keys.reshape(self.keys.shape[0], self.kv_heads, -1, self.head_dim), values.reshape(
-            self.keys.shape[0], self.kv_heads, -1, self.head_dim
-        )  # fmt: skip
+        shape = (self.keys.shape[0], self.kv_heads, -1, self.head_dim)
+        keys, values = keys.reshape(shape), values.reshape(shape)  # [L, H_kv, T, d]
         end = start + keys.shape[2]
         if start < 0 or end > self.capacity:
             raise ValueError(f"slots {start}..{end - 1} outside the engine's capacity {self.capacity}")
@@ -231,20 +245,10 @@ class Engine:
         values = torch.empty(shape, dtype=self.dtype, device=self.device)
         hidden = decoder.embed_tokens(ids.reshape(-1).to(self.device))  # [n, hidden]
         for index, layer in enumerate(decoder.layers[:depth]):
-            attention = layer.self_attn
-            x = self._norm(layer.input_layernorm, hidden)
-            q = attention.q_proj(x).view(count, self.q_heads, self.head_dim)
-            k = attention.k_proj(x).view(count, self.kv_heads, self.head_dim)
-            v = attention.v_proj(x).view(count, self.kv_heads, self.head_dim)
-            if hasattr(attention, "q_norm"):
-                q, k = self._norm(attention.q_norm, q), self._norm(attention.k_norm, k)
-            q = rope_write(q, k, v, self.cos, self.sin, positions, positions, keys[index], values[index], self.backend)
-            out = F.scaled_dot_product_attention(
-                q.transpose(0, 1)[None], keys[index, None], values[index, None], is_causal=True, scale=self.scale,
-                enable_gqa=True,
-            )  # fmt: skip  # [1, H_q, n, d]
-            hidden = hidden + attention.o_proj(out[0].transpose(0, 1).reshape(count, self.q_heads * self.head_dim))
-            hidden = hidden + layer.mlp(self._norm(layer.post_attention_layernorm, hidden))
+            attend = lambda q, index=index: F.scaled_dot_product_attention(
+                q, keys[index, None], values[index, None], is_causal=True, scale=self.scale, enable_gqa=True
+            )
+            hidden = self._layer(layer, hidden, positions, positions, keys[index], values[index], attend)
         return keys, values
 
     def truncate(self, length: int) -> None:
