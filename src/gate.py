@@ -26,7 +26,8 @@ A criterion with no logged measurement, or a non-finite one (NaN, ±inf), is MIS
 default. A record that predates a metric the gate reads gets it from its per-item scores (`backfill`). The run judged
 is the one given (--run), else the latest finished routed run on test items of each (workload, direction, history
 length, policy, engine) — never the best of several; runs on validation items, or without a split tag, are never judged
-where a test run exists. The history length is the longest TTFT bucket the run logged (`ttft.routed.le_<N>_ms_p50`):
+where a test run exists; an item shard of a run (tag `shard`) is never judged alone, only the run its shards join
+into (src/routed_merge.py). The history length is the longest TTFT bucket the run logged (`ttft.routed.le_<N>_ms_p50`):
 a run on longer histories is another operating point and never shadows the verdict on shorter ones; so is a session
 policy other than `map` (tag `policy`, e.g. `auto`), and so is a receiver runtime other than HF eager (tag `engine`:
 `static` / `graph`, src/runtime/engine.py). The exit status is non-zero unless every judged run passes. `--summary`
@@ -241,6 +242,12 @@ def judge_run(metrics: dict[str, float], tags: dict[str, str], limits: Threshold
     ]
 
 
+def is_shard(tags: dict[str, str]) -> bool:
+    """The run scored one item shard of a run (tag `shard`, src/routed.py): judged only joined with the others
+    (src/routed_merge.py), never alone — a shard's CI is not the run's."""
+    return "shard" in tags
+
+
 def history_regime(metrics: dict[str, float]) -> str:
     """`≤ N tokens` for the longest history-length bucket with routed TTFTs in the run (src/routed.py timing), or
     `any length` when it logged none."""
@@ -326,6 +333,10 @@ def check(
         order_by=["attributes.start_time DESC"],
     )
     runs = [r for r in runs if r.info.status == "FINISHED" and (run is None or r.info.run_id == run)]
+    parts = [r for r in runs if is_shard(r.data.tags)]
+    if parts:
+        print(f"gate: {len(parts)} item shard(s) of runs not judged alone (joined: python -m src.routed_merge)")
+        runs = [r for r in runs if not is_shard(r.data.tags)]
     if not runs:
         where = f" under {parent}" if parent else ""
         print(f"gate: FAIL — no finished routed run{f' {run}' if run else 's'} in {experiment!r}{where}")

@@ -32,7 +32,7 @@ from src.eval.metrics import Interval
 from src.models import Pair
 from src.pipeline import build_mapper, calibration, load, tags, vocab_size
 from src.routed_runs import LENGTH_EDGES, Run, bucket, rollback, task_scores
-from src.routed_workloads import WORKLOADS
+from src.routed_workloads import WORKLOADS, check_shard
 from src.runtime.engine import Engine
 from src.runtime.levers import Levers
 from src.runtime.routing import Policy, Route, bind
@@ -273,6 +273,10 @@ def routed(cfg: DictConfig) -> float:
     if w.engine_capacity is not None and w.name not in ENGINE_WORKLOADS:
         raise ValueError(f"workload.engine_capacity: the {w.name} workload does not run on the engine yet "
                          f"(only {ENGINE_WORKLOADS}); set it to null")  # fmt: skip
+    check_shard(w.shard, w.shards)
+    if w.shards != 1 and not workload.shards:
+        having = sorted(name for name, known in WORKLOADS.items() if known.shards)
+        raise ValueError(f"workload.shards: the {w.name} workload's items are not sharded (only {having}); set it to 1")
     pair = load(cfg)
     bound, mappers = routes(cfg, pair, workload.reverse)
     tokenizer = pair.tokenizer if pair.tokenizer is not None else Bytes(vocab_size(pair))
@@ -285,6 +289,9 @@ def routed(cfg: DictConfig) -> float:
     method = mappers[("source", "target")].manifest.get("method", "mapper")
     run_name = f"{cfg.pair.name}:routed:{w.name}:{method}:{w.policy}" + (":valid" if w.split == "valid" else "")
     run_tags = tags(cfg, pair, "routed") | {"workload": w.name, "method": method, "policy": w.policy, "split": w.split}
+    if w.shards > 1:  # a part of a run: joined by src/routed_merge.py, never judged alone (src/gate.py)
+        run_name += f":shard{w.shard}of{w.shards}"
+        run_tags["shard"] = f"{w.shard}/{w.shards}"
     graphs = any(e.graphs_enabled for kind in engines.values() for e in kind.values())
     run_tags["engine"] = (
         ("graph" if graphs else "static") if engines else "hf"
@@ -298,7 +305,7 @@ def routed(cfg: DictConfig) -> float:
             curve[count] = {k.rsplit(".", 1)[-1]: v for k, v in scores.items() if ".mean." in k}
         items = played.items
         metrics = quality(items, cfg.eval.tasks.n_boot, cfg.seed) | timing(items, cfg.eval.tasks.n_boot, cfg.seed)
-        metrics |= handoffs(played.records, played.turns)
+        metrics |= handoffs(played.records, played.turns) | {"scored_turns": float(played.turns)}
         transfer = bound[("source", "target")].transfer
         if cfg.eval.diagnose.fidelity and played.examples and transfer is not None:  # the histories mapped
             shown = played.examples[: cfg.eval.diagnose.prompts_per_task * len(w.tasks)]

@@ -120,12 +120,20 @@ class Run:
         return [(torch.tensor(ids, dtype=torch.long), choices) for ids, choices in groups.items()]
 
     def throughput(self) -> dict[str, float]:
-        return {
-            f"throughput.{kind}_{unit}": count / seconds
-            for kind, seconds in self.seconds.items()
-            if seconds
-            for unit, count in (("items_per_s", self.items), ("tokens_per_s", self.tokens))
-        }
+        """Items and tokens per second of each session kind, and the counts they are made of (shards add up)."""
+        return (
+            {
+                f"throughput.{kind}_{unit}": count / seconds
+                for kind, seconds in self.seconds.items()
+                if seconds
+                for unit, count in (("items_per_s", self.items), ("tokens_per_s", self.tokens))
+            }
+            | {f"throughput.{kind}_seconds": seconds for kind, seconds in self.seconds.items()}
+            | {
+                "throughput.items": float(self.items),
+                "throughput.tokens": float(self.tokens),
+            }
+        )
 
 
 @torch.no_grad()

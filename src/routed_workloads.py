@@ -56,9 +56,31 @@ def _replays(run: Run, chosen: list[Example]) -> list[tuple[torch.Tensor, torch.
     return [(run.encode(ex.history), run.groups(ex.item)[0][0]) for ex in chosen]
 
 
+def check_shard(index: object, count: object) -> None:
+    """A ValueError unless `count` ≥ 1 and 0 ≤ `index` < count are integers (bools are not)."""
+    if type(count) is not int or count < 1 or type(index) is not int or not 0 <= index < count:
+        raise ValueError(f"workload.shard must be an integer in [0, workload.shards) and workload.shards an integer "
+                         f"≥ 1, got shard {index!r} of {count!r}")  # fmt: skip
+
+
+def shard(chosen: list[Example], index: int, count: int) -> list[Example]:
+    """Item shard `index` of `count`: per task, the examples at positions ≡ index (mod count) — the shards partition
+    each task's items, and together they are the unsharded run's."""
+    check_shard(index, count)
+    seen: dict[str, int] = {}
+    kept = []
+    for ex in chosen:
+        position = seen[ex.item.task] = seen.get(ex.item.task, -1) + 1
+        if position % count == index:
+            kept.append(ex)
+    return kept
+
+
 def play_single_turn(run: Run, cfg: DictConfig) -> Played:
-    """Each example once: the source reads the history, the target answers the new turn (fewshot, passage)."""
-    chosen = examples(cfg, cfg.workload.name)
+    """Each example once: the source reads the history, the target answers the new turn (fewshot, passage); a sharded
+    run (`workload.shards` > 1) plays its shard of them."""
+    w = cfg.workload
+    chosen = shard(examples(cfg, w.name), w.shard, w.shards)
     items, records = single_turn(run, chosen)
     return Played(items, records, len(items), _replays(run, chosen), chosen)
 
@@ -83,17 +105,19 @@ def play_multiturn(run: Run, cfg: DictConfig) -> Played:
 class Workload:
     """One routed workload: how its items go through the sessions (`play`), its own (history, new turn) items where
     it has them (`examples`: what switches' `base` and scripts/history_tokens.py read), and whether the conversation
-    comes back to the source (`reverse`: the target → source mapper is fitted too)."""
+    comes back to the source (`reverse`: the target → source mapper is fitted too), and whether its items can be sharded
+    over calls (`shards`)."""
 
     play: Callable[[Run, DictConfig], Played]
     examples: Callable[[DictConfig], list[Example]] | None = None
     reverse: bool = False
+    shards: bool = False  # its items can be split over calls (`workload.shards`) and joined (src/routed_merge.py)
 
 
 # The routed workloads, by conf/workload/<name>.yaml `name`. A new one: an entry here and a YAML (docs/extending.md).
 WORKLOADS: dict[str, Workload] = {
-    "fewshot": Workload(play_single_turn, fewshot_examples),
-    "passage": Workload(play_single_turn, passage_examples),
+    "fewshot": Workload(play_single_turn, fewshot_examples, shards=True),
+    "passage": Workload(play_single_turn, passage_examples, shards=True),
     "switches": Workload(play_switches, reverse=True),
     "multiturn": Workload(play_multiturn, reverse=True),
 }

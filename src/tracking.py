@@ -202,11 +202,13 @@ class MLflowRecorder:
         return active is not None and active.info.run_id == self.run_id
 
 
-def _digest(params: dict[str, str]) -> str:
+def record_digest(params: dict[str, str]) -> str:
+    """The 8 hex digits that name a JSON record's folder: its params' digest (a rerun of one config replaces it)."""
     return hashlib.sha256(json.dumps(params, sort_keys=True, default=str).encode()).hexdigest()[:8]
 
 
-def _record_dir(root: Path, name: str, digest: str) -> Path:
+def record_dir(root: Path, name: str, digest: str) -> Path:
+    """A JSON record's folder under root: its run name (filesystem-safe) and its params' digest."""
     return root / f"{re.sub(r'[^A-Za-z0-9._-]+', '_', name)}-{digest}"
 
 
@@ -216,8 +218,8 @@ class JsonRecorder:
 
     def __init__(self, cfg: DictConfig, name: str, tags: dict[str, str]):
         params = flatten(cfg)
-        self.root, self.digest = Path(cfg.tracking.json_dir), _digest(params)
-        self.directory = _record_dir(self.root, name, self.digest)
+        self.root, self.digest = Path(cfg.tracking.json_dir), record_digest(params)
+        self.directory = record_dir(self.root, name, self.digest)
         if (self.directory / "record.json").is_file():
             shutil.rmtree(self.directory)
         self.record = {
@@ -261,7 +263,7 @@ class JsonRecorder:
             self.record["tags"]["error"] = line
             self._artifact("error.txt").write_text(text)
         self.save()
-        final = _record_dir(self.root, self.record["name"], self.digest)
+        final = record_dir(self.root, self.record["name"], self.digest)
         if final != self.directory:  # renamed during the job: the folder follows the name
             if (final / "record.json").is_file():
                 shutil.rmtree(final)
@@ -411,7 +413,9 @@ def export_records(experiment: str, directory: str | Path, uri: str) -> int:
             "tags": {k: v for k, v in sorted(data.tags.items()) if not k.startswith("mlflow.")},
             "metrics": history,
         }
-        target = _record_dir(Path(directory), info.run_name, _digest(record["params"]))  # named as the json backend
+        target = record_dir(
+            Path(directory), info.run_name, record_digest(record["params"])
+        )  # named as the json backend
         if (target / "record.json").is_file():
             shutil.rmtree(target)  # a re-export replaces the record
         (target / "artifacts").mkdir(parents=True, exist_ok=True)

@@ -126,7 +126,8 @@ def test_every_workload_composes_with_the_routed_experiment(workload):
 SHARED = {
     "limit": 100, "split": "test", "shots": {}, "base": None, "switch_counts": [], "turns": 0,
     "escalation": {"policy": "none", "every": 0, "threshold": 0.0}, "policy": "map", "max_length_factor": 8.0,
-    "guard_max_abs": None, "engine_capacity": None, "warmup": 1, "same_work_every": 8, "rollback_items": 2,
+    "guard_max_abs": None, "engine_capacity": None, "shards": 1, "shard": 0, "warmup": 1, "same_work_every": 8,
+    "rollback_items": 2,
     "rollback_tokens": 8,
 }  # fmt: skip
 WORKLOADS_COMPOSED = {  # cfg.workload of each workload as it composed when every file restated every key

@@ -7,7 +7,7 @@ from pathlib import Path
 
 from omegaconf import OmegaConf
 
-from src.gate import backfill, judge_run, operating_point, summary_table
+from src.gate import backfill, is_shard, judge_run, operating_point, summary_table
 from src.report.rows import Row, fmt, metric, slashed
 from src.routed import paired_gain, quality
 from src.tracking import read_items, require
@@ -61,7 +61,7 @@ def decision(rows: list[Row]) -> str:
     """The decision as the gate takes it (`python -m src.gate --summary`), from every routed record set: per workload ×
     direction × operating point, the latest run on test items, its criteria and verdict."""
     judged = [_judged(row) for row in rows]
-    judged = [(metrics, tags) for metrics, tags in judged if tags.get("job") == "routed"]
+    judged = [(metrics, tags) for metrics, tags in judged if tags.get("job") == "routed" and not is_shard(tags)]
     pair = lambda tags: (tags.get("workload", "unknown"), tags.get("direction", "unknown"))
     tested = {pair(tags) for _, tags in judged if tags.get("split") == "test"}
     latest: dict[tuple[str, str, str], tuple[dict, dict]] = {}
