@@ -1,13 +1,14 @@
-"""BENCHMARKS.md tables rebuilt from the committed tracking records in results/ (see results/README.md).
+"""BENCHMARKS.md and README.md tables rebuilt from the committed tracking records in results/ (see results/README.md).
 
-    python scripts/tables.py                        # rewrite every marked table in BENCHMARKS.md from results/
+    python scripts/tables.py                        # rewrite every marked table in BENCHMARKS.md and README.md
     python scripts/tables.py --mlflow EXP … --correlate attention_output_cosine task.mean.retention   # Spearman ρ
-    python scripts/tables.py --check                # exit 1 naming each marked table that differs (tests do this)
+    python scripts/tables.py --check                # exit 1 naming each page's marked tables that differ (tests too)
     python scripts/tables.py quickstart             # print registered tables
     python scripts/tables.py --records DIR          # quality tables of any record folder (e.g. a device run's)
     python scripts/tables.py --mlflow EXPERIMENT... [--uri sqlite:///mlruns/mlflow.db]   # ... of an MLflow store
 
-The tables, their record sets and the rebuild live in src/report/ (`benchmarks.TABLES`); this is the command line.
+The tables, their record sets, their pages and the rebuild live in src/report/ (`benchmarks.TABLES`, `PAGES`); this
+is the command line.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's src/, from anywhere
-from src.report.benchmarks import BENCHMARKS, build, marked, rebuild, stale  # noqa: E402
+from src.report.benchmarks import PAGES, build, marked, rebuild, stale  # noqa: E402
 from src.report.quality_tables import correlation, quality  # noqa: E402
 from src.report.rows import mlflow_rows, record_rows  # noqa: E402
 from src.tracking import RecordError  # noqa: E402
@@ -43,16 +44,23 @@ def main() -> None:
         elif args.names:
             print("\n\n".join(build(name) for name in args.names))
         elif args.check:
-            if differ := stale(BENCHMARKS.read_text()):
+            differ = {page.name: found for page in PAGES if (found := stale(page.read_text(), page=page))}
+            if differ:
                 sys.exit(
-                    f"BENCHMARKS.md tables differ from their rebuild from results/: {differ} "
+                    f"marked tables differ from their rebuild from results/: {differ} "
                     "(run `python scripts/tables.py` and review the diff)"
                 )
-            print(f"{len(marked(BENCHMARKS.read_text()))} marked table(s) equal their rebuild from results/")
+            counts = {page.name: len(marked(page.read_text())) for page in PAGES}
+            print(
+                ", ".join(f"{n} in {name}" for name, n in counts.items())
+                + f": {sum(counts.values())} marked table(s) equal their rebuild from results/"
+            )
         else:
-            text = BENCHMARKS.read_text()
-            BENCHMARKS.write_text(rebuild(text))
-            print(f"rebuilt {len(marked(text))} table(s) in {BENCHMARKS.name}: {sorted(marked(text))}")
+            texts = {page: page.read_text() for page in PAGES}
+            fresh = {page: rebuild(text, page=page) for page, text in texts.items()}  # every page, before any write
+            for page, text in fresh.items():
+                page.write_text(text)
+                print(f"rebuilt {len(marked(text))} table(s) in {page.name}: {sorted(marked(text))}")
     except RecordError as error:
         sys.exit(f"tables: {error}")
 

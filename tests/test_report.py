@@ -1,5 +1,6 @@
-"""src/report/: every marked BENCHMARKS.md table equals its rebuild from the committed records in results/, rows
-and labels come out of records as the tables need, and results/ holds only small records (never weights)."""
+"""src/report/: every marked BENCHMARKS.md and README.md table equals its rebuild from the committed records in
+results/, rows and labels come out of records as the tables need, and results/ holds only small records (never
+weights)."""
 
 import json
 from pathlib import Path
@@ -17,7 +18,9 @@ WEIGHT_SUFFIXES = {".safetensors", ".pt", ".pth", ".bin", ".gguf", ".npy", ".npz
 
 def test_benchmarks_tables_equal_their_rebuild():
     text = (ROOT / "BENCHMARKS.md").read_text()
-    assert set(benchmarks.TABLES) <= set(benchmarks.marked(text))
+    assert {name for name, table in benchmarks.TABLES.items() if table.page == "BENCHMARKS.md"} == set(
+        benchmarks.marked(text)
+    )
     assert benchmarks.stale(text) == []
 
 
@@ -136,3 +139,43 @@ def test_the_decision_table_judges_as_the_gate_groups(tmp_path):
     hf, graph = sorted(lines, key=lambda line: "engine graph" in line)
     assert "2.50×" in hf and "1.50×" not in hf and "9.00×" not in hf  # the latest test run, not validation items
     assert "engine graph" in graph and "7.00×" in graph
+
+
+def test_readme_tables_equal_their_rebuild_and_belong_to_it():
+    """README.md holds the front-door tables, generated like BENCHMARKS.md's, and only those."""
+    text = benchmarks.README.read_text()
+    readme = {name for name, table in benchmarks.TABLES.items() if table.page == "README.md"}
+    assert readme == {"headline", "decision_brief"} == set(benchmarks.marked(text))
+    assert benchmarks.stale(text, page=benchmarks.README) == []
+    with pytest.raises(ValueError, match=r"without a `<!-- table: NAME -->` marker in README.md: \['decision_brief'"):
+        benchmarks.rebuild("no markers\n", page=benchmarks.README)
+    bench = benchmarks.BENCHMARKS.read_text()
+    with pytest.raises(ValueError, match="BENCHMARKS.md marks tables of other pages: {'headline': 'README.md'}"):
+        benchmarks.rebuild(bench + "<!-- table: headline -->\n<!-- /table -->\n")
+
+
+def test_an_edited_number_in_the_readme_is_caught():
+    import re
+
+    text = benchmarks.README.read_text()
+    table = benchmarks.marked(text)["headline"]
+    speedup = re.search(r"(\d)\.\d\d× \[", table)
+    edited = table.replace(speedup.group(0), str((int(speedup.group(1)) + 1) % 10) + speedup.group(0)[1:], 1)
+    assert edited != table
+    assert benchmarks.stale(text.replace(table, edited), page=benchmarks.README) == ["headline"]
+
+
+def test_headline_numbers_are_the_benchmarks_tables_numbers():
+    """A front-door figure is the same cell, from the same record, as in BENCHMARKS.md's tables; a row whose run is
+    gone is an error, never an empty cell."""
+    from src.report.headline import _pick
+
+    headline = benchmarks.build("headline")
+    bf16 = [line for line in benchmarks.build("routed_bf16").splitlines() if "| pure transfer | 240 |" in line]
+    loss = bf16[0].split(" | ")[5]  # the 120-item 200-shot run: mean loss pt [95 % CI]
+    assert f"| {loss} pt, UNDERPOWERED |" in headline
+    paired = benchmarks.build("routed_levers_paired")
+    gain = next(line for line in paired.splitlines() if "recompute=0.4" in line and "pure transfer" in line)
+    assert f"{gain.split(' | ')[-1].rstrip(' |')} pt up" in headline
+    with pytest.raises(ValueError, match="no routed record labelled 'passage | x'"):
+        _pick([], "passage | x")

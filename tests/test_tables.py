@@ -20,6 +20,7 @@ def test_check_passes_on_the_committed_tables(tmp_path):
     done = tables("--check", cwd=tmp_path)  # from anywhere: the script finds this checkout's src/ and BENCHMARKS.md
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip().endswith("marked table(s) equal their rebuild from results/")
+    assert "in BENCHMARKS.md" in done.stdout and "2 in README.md" in done.stdout  # both pages are checked
 
 
 def test_a_table_prints_by_name_and_a_record_folder_prints_its_quality_tables(tmp_path):

@@ -1,11 +1,13 @@
-"""BENCHMARKS.md's marked tables: which record set each is built from, the rebuild, and the check.
+"""The marked tables of BENCHMARKS.md and README.md: which record set each is built from, the rebuild, and the check.
 
 A marked table sits between `<!-- table: NAME -->` and `<!-- /table -->`; NAME is a key of TABLES, which names its
-record set (a folder under results/) and the function that renders it.
+record sets (folders under results/), any other committed record files it reads (JSON under results/), the function
+that renders it and the page (PAGES) that holds it. Every registered table is marked exactly once, on its own page.
 """
 
 from __future__ import annotations
 
+import json
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -13,24 +15,29 @@ from functools import partial
 from pathlib import Path
 
 from src.report.engine_table import engine
+from src.report.headline import decision_brief, headline
 from src.report.quality_tables import quickstart
 from src.report.routed_tables import decision, routed, routed_paired, routed_switches, routed_tasks
-from src.report.rows import Row, record_rows
+from src.report.rows import record_rows
 
 ROOT = Path(__file__).resolve().parents[2]
-RESULTS, BENCHMARKS = ROOT / "results", ROOT / "BENCHMARKS.md"
+RESULTS, BENCHMARKS, README = ROOT / "results", ROOT / "BENCHMARKS.md", ROOT / "README.md"
+PAGES = (BENCHMARKS, README)  # the pages holding marked tables
 MARKED = re.compile(r"(<!-- table: (\S+) -->\n)(.*?)(<!-- /table -->)", re.S)
 
 
 @dataclass(frozen=True)
 class Table:
     run_sets: tuple[str, ...]  # folders under results/
-    render: Callable[[list[Row]], str]
+    render: Callable[..., str]  # render(rows, *documents): one (path, parsed JSON) per entry of `files`
+    page: str = BENCHMARKS.name  # the page (a PAGES file name) that holds the table
+    files: tuple[str, ...] = ()  # other committed records the table reads: JSON files under results/
 
 
 ROUTED, LEVERS, FITS = "routed-h200-2026-12-03", "routed2-h200-2026-12-03", "routed3-h200-2026-12-04"
 BF16 = "routed4-h200-2026-12-04"
 ENGINE = "engine-h200-2026-12-05"
+FUSED = "fused-fit-h200-2026-12-03/bench_fused_fit.json"
 TABLES: dict[str, Table] = {
     "quickstart": Table(("quickstart-cpu",), quickstart),
     "routed": Table((ROUTED,), routed),
@@ -47,6 +54,8 @@ TABLES: dict[str, Table] = {
     "routed_bf16_paired": Table((ROUTED, LEVERS, FITS, BF16), partial(routed_paired, run_set=BF16)),
     "engine": Table((ENGINE,), engine),
     "decision": Table((ROUTED, LEVERS, FITS, BF16), decision),
+    "headline": Table((ROUTED, LEVERS, FITS, BF16, ENGINE), headline, README.name, (FUSED,)),
+    "decision_brief": Table((ROUTED, LEVERS, FITS, BF16), decision_brief, README.name),
 }
 
 
@@ -60,7 +69,8 @@ def build(name: str, results: Path = RESULTS) -> str:
         raise ValueError(
             f"table {name!r}: {[str(results / s) for s in table.run_sets]}: none holds a FINISHED record.json"
         )
-    return table.render(sorted(rows, key=lambda row: (row["start_time"], row["name"])))
+    documents = [(name, json.loads((results / name).read_text())) for name in table.files]
+    return table.render(sorted(rows, key=lambda row: (row["start_time"], row["name"])), *documents)
 
 
 def marked(text: str) -> dict[str, str]:
@@ -73,15 +83,29 @@ def marked(text: str) -> dict[str, str]:
     return found
 
 
-def rebuild(text: str, results: Path = RESULTS) -> str:
-    """`text` with every marked table replaced by its rebuild; a registered table without a marker is an error."""
-    missing = sorted(set(TABLES) - set(marked(text)))
-    if missing:
-        raise ValueError(f"registered tables without a `<!-- table: NAME -->` marker in BENCHMARKS.md: {missing}")
+def _page(page: str | Path) -> str:
+    name = Path(page).name
+    if name not in {path.name for path in PAGES}:
+        raise ValueError(
+            f"no page {name!r} holds marked tables (src/report/benchmarks.py PAGES: {[p.name for p in PAGES]})"
+        )
+    return name
+
+
+def rebuild(text: str, results: Path = RESULTS, page: str | Path = BENCHMARKS) -> str:
+    """`text` (the page `page`) with every marked table replaced by its rebuild; a table registered for this page
+    without a marker, a marker of a table registered for another page, or of no registered table, is an error."""
+    name = _page(page)
+    here = {table for table, spec in TABLES.items() if spec.page == name}
+    found = marked(text)
+    if missing := sorted(here - set(found)):
+        raise ValueError(f"registered tables without a `<!-- table: NAME -->` marker in {name}: {missing}")
+    if elsewhere := {table: TABLES[table].page for table in sorted(found) if table in TABLES and table not in here}:
+        raise ValueError(f"{name} marks tables of other pages: {elsewhere}")
     return MARKED.sub(lambda m: f"{m.group(1)}{build(m.group(2), results)}\n{m.group(4)}", text)
 
 
-def stale(text: str, results: Path = RESULTS) -> list[str]:
-    """Names of the marked tables whose text differs from their rebuild."""
-    fresh = marked(rebuild(text, results))
+def stale(text: str, results: Path = RESULTS, page: str | Path = BENCHMARKS) -> list[str]:
+    """Names of the marked tables of the page `page` whose text differs from their rebuild."""
+    fresh = marked(rebuild(text, results, page))
     return [name for name, table in marked(text).items() if table != fresh[name]]

@@ -57,11 +57,12 @@ def _judged(row: Row) -> tuple[dict[str, float], dict[str, str]]:
     return backfill(metrics, _items(row), params), tags
 
 
-def decision(rows: list[Row]) -> str:
-    """The decision as the gate takes it (`python -m src.gate --summary`), from every routed record set: per workload ×
-    direction × operating point, the latest run on test items, its criteria and verdict."""
-    judged = [_judged(row) for row in rows]
-    judged = [(metrics, tags) for metrics, tags in judged if tags.get("job") == "routed" and not is_shard(tags)]
+def decided(rows: list[Row]) -> list[tuple[str, str, str, dict[str, float], dict[str, str]]]:
+    """The runs the gate judges, from every routed record set: per workload × direction × operating point, the latest
+    run on test items (else the group's latest, which the gate refuses), as (workload, direction, operating point,
+    metrics, tags), sorted."""
+    judged = [_judged(row) for row in rows if row.get("tags.job") == "routed"]
+    judged = [(metrics, tags) for metrics, tags in judged if not is_shard(tags)]  # a shard is judged joined only
     pair = lambda tags: (tags.get("workload", "unknown"), tags.get("direction", "unknown"))
     tested = {pair(tags) for _, tags in judged if tags.get("split") == "test"}
     latest: dict[tuple[str, str, str], tuple[dict, dict]] = {}
@@ -69,7 +70,18 @@ def decision(rows: list[Row]) -> str:
         on_test = tags.get("split") == "test"
         if on_test or pair(tags) not in tested:  # as the gate: test runs, else the group's latest (refused) run
             latest[(*pair(tags), operating_point(metrics, tags, on_test))] = metrics, tags
-    return summary_table([(*key, judge_run(*latest[key])) for key in sorted(latest)])
+    return [(*key, *latest[key]) for key in sorted(latest)]
+
+
+def decision(rows: list[Row]) -> str:
+    """The decision as the gate takes it (`python -m src.gate --summary`), from every routed record set: per workload ×
+    direction × operating point, the latest run on test items, its criteria and verdict."""
+    return summary_table(
+        [
+            (workload, direction, point, judge_run(metrics, tags))
+            for workload, direction, point, metrics, tags in decided(rows)
+        ]
+    )
 
 
 def _gate(row: Row) -> str:
@@ -203,12 +215,20 @@ def routed_paired(rows: list[Row], run_set: str | None = None) -> str:
         shared = len({key(item) for item in mine} & {key(item) for item in theirs})
         if 2 * shared < min(len(mine), len(theirs)):  # other item limits: a few items in common say nothing
             continue
-        n_boot, seed = (int(require(first, f"params.{key}", first["record"])) for key in ("eval.tasks.n_boot", "seed"))
-        found = paired_gain(mine, theirs, n_boot, seed)
         workload, arrow, levers = routed_label(first).split(" | ")
         lines.append(
             f"| {workload} | {arrow} | {levers} | {routed_label(second).split(' | ')[2]} "
             f"| {fmt(metric(first, 'prefill_fraction'), 0, 100)} / {fmt(metric(second, 'prefill_fraction'), 0, 100)} % "
-            f"| {shared} | {100 * found.estimate:+.1f} [{100 * found.low:+.0f}, {100 * found.high:+.0f}] |"
+            f"| {shared} | {gain(first, second, mine, theirs)} |"
         )
     return "\n".join(lines)
+
+
+def gain(first: Row, second: Row, mine: list[dict] | None = None, theirs: list[dict] | None = None) -> str:
+    """Routed accuracy of run `first` minus run `second` on the items both scored, points [95 % CI] (src/routed.py
+    `paired_gain`, resampled as `first`'s own run: its `eval.tasks.n_boot`, `seed`)."""
+    mine = _items(first) if mine is None else mine
+    theirs = _items(second) if theirs is None else theirs
+    n_boot, seed = (int(require(first, f"params.{key}", first["record"])) for key in ("eval.tasks.n_boot", "seed"))
+    found = paired_gain(mine, theirs, n_boot, seed)
+    return f"{100 * found.estimate:+.1f} [{100 * found.low:+.0f}, {100 * found.high:+.0f}]"
