@@ -71,23 +71,23 @@ case $stage in
     run budget=paper +method=head_local fit.sequences=50,100,200 "eval.tasks.names=[]" tracking.experiment=real_budget ;;
   domain)  # calibration domain (books + task-format dev text + web-like text), then the levers on it
     run budget=paper_mix +method=head_local,head_local_attn_repair "${DIAGNOSE[@]}" tracking.experiment=real_domain
-    run budget=paper_mix +method=head_local eval.levers.native_sink=4 eval.levers.hold_back=0,16,32 \
+    run budget=paper_mix +method=head_local policy.levers.native_sink=4 policy.levers.hold_back=0,16,32 \
       tracking.experiment=real_levers
-    run budget=paper_mix +method=head_local eval.levers.native_sink=4 eval.levers.native_layers=2,7 \
+    run budget=paper_mix +method=head_local policy.levers.native_sink=4 policy.levers.native_layers=2,7 \
       tracking.experiment=real_levers ;;
   capacity)  # the CPU Optuna study's best point (k = 23, relative λ 0.006, α cap 0.51) at the paper budget, then levers
     run "${CAPACITY[@]}" eval.diagnose.fidelity=true tracking.experiment=real_capacity
-    run "${CAPACITY[@]}" eval.levers.native_sink=4 eval.levers.hold_back=0,16,32 tracking.experiment=real_levers ;&
+    run "${CAPACITY[@]}" policy.levers.native_sink=4 policy.levers.hold_back=0,16,32 tracking.experiment=real_levers ;&
   layers)  # the capacity stage's last run (also alone: it did not fit that stage's call on 2026-12-03)
-    run "${CAPACITY[@]}" eval.levers.native_sink=4 eval.levers.native_layers=14 tracking.experiment=real_levers ;;
+    run "${CAPACITY[@]}" policy.levers.native_sink=4 policy.levers.native_layers=14 tracking.experiment=real_levers ;;
   reverse)  # the escalation reversed (1.5B → 0.5B) at the capacity point, then sink + hold-back: its frontier
     run pair=qwen25coder_1p5b_to_0p5b "${CAPACITY[@]}" eval.diagnose.fidelity=true tracking.experiment=real_reverse
-    run pair=qwen25coder_1p5b_to_0p5b "${CAPACITY[@]}" eval.levers.native_sink=4 eval.levers.hold_back=16,32 \
+    run pair=qwen25coder_1p5b_to_0p5b "${CAPACITY[@]}" policy.levers.native_sink=4 policy.levers.hold_back=16,32 \
       tracking.experiment=real_reverse ;;
   frontier)  # long-prefix NLL (1,024-token prefix) against the hold-back share, both directions; then the V probes
     for pair in qwen25coder_0p5b_to_1p5b qwen25coder_1p5b_to_0p5b; do
       run pair=$pair "${CAPACITY[@]}" "eval.tasks.names=[]" eval.nll.prefix_len=1024 eval.latency.prefix_len=1024 \
-        eval.levers.native_sink=4 eval.levers.hold_back=0,64,128,256,512 tracking.experiment=real_frontier_nll
+        policy.levers.native_sink=4 policy.levers.hold_back=0,64,128,256,512 tracking.experiment=real_frontier_nll
     done
     for pair in qwen25coder_0p5b_to_1p5b qwen25coder_1p5b_to_0p5b; do
       run +experiment=feature_probe pair=$pair "${CAPACITY[@]}" tracking.experiment=real_feature_probe
@@ -96,7 +96,7 @@ case $stage in
     for pair in qwen25coder_0p5b_to_1p5b qwen25coder_1p5b_to_0p5b; do
       run pair=$pair "${CAPACITY[@]}" fit.token_features=true eval.diagnose.fidelity=true tracking.experiment=real_tokens
     done
-    run "${CAPACITY[@]}" fit.token_features=true eval.levers.native_sink=4 eval.levers.hold_back=16 \
+    run "${CAPACITY[@]}" fit.token_features=true policy.levers.native_sink=4 policy.levers.hold_back=16 \
       tracking.experiment=real_tokens ;;
   systems)  # random weights: fp32-coefficient apply, then handoff TTFT through the Triton apply (pair.apply_backend=auto)
     python3 scripts/bench_apply_map.py --compute-dtype float32 --precision tf32 --no-sweep --out "$OUT/apply_map_tf32.json" \
@@ -115,7 +115,7 @@ case $stage in
     FEW=(+workload=fewshot workload.limit=${FEW_LIMIT:-100})
     PAS=(+workload=passage workload.limit=${PASSAGE_LIMIT:-100})
     BACK=pair=qwen25coder_1p5b_to_0p5b
-    LEVER=(eval.levers.native_sink=4 eval.levers.recompute=0.25 eval.levers.recompute_rule=deviation)
+    LEVER=(policy.levers.native_sink=4 policy.levers.recompute=0.25 policy.levers.recompute_rule=deviation)
     step 1 "${R[@]}" "${FEW[@]}"
     step 2 "${R[@]}" "${PAS[@]}"
     step 3 "${R[@]}" "${FEW[@]}" $BACK
@@ -132,7 +132,7 @@ case $stage in
     # items, both directions; then long few-shot histories (where latency can win) and the 14B → 32B shapes
     R=(+experiment=routed "${CAPACITY[@]}" workload.warmup=2 eval.diagnose.fidelity=true)  # + mapped-history fidelity
     BACK=pair=qwen25coder_1p5b_to_0p5b
-    VALID=(+workload=passage workload.split=valid workload.limit=50 eval.levers.native_sink=4)
+    VALID=(+workload=passage workload.split=valid workload.limit=50 policy.levers.native_sink=4)
     chosen() {  # step N DIRECTION PAIR: the passage run with the lever the validation grid chose, or nothing
       local lever
       lever=$(python3 -m src.choose "$HOME/valid" --workload passage --direction "$2" --data "$HOME/data" 2>>"$OUT/log.txt") || lever=
@@ -142,10 +142,10 @@ case $stage in
     # priority order (lease 2, 2026-12-03, ran steps 1–6): the lever grid on validation items, the chosen lever on test
     # items; then (next lease: FROM=7) V fitted where it is read, calibration the target wrote, long histories (where
     # latency can win), then what the first lease left unmeasured
-    step 1 "${R[@]}" "${VALID[@]}" eval.levers.recompute=0.25 eval.levers.recompute_rule=deviation,attention,recency
-    step 2 "${R[@]}" "${VALID[@]}" eval.levers.recompute=0.1,0.4 eval.levers.recompute_rule=deviation
-    step 3 "${R[@]}" "${VALID[@]}" eval.levers.recompute=0.25 eval.levers.recompute_rule=deviation,attention,recency $BACK
-    step 4 "${R[@]}" "${VALID[@]}" eval.levers.recompute=0.1,0.4 eval.levers.recompute_rule=deviation $BACK
+    step 1 "${R[@]}" "${VALID[@]}" policy.levers.recompute=0.25 policy.levers.recompute_rule=deviation,attention,recency
+    step 2 "${R[@]}" "${VALID[@]}" policy.levers.recompute=0.1,0.4 policy.levers.recompute_rule=deviation
+    step 3 "${R[@]}" "${VALID[@]}" policy.levers.recompute=0.25 policy.levers.recompute_rule=deviation,attention,recency $BACK
+    step 4 "${R[@]}" "${VALID[@]}" policy.levers.recompute=0.1,0.4 policy.levers.recompute_rule=deviation $BACK
     chosen 5 qwen25coder_0.5b_to_1.5b pair=qwen25coder_0p5b_to_1p5b || true
     chosen 6 qwen25coder_1.5b_to_0.5b $BACK || true
     step 7 "${R[@]}" +workload=passage workload.limit=100 fit.v_space=attention  # lever 3: V fitted where it is read
@@ -156,7 +156,7 @@ case $stage in
     step 11 "${R[@]}" +workload=fewshot workload.limit=100 fit.v_space=attention "workload.tasks=[arc_easy,piqa,hellaswag]"
     step 12 "${R[@]}" +workload=fewshot workload.limit=100 budget=paper_greedy "workload.tasks=[arc_easy,piqa,hellaswag]"
     step 13 "${R[@]}" +workload=fewshot workload.limit=100 "workload.tasks=[mmlu]"
-    step 14 "${R[@]}" +workload=fewshot workload.policy=auto workload.limit=50 "workload.tasks=[arc_easy,arc_challenge]" \
+    step 14 "${R[@]}" +workload=fewshot policy.mode=auto workload.limit=50 "workload.tasks=[arc_easy,arc_challenge]" \
       workload.shots.arc_easy=100 workload.shots.arc_challenge=100  # the cost-aware router picks its path per handoff
     COMMON=(tracking.backend=json "tracking.json_dir=$OUT/trk" "paths.data=$HOME/data" pair.device=cuda)
     step 15 "${PAPER[@]}"
@@ -197,7 +197,7 @@ PY
       workload.shots.arc_challenge=100 workload.limit=40  # routed2 step 9's items at bf16: the dtype's latency effect
     R32=(+experiment=routed "${CAPACITY[@]}" workload.warmup=2 eval.diagnose.fidelity=true)  # fp32, as routed/routed2
     step 4 "${R32[@]}" +workload=passage workload.limit=100 fit.v_space=attention pair=qwen25coder_1p5b_to_0p5b  # lever 3 reversed
-    step 5 "${R[@]}" "${LONG[@]}" workload.limit=100 workload.policy=auto  # the cost-aware router picks per handoff
+    step 5 "${R[@]}" "${LONG[@]}" workload.limit=100 policy.mode=auto  # the cost-aware router picks per handoff
     step 6 "${R[@]}" +workload=fewshot workload.limit=100 pair=qwen25coder_1p5b_to_0p5b
     COMMON=(tracking.backend=json "tracking.json_dir=$OUT/trk" "paths.data=$HOME/data" pair.device=cuda)
     step 7 "${PAPER[@]}"
@@ -216,7 +216,7 @@ PY
     step 2 "${R[@]}" workload.limit=20
     PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True step 3 "${R[@]}" workload.limit=20 \
       tracking.experiment=routed_harness_expandable  # its own record folder (the env is no param)
-    step 4 "${R[@]}" workload.limit=20 workload.policy=auto
+    step 4 "${R[@]}" workload.limit=20 policy.mode=auto
     # if step 1's replay broke again with a tiny cache difference: cuBLAS's reproducible workspace (cuBLAS docs,
     # "Results reproducibility"; tag env.CUBLAS_WORKSPACE_CONFIG) tells GPU arithmetic from a fallback bug
     CUBLAS_WORKSPACE_CONFIG=:4096:8 step 5 "${R[@]}" workload.limit=120 tracking.experiment=routed_harness_cublas

@@ -29,8 +29,8 @@ def series(
         if row.get("tags.job") != "routed" or row.get("tags.workload") != workload:
             continue
         panel = (str(row.get("tags.direction")), str(row.get("tags.split", "test")))
-        recompute = float(row.get("params.eval.levers.recompute") or 0)
-        label = f"recompute, {row.get('params.eval.levers.recompute_rule')} rule" if recompute else "no recompute"
+        recompute = float(row.get("params.policy.levers.recompute") or 0)
+        label = f"recompute, {row.get('params.policy.levers.recompute_rule')} rule" if recompute else "no recompute"
         point = tuple(
             metric(row, n) for n in ("prefill_fraction", *(f"task.mean.loss_points{s}" for s in ("", "_low", "_high")))
         )

@@ -1,5 +1,5 @@
 """Token lengths of a routed workload's histories (what the source reads and the target receives mapped), per task,
-with the pair's tokenizer: do they fit the length guard (workload.max_length_factor × the calibration length)?
+with the pair's tokenizer: do they fit the length guard (policy.max_length_factor × the calibration length)?
 Any overrides of `+experiment=routed` apply (the budget decides which shots are calibration text, hence the pool).
 
     python scripts/history_tokens.py --tokenizer ~/.cache/kvrelay/models/qwen25coder_1p5b \\
@@ -31,7 +31,7 @@ def main() -> None:
     tokenizer = AutoTokenizer.from_pretrained(args.tokenizer)
     with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
         cfg = compose("run", overrides=["+experiment=routed", *args.overrides])
-    guard = cfg.workload.max_length_factor * cfg.budget.seq_len
+    guard = cfg.policy.max_length_factor * cfg.budget.seq_len
     chosen = examples(cfg, cfg.workload.name)
     for task in cfg.workload.tasks:
         lengths = np.array(

@@ -24,7 +24,7 @@ from src.routed import quality
 from src.tasks import load_task, reported
 from src.tracking import RecordError, metric_values, read_items, read_record, require
 
-LEVERS = "eval.levers."
+LEVERS = "policy.levers."  # old records' levers too: read_record gives today's keys (tracking.current_params)
 
 
 def validation_runs(

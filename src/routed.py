@@ -2,7 +2,7 @@
 
 Top to bottom: the pair → the mapper of each direction the workload needs (the reverse one through the swapped pair,
 pipeline.calibration / build_mapper), bound once (session.bind) → the workload's items (src/workloads.py) → for each,
-the routed session (workload.policy) beside the all-re-prefill session (the native target) and the source alone, on
+the routed session (cfg.policy) beside the all-re-prefill session (the native target) and the source alone, on
 the same token ids → per task accuracy and loss in points with paired bootstrap CIs (and on the task mean), NLL of the
 reference answers, TTFT p50/p95 per path (map + new turn + first token; re-prefill of what the receiver has not seen;
 same-model prefix hit), the median paired speedup with its seeded bootstrap CI, the same-work harness check (a sample
@@ -34,8 +34,7 @@ from src.pipeline import build_mapper, calibration, load, tags, vocab_size
 from src.routed_runs import LENGTH_EDGES, Run, bucket, rollback, task_scores
 from src.routed_workloads import WORKLOADS, check_shard
 from src.runtime.engine import Engine
-from src.runtime.levers import Levers
-from src.runtime.routing import Policy, Route, bind
+from src.runtime.routing import Route, bind, policy_from
 from src.tasks import METRICS
 from src.workloads import Bytes
 
@@ -277,18 +276,23 @@ def routed(cfg: DictConfig) -> float:
     if w.shards != 1 and not workload.shards:
         having = sorted(name for name, known in WORKLOADS.items() if known.shards)
         raise ValueError(f"workload.shards: the {w.name} workload's items are not sharded (only {having}); set it to 1")
+    policy = policy_from(cfg.policy)  # a policy that cannot hold is refused before any model loads
     pair = load(cfg)
     bound, mappers = routes(cfg, pair, workload.reverse)
     tokenizer = pair.tokenizer if pair.tokenizer is not None else Bytes(vocab_size(pair))
-    policy = Policy(w.policy, Levers(**cfg.eval.levers), w.max_length_factor, w.guard_max_abs)
     models = {"source": pair.source, "target": pair.target}
     engines = {}
     if w.engine_capacity is not None:  # every kind of session on engines of its own, kept across items
         engines = {kind: {n: Engine(m, w.engine_capacity) for n, m in models.items()} for kind in ENGINE_KINDS}
     run = Run(models, bound, policy, tokenizer, w.warmup, w.same_work_every, engines=engines)
     method = mappers[("source", "target")].manifest.get("method", "mapper")
-    run_name = f"{cfg.pair.name}:routed:{w.name}:{method}:{w.policy}" + (":valid" if w.split == "valid" else "")
-    run_tags = tags(cfg, pair, "routed") | {"workload": w.name, "method": method, "policy": w.policy, "split": w.split}
+    run_name = f"{cfg.pair.name}:routed:{w.name}:{method}:{policy.mode}" + (":valid" if w.split == "valid" else "")
+    run_tags = tags(cfg, pair, "routed") | {
+        "workload": w.name,
+        "method": method,
+        "policy": policy.mode,
+        "split": w.split,
+    }
     if w.shards > 1:  # a part of a run: joined by src/routed_merge.py, never judged alone (src/gate.py)
         run_name += f":shard{w.shard}of{w.shards}"
         run_tags["shard"] = f"{w.shard}/{w.shards}"

@@ -42,6 +42,7 @@ from src.pipeline import (
 from src.probe import probe_features
 from src.routed import routed
 from src.runtime.levers import Levers
+from src.runtime.routing import policy_from
 from src.select import layers_for_support
 from src.support import head_assignment
 from src.tasks import load_task
@@ -64,7 +65,7 @@ def _plot_layers(scores: dict) -> plt.Figure:
 def task_metrics(cfg: DictConfig, pair: Pair, transfer: KVTransfer) -> tuple[dict[str, float], dict]:
     """`task.<name>.<metric>` and `task.mean.<metric>` of the transfer against both native models, and the
     per-item scores of every mode (for paired comparisons between runs)."""
-    levers, metrics, items, per_task = Levers(**cfg.eval.levers), {}, {}, {}
+    levers, metrics, items, per_task = policy_from(cfg.policy).levers, {}, {}, {}
     for task in cfg.eval.tasks.names:
         source, target = (native_scores(cfg, pair, mode, task) for mode in ("native_source", "native_target"))
         items_of_task = load_task(task, cfg.paths.data, cfg.eval.tasks.limit)
@@ -96,7 +97,7 @@ def fit_eval(cfg: DictConfig) -> float:
         traces, traces_key = calibration(cfg, pair)
         mapper = build_mapper(cfg, pair, traces, traces_key, cfg.support)
         transfer = make_transfer(cfg, pair, mapper)
-        manifest, levers = mapper.manifest, Levers(**cfg.eval.levers)
+        manifest, levers = mapper.manifest, policy_from(cfg.policy).levers
         run.rename(run_name(cfg, manifest["method"], levers))
         run.tags(
             tags(cfg, pair, "fit_eval") | {"method": manifest["method"], "corpus_hash": traces.meta["corpus_hash"]}

@@ -13,6 +13,8 @@ metrics (psutil) every `tracking.system_metrics_s` seconds. Backend `json` write
 `python -m src.tracking import DIR` replays records into the MLflow store, `export EXPERIMENT DIR` writes an
 experiment's runs as records. Every record reader goes through `read_record` / `read_items`: a truncated file, or one
 without a key the reader needs, is a RecordError that names the file and the key, never a bare JSON or key error.
+Records made before a config key moved name it the old way; `read_record` (and the MLflow rows of src/report/rows.py)
+hand params over under today's names (`current_params`).
 """
 
 from __future__ import annotations
@@ -325,19 +327,45 @@ def read_json(path: Path, name: str | Path | None = None) -> object:
         raise RecordError(f"{name}: not valid JSON, truncated or damaged ({error})") from None
 
 
+# Params renamed since records were first made: old key (a trailing "." renames every key under it) → today's.
+# Before 2026-12-05 the policy lived in conf/eval (`eval.levers`) and conf/workload; now in conf/policy/default.yaml.
+RENAMED_PARAMS = {
+    "eval.levers.": "policy.levers.",
+    "workload.policy": "policy.mode",
+    "workload.max_length_factor": "policy.max_length_factor",
+    "workload.guard_max_abs": "policy.guard_max_abs",
+}
+
+
+def current_params(params: dict[str, str]) -> dict[str, str]:
+    """A run's params (flattened config keys) under today's names (`RENAMED_PARAMS`), in their order; a record made
+    after a rename passes unchanged."""
+
+    def current(key: str) -> str:
+        for old, new in RENAMED_PARAMS.items():
+            if key == old or (old.endswith(".") and key.startswith(old)):
+                return new + key[len(old) :]
+        return key
+
+    return {current(key): value for key, value in params.items()}
+
+
 def read_record(path: str | Path) -> dict:
     """A record.json, checked: a JSON object with name, params, tags and metrics, every metric a key, value and
-    step. Anything else is a RecordError naming the file and what is missing."""
+    step; its params under today's names (`current_params`). Anything else is a RecordError naming the file and what
+    is missing."""
     path = Path(path)
     record = read_json(path)
     if not isinstance(record, dict):
         raise RecordError(f"{path}: holds a JSON {type(record).__name__}, not a record object")
     for key in RECORD_KEYS:
         require(record, key, path)
+    if not isinstance(record["params"], dict):
+        raise RecordError(f"{path}: 'params' is a {type(record['params']).__name__}, not a mapping of config keys")
     for n, metric in enumerate(record["metrics"]):
         for key in METRIC_KEYS:
             require(metric, key, f"{path} metrics[{n}]")
-    return record
+    return record | {"params": current_params(record["params"])}
 
 
 def metric_values(record: dict, path: str | Path) -> dict[str, float]:
@@ -360,8 +388,9 @@ def read_items(run: str | Path) -> list[dict]:
 
 
 def import_records(directory: str | Path, uri: str, artifacts: str) -> int:
-    """Replay every JSON record under `directory` as an MLflow run (times and status kept); returns how many. A
-    truncated record, or one without a key the replay needs, is a RecordError naming it, before anything is replayed."""
+    """Replay every JSON record under `directory` as an MLflow run (times and status kept, params under today's names:
+    `read_record`); returns how many. A truncated record, or one without a key the replay needs, is a RecordError
+    naming it, before anything is replayed."""
     from mlflow import MlflowClient
     from mlflow.entities import Metric, Param
 

@@ -1,6 +1,6 @@
 """Choosing levers on validation items (src/choose.py): only FINISHED routed runs on validation items are read, the
 pre-registered rule picks the least prefill within the loss threshold (else the least mean loss), and the CLI prints
-the chosen overrides alone on stdout."""
+the chosen overrides alone on stdout, under today's keys (`policy.levers.*`) for records made before they moved."""
 
 import json
 import subprocess
@@ -15,7 +15,11 @@ REPO = Path(__file__).resolve().parents[1]
 DATA = REPO.parent / "shared/data"
 
 
-def _record(root: Path, name: str, levers: dict, losses: dict, prefill: float, mean: float | None = None, **tags):
+def _record(
+    root: Path, name: str, levers: dict, losses: dict, prefill: float, mean: float | None = None,
+    keys: str = "policy.levers.", **tags,
+):  # fmt: skip
+    """A routed record; `keys="eval.levers."`: one made before 2026-12-05, when the levers lived under conf/eval."""
     tags = {"job": "routed", "split": "valid", "workload": "passage", "direction": "a_to_b"} | tags
     metrics = {f"task.{t}.loss_points": v for t, v in losses.items()}
     mean = sum(losses.values()) / len(losses) if mean is None else mean
@@ -25,7 +29,7 @@ def _record(root: Path, name: str, levers: dict, losses: dict, prefill: float, m
     record = {
         "name": name,
         "status": tags.pop("status", "FINISHED"),
-        "params": {f"eval.levers.{k}": str(v) for k, v in levers.items()} | {"fit.k": "24"},
+        "params": {f"{keys}{k}": str(v) for k, v in levers.items()} | {"fit.k": "24"},
         "tags": tags,
         "metrics": [{"key": k, "value": v, "step": None, "timestamp": 0} for k, v in metrics.items()],
     }
@@ -36,7 +40,7 @@ def _record(root: Path, name: str, levers: dict, losses: dict, prefill: float, m
 def grid(tmp_path):
     _record(tmp_path, "pure", {"recompute": 0.0}, {"boolq": 30.0, "lambada": 38.0}, 0.0)
     _record(tmp_path, "r10", {"recompute": 0.1}, {"boolq": 0.5, "lambada": 1.5}, 0.15)  # one task over 1 pt
-    _record(tmp_path, "r25", {"recompute": 0.25}, {"boolq": 0.8, "lambada": 0.2}, 0.33)
+    _record(tmp_path, "r25", {"recompute": 0.25}, {"boolq": 0.8, "lambada": 0.2}, 0.33, keys="eval.levers.")  # old
     _record(tmp_path, "r40", {"recompute": 0.4}, {"boolq": 0.0, "lambada": -1.0}, 0.48)
     _record(tmp_path, "on_test", {"recompute": 0.05}, {"boolq": 0.0, "lambada": 0.0}, 0.1, split="test")
     _record(tmp_path, "no_split", {"recompute": 0.05}, {"boolq": 0.0, "lambada": 0.0}, 0.1, split=None)
@@ -51,7 +55,7 @@ def test_the_least_prefill_within_the_threshold_on_validation_runs_only(grid):
     assert choose(runs)["name"] == "r25"  # r10 is cheaper but one task loses 1.5 points
     assert choose(runs, max_loss=2.0)["name"] == "r10"
     assert choose([r for r in runs if r["name"] in ("pure", "r10")])["name"] == "r10"  # none within: least mean loss
-    assert overrides(choose(runs)) == ["eval.levers.recompute=0.25"]
+    assert overrides(choose(runs)) == ["policy.levers.recompute=0.25"]  # an old record's levers under today's keys
     with pytest.raises(ValueError, match="no finished routed runs on validation items"):
         choose(validation_runs(grid, workload="switches"))
 
@@ -61,8 +65,8 @@ def test_cli_prints_only_the_overrides_on_stdout(grid):
         [sys.executable, "-m", "src.choose", str(grid), "--workload", "passage"],
         cwd=REPO, capture_output=True, text=True, check=True,
     )  # fmt: skip
-    assert done.stdout == "eval.levers.recompute=0.25\n"
-    assert "→ eval.levers.recompute=0.25" in done.stderr and done.stderr.count("\n") == 4
+    assert done.stdout == "policy.levers.recompute=0.25\n"  # what `python -m src.run` takes today
+    assert "→ policy.levers.recompute=0.25" in done.stderr and done.stderr.count("\n") == 4
 
 
 def test_cli_without_validation_runs_says_so(tmp_path):

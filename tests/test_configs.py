@@ -13,9 +13,12 @@ from hydra.experimental.callback import Callback
 from hydra.types import RunMode
 from hydra.utils import get_class
 from omegaconf import OmegaConf
+from omegaconf.errors import ConfigAttributeError
 
 from src.corpus import CORPORA
 from src.run import JOBS
+from src.runtime.levers import Levers
+from src.runtime.routing import Policy, policy_from
 
 REPO = Path(__file__).resolve().parents[1]
 CONF = REPO / "conf"
@@ -124,12 +127,21 @@ def test_every_workload_composes_with_the_routed_experiment(workload):
 
 
 SHARED = {
-    "limit": 100, "split": "test", "shots": {}, "base": None, "switch_counts": [], "turns": 0,
-    "escalation": {"policy": "none", "every": 0, "threshold": 0.0}, "policy": "map", "max_length_factor": 8.0,
-    "guard_max_abs": None, "engine_capacity": None, "shards": 1, "shard": 0, "warmup": 1, "same_work_every": 8,
+    "limit": 100,
+    "split": "test",
+    "shots": {},
+    "base": None,
+    "switch_counts": [],
+    "turns": 0,
+    "escalation": {"policy": "none", "every": 0, "threshold": 0.0},
+    "engine_capacity": None,
+    "shards": 1,
+    "shard": 0,
+    "warmup": 1,
+    "same_work_every": 8,
     "rollback_items": 2,
     "rollback_tokens": 8,
-}  # fmt: skip
+}  # fmt: skip (policy, max_length_factor, guard_max_abs: moved to conf/policy/default.yaml, 2026-12-05)
 WORKLOADS_COMPOSED = {  # cfg.workload of each workload as it composed when every file restated every key
     "fewshot": {"name": "fewshot", "tasks": ["arc_easy", "arc_challenge", "hellaswag", "mmlu", "winogrande", "piqa"]}
     | SHARED
@@ -147,7 +159,8 @@ WORKLOADS_COMPOSED = {  # cfg.workload of each workload as it composed when ever
 @pytest.mark.parametrize("workload", sorted(WORKLOADS_COMPOSED))
 def test_a_workload_composed_from_the_defaults_is_the_workload_it_was(workload):
     """conf/workload/default.yaml + the workload's changed keys compose to the very values (in the same key order)
-    each workload had when its file listed all of them: runs and records see the same `workload.*`."""
+    each workload had when its file listed all of them: runs and records see the same `workload.*` (but the policy's
+    keys, now under `policy.*`)."""
     composed_workload = resolved("+experiment=routed", f"+workload={workload}")["workload"]
     assert composed_workload == WORKLOADS_COMPOSED[workload]
     assert list(composed_workload) == list(WORKLOADS_COMPOSED[workload])
@@ -235,6 +248,54 @@ def test_experiments_only_change_existing_keys(experiment):
     for key, value in file_keys(path).items():
         assert key in base, f"{experiment} sets unknown key {key}"
         assert base[key] != value, f"{experiment} repeats the default {key}={value}"
+
+
+# --- the handoff policy: one group, read by every job ------------------------------------------------------------
+
+OLD_POLICY_KEYS = ("eval.levers", "workload.policy", "workload.max_length_factor", "workload.guard_max_abs")
+
+
+def test_the_policy_is_one_group_whose_defaults_are_the_api_defaults():
+    """conf/policy/default.yaml is in the defaults list and holds the mode, every Levers field (a field without its
+    YAML line has its default outside the one file) and the guards; composed, it is the Python API's Policy()."""
+    assert default_choices()["policy"] == "default"
+    policy = resolved()["policy"]
+    assert list(policy) == ["mode", "levers", "max_length_factor", "guard_max_abs"]
+    assert set(policy["levers"]) == set(Levers.__dataclass_fields__)
+    assert policy_from(composed().policy) == Policy()
+
+
+@pytest.mark.parametrize("experiment", EXPERIMENTS)
+def test_no_lever_or_guard_outside_the_policy_group(experiment):
+    """A job that reads a lever, the mode or a guard anywhere but `cfg.policy` fails: the old homes are gone from
+    every experiment's config (and from every workload's), so reading them is a missing-key error."""
+    cfg = composed(f"+experiment={experiment}")
+    assert "levers" not in cfg.eval and set(cfg.policy) == {"mode", "levers", "max_length_factor", "guard_max_abs"}
+    with pytest.raises(ConfigAttributeError):
+        cfg.eval.levers  # noqa: B018
+    for workload in WORKLOAD_FILES if experiment == "routed" else ():
+        composed_workload = composed(f"+experiment={experiment}", f"+workload={workload}").workload
+        assert not {"policy", "max_length_factor", "guard_max_abs"} & set(composed_workload), workload
+        with pytest.raises(ConfigAttributeError):
+            composed_workload.max_length_factor  # noqa: B018
+
+
+def test_the_command_line_sets_the_policy():
+    cfg = composed("+experiment=routed", "+workload=passage", "policy.mode=auto", "policy.levers.recompute=0.25",
+                   "policy.levers.native_sink=4", "policy.max_length_factor=4", "policy.guard_max_abs=100")  # fmt: skip
+    assert policy_from(cfg.policy) == Policy("auto", Levers(native_sink=4, recompute=0.25), 4.0, 100.0)
+
+
+def test_code_reads_the_policy_only_through_policy_from():
+    """The job config becomes Levers in one place (`Levers(**` only in src/runtime/routing.py `policy_from`; the
+    lm-eval adapter builds them from its own model_args), and no job, script or config names the policy's old keys
+    (only the record readers' translation, src/tracking.py, and the policy file's note on old records do)."""
+    files = [p for folder in ("src", "scripts", "conf") for p in sorted((REPO / folder).rglob("*")) if p.is_file()]
+    files = [p for p in files if p.suffix in (".py", ".sh", ".yaml")]
+    built = [str(p.relative_to(REPO)) for p in files if p.suffix == ".py" and "Levers(**" in p.read_text()]
+    assert built == ["src/eval/harness.py", "src/runtime/routing.py"]
+    naming = {str(p.relative_to(REPO)) for p in files if any(key in p.read_text() for key in OLD_POLICY_KEYS)}
+    assert naming == {"src/tracking.py", "conf/policy/default.yaml"}
 
 
 # --- paths, hydra, tracking ---------------------------------------------------------------------------------------

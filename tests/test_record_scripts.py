@@ -135,3 +135,6 @@ def test_a_record_metric_without_its_step_is_named(tmp_path):
     path.write_text("[]")
     with pytest.raises(RecordError, match="holds a JSON list, not a record object"):
         read_record(path)
+    path.write_text(json.dumps({"name": "x", "params": ["fit.k"], "tags": {}, "metrics": []}))
+    with pytest.raises(RecordError, match="'params' is a list, not a mapping of config keys"):
+        read_record(path)  # its keys are renamed to today's names (current_params): a list has none

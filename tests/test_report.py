@@ -11,6 +11,7 @@ from src.report import benchmarks
 from src.report.quality_tables import correlation, quality
 from src.report.routed_tables import routed_label
 from src.report.rows import record_rows
+from src.tracking import JsonRecorder, flatten, read_record
 
 ROOT = Path(__file__).resolve().parents[1]
 WEIGHT_SUFFIXES = {".safetensors", ".pt", ".pth", ".bin", ".gguf", ".npy", ".npz", ".ckpt"}
@@ -114,6 +115,50 @@ def test_routed_labels_name_every_mapper_change_and_long_histories():
     assert routed_label(long).startswith("fewshot (100 shots) |")
     short = long | {"params.workload.shots.arc_easy": "25"}
     assert routed_label(short).startswith("fewshot |")
+
+
+OLD_RECORDS = {  # committed records made before the policy moved to conf/policy (2026-12-05) → that policy today
+    "routed2-h200-2026-12-03/qwen25coder_0p5b_to_1p5b_routed_passage_local_attn_repair_map_valid-ba3e6e8a": (
+        "passage", ("policy.levers.native_sink=4", "policy.levers.recompute=0.25"),
+        "native_sink=4, recompute=0.25, rule=deviation",
+    ),
+    "routed4-h200-2026-12-04/qwen25coder_0p5b_to_1p5b_routed_fewshot_local_attn_repair_auto-86b68461": (
+        "fewshot", ("policy.mode=auto",), "policy auto"
+    ),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("old", sorted(OLD_RECORDS), ids=lambda old: old.split("/")[0])
+def test_old_and_new_records_name_the_policy_alike(old, tmp_path):
+    """A record made before 2026-12-05 names the policy `eval.levers.*`, `workload.policy`,
+    `workload.max_length_factor`, `workload.guard_max_abs`; read_record gives it under today's keys (`policy.*`,
+    src/tracking.py `current_params`), a new record's params pass unchanged, and the same policy reads (and labels)
+    alike in both."""
+    from hydra import compose, initialize_config_dir
+
+    workload, overrides, label = OLD_RECORDS[old]
+    path = ROOT / "results" / old / "record.json"
+    committed = json.loads(path.read_text())["params"]
+    assert not any(key.startswith("policy.") for key in committed)  # the record as it was written
+    old_params = read_record(path)["params"]
+    assert len(old_params) == len(committed)
+    moved = ("eval.levers.", "workload.policy", "workload.max_length_factor", "workload.guard_max_abs")
+    assert not any(key.startswith(moved) for key in old_params)
+    policy = {key: value for key, value in old_params.items() if key.startswith("policy.")}
+    fields = {"mode", "levers", "max_length_factor", "guard_max_abs"}
+    assert len(policy) == 9 and {key.split(".")[1] for key in policy} == fields  # mode, 6 levers, 2 guards
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+        cfg = compose("run", overrides=["+experiment=routed", f"+workload={workload}", *overrides,
+                                        "tracking.backend=json", f"tracking.json_dir={tmp_path}"])  # fmt: skip
+    tags = {"job": "routed", "workload": workload, "direction": "qwen25coder_0.5b_to_1.5b", "split": "test"}
+    JsonRecorder(cfg, "new", tags).close("FINISHED")
+    (new_path,) = tmp_path.glob("*/record.json")
+    new_params = read_record(new_path)["params"]
+    assert new_params == flatten(cfg)  # today's keys pass unchanged
+    assert {key: new_params[key] for key in policy} == policy  # the same policy, the same keys and values
+    (old_row,) = [row for row in record_rows(path.parent.parent) if row["record"] == str(path)]
+    (new_row,) = record_rows(tmp_path)
+    assert routed_label(old_row).split(" | ")[2] == routed_label(new_row).split(" | ")[2] == label
 
 
 def test_the_decision_table_judges_as_the_gate_groups(tmp_path):

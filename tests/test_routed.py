@@ -303,6 +303,44 @@ def test_routed_job_end_to_end_on_the_tiny_random_pair(items, tmp_path, monkeypa
     assert verdicts["routed workload run"] == ("PASS" if items == "test" else "FAIL")  # validation items never gate
 
 
+class _Reached(Exception):
+    pass
+
+
+def test_the_policy_on_the_command_line_reaches_the_routed_session(tmp_path, monkeypatch):
+    """`policy.*` (conf/policy/default.yaml: mode, levers, guards) is the policy the routed job's session runs; a
+    policy that cannot hold is refused before any model loads."""
+    if not (DATA / "eval").is_dir():
+        pytest.skip("shared data not found")
+    import src.pipeline
+    import src.routed
+    import src.routed_runs
+    from src.runtime.levers import Levers
+
+    monkeypatch.setenv("KVRELAY_HOME", str(tmp_path / "home"))
+    monkeypatch.setattr(src.pipeline, "_MEMO", {})  # this test's pair and traces stay out of the process's memo
+    with monkeypatch.context() as patch, pytest.raises(ValueError, match="recompute_rule must be one of"):
+        patch.setattr(src.routed, "load", lambda cfg: pytest.fail("the bad policy was not refused first"))
+        src.routed.routed(compose("workload=passage", "policy.levers.recompute_rule=fastest", f"paths.data={DATA}"))
+    built, real = [], src.routed_runs.Session
+
+    def session(models, routes, policy, *args, **kwargs):
+        if policy.mode == "reprefill":  # the all-re-prefill session: the workload's policy is not its own
+            return real(models, routes, policy, *args, **kwargs)
+        built.append(policy)
+        raise _Reached
+
+    monkeypatch.setattr(src.routed_runs, "Session", session)
+    cfg = compose(
+        "workload=passage", "workload.limit=1", "workload.tasks=[lambada]", "budget.sequences=8", "budget.seq_len=64",
+        f"paths.data={DATA}", "tracking.backend=json", f"tracking.json_dir={tmp_path / 'records'}",
+        "policy.mode=auto", "policy.levers.recompute=0.25", "policy.levers.native_sink=2", "policy.max_length_factor=4",
+    )  # fmt: skip
+    with pytest.raises(_Reached):
+        src.routed.routed(cfg)
+    assert built == [Policy("auto", Levers(native_sink=2, recompute=0.25), 4.0)]
+
+
 def test_routed_job_on_the_static_engine_scores_what_the_hf_sessions_score(tmp_path, monkeypatch):
     """workload.engine_capacity: every session (routed, all-re-prefill, same-work twin, rollback replay) holds its
     models on engines kept across items; on CPU (fp32) the items score as on HF DynamicCache sessions, rollback holds,

@@ -304,6 +304,24 @@ def test_latency_prefix_has_the_configured_length(first, ws, monkeypatch):
     assert lengths == [48]
 
 
+def test_the_policy_on_the_command_line_reaches_the_offline_splice(first, ws, monkeypatch):
+    """`policy.levers.*` (conf/policy/default.yaml) are the levers fit_eval's NLL splices with (and its name says)."""
+    from src.runtime.levers import Levers
+
+    seen = []
+
+    def nll(transfer, streams, prefix_len, levers):
+        seen.append(levers)
+        raise _Measured
+
+    monkeypatch.setattr(src.run, "horizon_nll", nll)
+    cfg = config(ws, "+experiment=quickstart", "policy.levers.recompute=0.25", "policy.levers.native_sink=2")
+    with pytest.raises(_Measured):
+        src.run.fit_eval(cfg)
+    assert seen == [Levers(native_sink=2, recompute=0.25)]
+    assert src.run.run_name(cfg, "m", seen[0]).endswith(":sink2:hold0:layers0:recompute0.25:deviation")
+
+
 # --- latency and construction jobs --------------------------------------------------------------------------------
 
 

@@ -151,6 +151,27 @@ def test_json_record_renamed_then_imported_and_exported_unchanged(store, tmp_pat
     assert json.loads((path.parent / "artifacts/tasks/item_scores.json").read_text()) == {"items": [1, 0, 1]}
 
 
+def test_runs_logged_with_the_old_policy_keys_read_under_todays(store):
+    """A run an MLflow store holds from before 2026-12-05 (`eval.levers.*`, `workload.policy`, …) reads as today's
+    `policy.*` in the store's table rows (src/report/rows.py `mlflow_rows`), as read_record gives a JSON record's."""
+    from src.report.rows import mlflow_rows
+
+    experiment = tracking.configure(store["uri"], "old_keys", store["artifacts"])
+    client = MlflowClient(store["uri"])
+    run_id = client.create_run(experiment, run_name="old").info.run_id
+    old = {"eval.levers.recompute": "0.25", "workload.policy": "auto", "workload.max_length_factor": "8.0",
+           "workload.guard_max_abs": "None", "workload.escalation.policy": "none", "fit.k": "4"}  # fmt: skip
+    for key, value in old.items():
+        client.log_param(run_id, key, value)
+    client.set_terminated(run_id, "FINISHED")
+    (row,) = mlflow_rows(store["uri"], ["old_keys"])
+    params = {key.removeprefix("params."): value for key, value in row.items() if key.startswith("params.")}
+    assert params == tracking.current_params(old) == {
+        "policy.levers.recompute": "0.25", "policy.mode": "auto", "policy.max_length_factor": "8.0",
+        "policy.guard_max_abs": "None", "workload.escalation.policy": "none", "fit.k": "4",
+    }  # fmt: skip
+
+
 def test_code_digest_names_the_code_a_run_ran(tmp_path):
     """The digest covers src/, kernels/ and conf/ (not caches), changes with one byte, and `digest_at` reproduces it
     from a commit: a record's `code_digest` tag says which commit's code ran even where git metadata is stale."""

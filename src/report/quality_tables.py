@@ -24,8 +24,8 @@ def label(row: Row) -> str:
     if row.get("params.fit.sequences") not in (None, "None"):
         parts.append(f"n={row['params.fit.sequences']}")
     for name in ("native_sink", "hold_back", "native_layers"):
-        if row.get(f"params.eval.levers.{name}") not in (None, "0"):
-            parts.append(f"{name}={row[f'params.eval.levers.{name}']}")
+        if row.get(f"params.policy.levers.{name}") not in (None, "0"):
+            parts.append(f"{name}={row[f'params.policy.levers.{name}']}")
     parts.append(str(row.get("params.budget.corpus")))
     return " ".join(parts)
 

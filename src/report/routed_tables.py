@@ -28,18 +28,18 @@ def _loss(row: Row, prefix: str) -> str:
 
 def routed_label(row: Row) -> str:
     levers = [
-        f"{name}={row[f'params.eval.levers.{name}']}"
+        f"{name}={row[f'params.policy.levers.{name}']}"
         for name in ("native_sink", "hold_back", "native_layers", "recompute")
-        if row.get(f"params.eval.levers.{name}") not in (None, "0", "0.0")
+        if row.get(f"params.policy.levers.{name}") not in (None, "0", "0.0")
     ]
-    if levers and row.get("params.eval.levers.recompute") not in (None, "0", "0.0"):
-        levers.append(f"rule={row.get('params.eval.levers.recompute_rule')}")
+    if levers and row.get("params.policy.levers.recompute") not in (None, "0", "0.0"):
+        levers.append(f"rule={row.get('params.policy.levers.recompute_rule')}")
     if row.get("params.fit.v_space", "token") != "token":  # lever 3: the mapper fitted where the receiver reads
         levers.append(f"V fit in {row['params.fit.v_space']} space")
     if row.get("params.budget.continuation") not in (None, "0", "0.0"):  # lever 4: calibration the target wrote
         levers.append(f"calibration {float(row['params.budget.continuation']):.0%} target-greedy")
-    if row.get("params.workload.policy", "map") != "map":  # the session chose per handoff (src/runtime/session.py)
-        levers.insert(0, f"policy {row['params.workload.policy']}")
+    if row.get("params.policy.mode", "map") != "map":  # the session chose per handoff (src/runtime/session.py)
+        levers.insert(0, f"policy {row['params.policy.mode']}")
     arrow = str(row.get("tags.direction", "?")).replace("qwen25coder_", "").replace("_to_", " → ")
     notes = ["validation items"] if row.get("tags.split") == "valid" else []
     longer = [n for task, k in FEWSHOT_SHOTS.items() if (n := int(row.get(f"params.workload.shots.{task}", k))) > k]
@@ -189,7 +189,7 @@ def routed_paired(rows: list[Row], run_set: str | None = None) -> str:
     against pure transfer (with `run_set`: only pairs with a run of that results/ folder), when they share at least
     half the items of the smaller run. Accuracy of the first minus the second, points [95 % CI]."""
     group = lambda r: routed_label(r).split(" | ")[:2]  # workload (its shots, dtype, item split) and direction
-    recompute = lambda r: float(r.get("params.eval.levers.recompute") or 0) > 0
+    recompute = lambda r: float(r.get("params.policy.levers.recompute") or 0) > 0
     pure = lambda r: routed_label(r).endswith("pure transfer")
     pairs = []
     for i, first in enumerate(rows):

@@ -1,8 +1,8 @@
 """Tracking records as table rows, and the cell formatting every table shares.
 
-A row is one FINISHED record flattened the way MLflow's search_runs names columns: `params.<dotted cfg key>`,
-`tags.<tag>`, `metrics.<key>` (the value at the largest step), plus `series.<key>` ({step: value}) for stepped
-metrics, and `record` (the record.json it came from).
+A row is one FINISHED record flattened the way MLflow's search_runs names columns: `params.<dotted cfg key>` (under
+today's key: src/tracking.py `current_params`), `tags.<tag>`, `metrics.<key>` (the value at the largest step), plus
+`series.<key>` ({step: value}) for stepped metrics, and `record` (the record.json it came from).
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import math
 from datetime import UTC, datetime
 from pathlib import Path
 
-from src.tracking import read_record
+from src.tracking import current_params, read_record
 
 Row = dict[str, object]
 
@@ -35,7 +35,7 @@ def record_rows(directory: Path) -> list[Row]:
 
 
 def mlflow_rows(uri: str, experiments: list[str]) -> list[Row]:
-    """The same rows from an MLflow store (no series)."""
+    """The same rows from an MLflow store (no series; params under today's names, as `read_record` gives them)."""
     import mlflow
 
     mlflow.set_tracking_uri(uri)
@@ -43,6 +43,10 @@ def mlflow_rows(uri: str, experiments: list[str]) -> list[Row]:
     rows = []
     for run in found.sort_values("start_time").to_dict("records"):
         row = {k: v for k, v in run.items() if v is not None and not (isinstance(v, float) and math.isnan(v))}
+        params = current_params({k[len("params.") :]: v for k, v in row.items() if k.startswith("params.")})
+        row = {k: v for k, v in row.items() if not k.startswith("params.")} | {
+            f"params.{k}": v for k, v in params.items()
+        }
         rows.append(row | {"name": run.get("tags.mlflow.runName"), "start_time": run["start_time"].value // 10**6})
     return rows
 

@@ -1,6 +1,7 @@
 """What a router session may do and decide (src/runtime/session.py): the mapper routes it may use, each bound to its sender
 and receiver once (`bind`: a refusal — artifact mismatch, sliding-window receiver — is kept as the route's reason), the
-policy (map | reprefill | auto, the levers, the length and magnitude guards) and the measured costs behind `auto`.
+policy (map | reprefill | auto, the levers, the length and magnitude guards; from config: `policy_from`) and the
+measured costs behind `auto`.
 """
 
 from __future__ import annotations
@@ -8,6 +9,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from numbers import Real
 
@@ -66,6 +68,13 @@ class Policy:
             raise ValueError(f"policy levers must be a Levers, not a {type(self.levers).__name__}")
         _check_bound("max_length_factor", self.max_length_factor, positive=True)
         _check_bound("guard_max_abs", self.guard_max_abs, positive=False)
+
+
+def policy_from(node: Mapping) -> Policy:
+    """The Policy of a `policy:` config node (conf/policy/default.yaml, `cfg.policy`): each key a field of Policy,
+    `levers` a block of Levers fields — so a field added to either needs only its line in the YAML."""
+    fields = dict(node)
+    return Policy(**fields | {"levers": Levers(**fields["levers"])})
 
 
 def _check_bound(name: str, value: object, positive: bool) -> None:
