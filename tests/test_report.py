@@ -111,6 +111,9 @@ def test_routed_labels_name_every_mapper_change_and_long_histories():
     assert routed_label(long).startswith("fewshot (100 shots) |")
     short = long | {"params.workload.shots.arc_easy": "25"}
     assert routed_label(short).startswith("fewshot |")
+    recompute = base | {"params.eval.levers.recompute": "0.25", "params.eval.levers.recompute_rule": "turn"}
+    assert routed_label(recompute | {"params.eval.levers.progressive": "1.0"}).endswith("recompute=0.25, rule=turn")
+    assert routed_label(recompute | {"params.eval.levers.progressive": "0.5"}).endswith("rule=turn, progressive=0.5")
 
 
 def test_the_decision_table_judges_as_the_gate_groups(tmp_path):
