@@ -109,6 +109,7 @@ def handoff(cfg: DictConfig) -> None:
                 results[n] = handoff_ttft(
                     transfer, prefix, turn, h.repeats, h.prefill_repeats, h.warmup, tuple(h.engines),
                     tuple(h.recompute_shares), profiles.setdefault(n, {}) if h.profile else None,
+                    tuple(h.recompute_rules), h.progressive,
                 )  # fmt: skip
             except torch.OutOfMemoryError:
                 out_of_memory.append(n)

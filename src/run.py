@@ -161,6 +161,7 @@ def run_name(cfg: DictConfig, method: str, levers: Levers) -> str:
         name += f":sink{levers.native_sink}:hold{levers.hold_back}:layers{levers.native_layers}"
         if levers.recompute:
             name += f":recompute{levers.recompute}:{levers.recompute_rule}"
+            name += f":progressive{levers.progressive}" if levers.progressive < 1 else ""
     return name
 
 

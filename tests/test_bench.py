@@ -11,9 +11,10 @@ from transformers import DynamicCache
 import src.bench
 import src.eval.latency
 from src.apply import KVTransfer
-from src.eval.ttft import engine_paths, handoff_paths, handoff_ttft, transport
+from src.eval.ttft import engine_paths, handoff_paths, handoff_ttft, recompute_path, transport
 from src.forward import prefill
 from src.models import describe_kv
+from src.report.engine_table import engine as engine_table
 from src.support import coefficient_count
 from src.synthetic import synthetic_mapper, synthetic_traces
 from src.tracking import import_records
@@ -100,6 +101,19 @@ def test_a_bench_job_that_fails_leaves_a_failed_record(ws, tmp_path, monkeypatch
     assert record["status"] == "FAILED" and "planted" in record["tags"]["error"]
 
 
+def test_recompute_paths_are_named_for_the_engine_table():
+    """The deviation rule at progressive 1 keeps its old path name; other rules and progressive selection add theirs,
+    and the engine table reads every name back into a column of its own."""
+    names = [recompute_path(0.25, "deviation", 1.0), recompute_path(0.1, "turn", 1.0)]
+    names.append(recompute_path(0.25, "deviation", 0.5))
+    assert names == ["recompute_0.25", "recompute_0.1_turn", "recompute_0.25_deviation_p0.5"]
+    row = {"params.job": "handoff", "start_time": 0, "series.map_ms_p50": {16: 1.0}}
+    row |= {f"series.speedup.graph.{name}": {16: speedup} for name, speedup in zip(names, (2.0, 3.0, 4.0), strict=True)}
+    header, _, line = engine_table([row]).splitlines()[2:5]
+    assert header.endswith("| recompute 10% turn | recompute 25% | recompute 25% deviation p0.5 |")
+    assert line.endswith("| 3.00× | 2.00× | 4.00× |")
+
+
 def test_transport_counts_the_source_cache_bytes():
     cache = DynamicCache()
     for layer in range(3):  # [batch, kv_heads, seq, head_dim]
@@ -124,7 +138,9 @@ def test_ttft_paths_agree_only_through_the_exact_map():
         paths = handoff_paths(KVTransfer(mapper, source, target, token_hash), source_cache, prefix, turn)
         logits[name] = {path: run() for path, run in paths.items()}  # [1, V] each
         assert torch.equal(paths["hit"](), logits[name]["hit"])  # the hit path restores its cache
-        engine, _ = engine_paths(KVTransfer(mapper, source, target, token_hash), source_cache, prefix, turn, (0.5,))
+        transfer = KVTransfer(mapper, source, target, token_hash)
+        engine, _ = engine_paths(transfer, source_cache, prefix, turn, (0.5,), ("deviation", "turn"))
+        assert {"recompute_0.5", "recompute_0.5_turn"} <= set(engine)
         for path, run in engine.items():  # the static engine's paths compute what the hf paths do
             reference = logits[name]["map" if path.startswith("recompute") else path.removesuffix("_graph")]
             if path.startswith("recompute") and name == "wrong":

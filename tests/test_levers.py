@@ -1,6 +1,8 @@
 """Native sink, hold-back, native layers and recompute around a mapped prefix (src.runtime.splice.spliced_cache, Levers);
 the recompute mechanics and rules on a cross-model exact pair are in test_recompute.py."""
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 import torch
@@ -98,7 +100,8 @@ def test_levers_refuse_bad_values_and_clip_to_the_prefix():
     ("field", "value"),
     [("native_sink", 2.5), ("native_sink", None), ("hold_back", True), ("native_layers", "1"), ("recompute", float("nan")),
      ("recompute", float("inf")), ("recompute", None), ("recompute", False), ("recompute_layers", 1.0),
-     ("recompute_rule", ["deviation"])],
+     ("recompute_rule", ["deviation"]), ("progressive", 0), ("progressive", 0.0), ("progressive", 1.5),
+     ("progressive", -0.5), ("progressive", float("nan")), ("progressive", True), ("progressive", None)],
 )  # fmt: skip
 def test_levers_refuse_what_is_not_a_count_or_a_share(field, value):
     with pytest.raises(ValueError, match=field):
@@ -130,6 +133,29 @@ def test_prefill_fraction_charges_each_recompute_rule():
     assert Levers(recompute=0.004).prefill_fraction(100, 28) == 0.0  # rounds to no token: no rule runs
     assert Levers(4, 16, recompute=1.0, recompute_rule="recency").recomputed(100) == 80  # at most the mapped span
     assert Levers(4, 16, recompute=1.0, recompute_rule="recency").prefill_fraction(100, 28) == 1.0
+
+
+def test_progressive_is_a_share_in_the_open_closed_unit_interval():
+    with pytest.raises(ValueError, match=r"progressive is a share of a layer's recomputed set .* in \(0, 1\], not 0"):
+        Levers(progressive=0)
+    assert Levers().progressive == 1.0 and type(Levers(progressive=np.float32(0.5)).progressive) is float
+
+
+def test_layer_sizes_shrink_past_the_native_layers_and_are_charged():
+    """|S_ℓ| per layer: below the native depth the whole set (deviation, recency: their forward starts at the
+    embeddings) or none (turn: it starts there); then ⌊p · |S| + ½⌋ per layer; prefill_fraction charges Σ |S_ℓ| / L."""
+    deviation = Levers(recompute=0.25, recompute_layers=2, progressive=0.5)
+    assert deviation.layer_sizes(100, 6) == (25, 25, 25, 13, 7, 4)
+    assert deviation.prefill_fraction(100, 6) == pytest.approx((100 * 2 + 99) / 600)
+    turn = replace(deviation, recompute_rule="turn")
+    assert turn.native_depth(100) == 2 and turn.layer_sizes(100, 6) == (0, 0, 25, 13, 7, 4)
+    assert turn.prefill_fraction(100, 6) == pytest.approx((100 * 2 + 49) / 600)
+    assert Levers(recompute=0.05, recompute_rule="recency", progressive=0.3).layer_sizes(100, 4) == (5, 2, 1, 0)
+    every = Levers(recompute=1.0, recompute_rule="turn", recompute_layers=3)
+    assert every.prefill_fraction(100, 6) == 1.0  # native layers + the rest recomputed: one prefill, no layer twice
+    assert Levers(recompute=0.004, recompute_rule="turn").layer_sizes(100, 3) == (0, 0, 0)  # no set: no native layer
+    full = Levers(native_sink=4, hold_back=6, recompute=0.3, recompute_layers=2)
+    assert full.prefill_fraction(100, 28) == pytest.approx((4 + 6 + 90 * 2 / 28 + 30) / 100)  # progressive 1: as before
 
 
 @pytest.mark.parametrize("layers", [1, 2])

@@ -115,6 +115,9 @@ def test_routed_labels_name_every_mapper_change_and_long_histories():
     assert routed_label(long).startswith("fewshot (100 shots) |")
     short = long | {"params.workload.shots.arc_easy": "25"}
     assert routed_label(short).startswith("fewshot |")
+    recompute = base | {"params.policy.levers.recompute": "0.25", "params.policy.levers.recompute_rule": "turn"}
+    assert routed_label(recompute | {"params.policy.levers.progressive": "1.0"}).endswith("recompute=0.25, rule=turn")
+    assert routed_label(recompute | {"params.policy.levers.progressive": "0.5"}).endswith("rule=turn, progressive=0.5")
 
 
 OLD_RECORDS = {  # committed records made before the policy moved to conf/policy (2026-12-05) → that policy today

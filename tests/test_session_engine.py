@@ -17,6 +17,7 @@ from src.runtime.engine import Engine
 from src.runtime.levers import Levers
 from src.runtime.routing import Policy, bind
 from src.runtime.session import RouteRefusedWarning, Session
+from src.runtime.splice import engine_handoff
 from tests.conftest import tiny
 from tests.exact_pair import exact_pair, max_cache_diff
 from tests.session_state import same, state
@@ -210,6 +211,39 @@ def test_the_attention_rule_is_refused_on_the_engine_before_anything_changes(pai
     dynamic = Session(models(pair), spied, policy)
     dynamic.append("a", tokens(12, 49))
     assert dynamic.switch_to("b", tokens(3, 50)).recomputed == 4  # the DynamicCache path runs the rule
+
+
+ENGINE_ONLY = {
+    "turn rule": Levers(native_sink=2, hold_back=1, recompute=0.5, recompute_rule="turn", progressive=0.5),
+    "progressive": Levers(hold_back=2, recompute=0.4, progressive=0.5),  # sizes 10, 10, 5
+}
+
+
+@pytest.mark.parametrize("name", sorted(ENGINE_ONLY))
+def test_the_engine_only_selection_reaches_the_session(pair, name):
+    """The turn rule and progressive selection pass through the session's splice as through `engine_handoff` (same
+    logits, same cache, the work charged), on the wrong map where they show; a DynamicCache reader refuses them
+    before anything changes."""
+    levers = ENGINE_ONLY[name]
+    wrong = {("a", "b"): bind(pair.source, pair.target, pair.wrong, pair.tokenizer_hash)}
+    history, turn = tokens(24, 60), tokens(5, 61)
+    s = Session(models(pair), wrong, Policy(levers=levers), engines=BOTH)
+    s.append("a", history)
+    record = s.switch_to("b", turn)
+    engine = Engine(pair.target, 64)
+    transfer = wrong[("a", "b")].transfer
+    want = engine_handoff(transfer, engine, native(pair.source, history), history[None], levers, turn[None])
+    assert (s.logits - want).abs().max() < TOL
+    assert (want - pair.target(torch.cat([history, turn])[None]).logits[:, -1]).abs().max() > 1e-3  # the map shows
+    assert torch.equal(s.readers["b"].engine.keys[:, :, :29], engine.keys[:, :, :29])
+    assert record.recomputed == levers.recomputed(24) > 0
+    assert record.prefill_fraction == pytest.approx(levers.prefill_fraction(24, 3))
+    dynamic = Session(models(pair), wrong, Policy(levers=levers))
+    dynamic.append("a", history)
+    before = state(dynamic)
+    with pytest.raises(ValueError, match="progressive selection / the turn rule are built on the static engine"):
+        dynamic.switch_to("b", turn)
+    assert same(state(dynamic), before)
 
 
 def test_a_failure_after_the_splice_wrote_slots_restores_the_session(pair, routes):

@@ -6,6 +6,8 @@ Paths (the vocabulary of the session, the routed workloads and the gate):
   hit        T already holds its own prefix cache → reads the new turn → first token  (same-model prefix hit)
   recompute_<r>  map, then r of the prefix recomputed in the turn's own forward (deviation rule: T's first layer over
                  the prefix picks the tokens; src/runtime/splice.py) → first token
+  recompute_<r>_<rule>[_p<p>]  the same with another rule (`turn`: the turn's attention in the first-layer prefill
+                 picks them) or progressive selection p < 1 (the set shrinks with depth; `recompute_path`)
   reprefill_graph  the re-prefill replayed as one graph bucket (graph engine, ≤ 4,096 tokens): the baseline is the
                  engine's faster re-prefill (`reprefill_best`), so no launch overhead of the baseline flatters the map
 Engines: `hf` (Hugging Face eager forwards on a DynamicCache: the reference), `static` (src/runtime/engine.py, every
@@ -90,12 +92,27 @@ def handoff_paths(
     }
 
 
+def recompute_path(share: float, rule: str, progressive: float) -> str:
+    """recompute_<r>, or recompute_<r>_<rule>[_p<p>] for another rule or progressive selection p < 1 (the names the
+    deviation rule at p = 1 had before either existed; src/report/engine_table.py reads them back)."""
+    if rule == "deviation" and progressive == 1:
+        return f"recompute_{share:g}"
+    return f"recompute_{share:g}_{rule}" + (f"_p{progressive:g}" if progressive < 1 else "")
+
+
 def engine_paths(
-    transfer: KVTransfer, source_cache, prefix: torch.Tensor, turn: torch.Tensor, shares: tuple[float, ...] = ()
+    transfer: KVTransfer,
+    source_cache,
+    prefix: torch.Tensor,
+    turn: torch.Tensor,
+    shares: tuple[float, ...] = (),
+    rules: tuple[str, ...] = ("deviation",),
+    progressive: float = 1.0,
 ) -> tuple[dict[str, Callable[[], torch.Tensor]], tuple[Engine, Engine]]:
-    """The static engine's paths (as `handoff_paths`, plus recompute_<r> for each share r), on two engines sized to
-    prefix + turn: one holds T's own prefix (hit, prefilled here, untimed), the other is rebuilt by every call.
-    Returns the paths and the engines (set `graphs_enabled` on both to choose eager or graph-replayed forwards)."""
+    """The static engine's paths (as `handoff_paths`, plus a recompute path for each share r and rule, at
+    `progressive`: `recompute_path`), on two engines sized to prefix + turn: one holds T's own prefix (hit, prefilled
+    here, untimed), the other is rebuilt by every call. Returns the paths and the engines (set `graphs_enabled` on
+    both to choose eager or graph-replayed forwards)."""
     count, turn_count = prefix.shape[1], turn.shape[1]
     capacity = count + turn_count
     own, work = Engine(transfer.target, capacity), Engine(transfer.target, capacity)
@@ -120,7 +137,9 @@ def engine_paths(
     if capacity <= GRAPH_BUCKETS[-1]:
         paths["reprefill_graph"] = via_reprefill_graph
     for share in shares:
-        paths[f"recompute_{share:g}"] = handoff(Levers(recompute=share))
+        for rule in rules:
+            levers = Levers(recompute=share, recompute_rule=rule, progressive=progressive)
+            paths[recompute_path(share, rule, progressive)] = handoff(levers)
     return paths, (own, work)
 
 
@@ -149,12 +168,15 @@ def handoff_ttft(
     engines: tuple[str, ...] = ENGINES,
     shares: tuple[float, ...] = (),
     profiles: dict[str, str] | None = None,
+    rules: tuple[str, ...] = ("deviation",),
+    progressive: float = 1.0,
 ) -> dict[str, float]:
     """TTFT p50/p95 (ms) of every path on every engine for prefix ids [1, P] and new-turn ids [1, N]:
     `ttft.<engine>.<path>_ms_p50`, the speedups `speedup.<engine>.<path>` (that engine's re-prefill / the path) and
     `<engine>.map_over_hit` (routed TTFT / prefix hit), the map alone (`map_ms_p50`), the checks
     `check.<engine>.<path>_logit_diff` (largest |Δ logit| from the hf re-prefill), hf peak memory and transport.
-    profiles: filled with a profiler table (`profile_table`) of the map alone and of every path of the last engine."""
+    profiles: filled with a profiler table (`profile_table`) of the map alone and of every path of the last engine.
+    shares × rules at `progressive`: the recompute paths (`engine_paths`)."""
     unknown = set(engines) - set(ENGINES)
     if unknown:
         raise ValueError(f"unknown engines {sorted(unknown)}: choose from {ENGINES}")
@@ -165,7 +187,7 @@ def handoff_ttft(
     reference = transfer.target(torch.cat([prefix, turn], 1), use_cache=False, logits_to_keep=1).logits[:, -1].float()
     metrics = percentiles(time_ms(lambda: transfer(source_cache, input_ids=prefix), repeats, warmup, device), "map")
     static = [name for name in engines if name != "hf"]
-    built = engine_paths(transfer, source_cache, prefix, turn, shares) if static else None
+    built = engine_paths(transfer, source_cache, prefix, turn, shares, rules, progressive) if static else None
     for name in engines:
         if name == "hf":
             paths = dict(hf)

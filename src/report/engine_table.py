@@ -27,7 +27,7 @@ def engine(rows: list[Row]) -> str:
             "| history | map alone | "
             + " | ".join(f"{e}: map / re-prefill / hit (ms)" for e in engines)
             + " | graph: speedup, routed / hit | "
-            + " | ".join(f"recompute {float(r):.0%}" for r in shares)
+            + " | ".join(_recompute_header(r) for r in shares)
             + " |",
             "|" + "---|" * (3 + len(engines) + len(shares)),
         ]
@@ -44,3 +44,10 @@ def engine(rows: list[Row]) -> str:
             lines.append("| " + " | ".join(cells) + " |")
         lines.append("")
     return "\n".join(lines).rstrip()
+
+
+def _recompute_header(label: str) -> str:
+    """'recompute 25%' for the path recompute_0.25, 'recompute 25% turn p0.5' for recompute_0.25_turn_p0.5
+    (src/eval/ttft.py `recompute_path`)."""
+    share, *rest = label.split("_")
+    return " ".join([f"recompute {float(share):.0%}", *rest])

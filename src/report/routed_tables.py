@@ -34,6 +34,8 @@ def routed_label(row: Row) -> str:
     ]
     if levers and row.get("params.policy.levers.recompute") not in (None, "0", "0.0"):
         levers.append(f"rule={row.get('params.policy.levers.recompute_rule')}")
+        if row.get("params.policy.levers.progressive") not in (None, "1", "1.0"):  # the set shrinks with depth
+            levers.append(f"progressive={row['params.policy.levers.progressive']}")
     if row.get("params.fit.v_space", "token") != "token":  # lever 3: the mapper fitted where the receiver reads
         levers.append(f"V fit in {row['params.fit.v_space']} space")
     if row.get("params.budget.continuation") not in (None, "0", "0.0"):  # lever 4: calibration the target wrote

@@ -18,11 +18,21 @@ history length up to the capacity. Manual `torch.cuda.graph` capture rather than
 and the bucket logic is ours to read. Long contiguous prefills run eagerly on sdpa's causal flash path (compute-bound,
 as a server's prefill), unless `forward(..., graph=True)` asks for the replayed kernel path.
 On CPU everything is eager, with the kernel's torch reference.
+
+A fused recompute may also shrink with depth or start at a layer (`Recompute`, CacheBlend's progressive selection and
+the turn rule, src/runtime/splice.py): the forward starts at layer `start` from given hidden states, and after a layer
+where the set shrinks keeps only the set rows `keep` picks (from the K/V the layer wrote over the mapped ones) and
+every tail row. Such a forward runs eagerly: its per-layer row counts are fixed by (R, progressive, depth) and the
+pick is fixed-shape (top-k, gathers), so a graph per count tuple and tail bucket could be captured — but R = round(r·T)
+changes with every history length (one capture per length unless the set is padded to buckets with pad rows that never
+win the pick), and the turn rule's hidden-state input would need a static buffer of its own.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -38,6 +48,56 @@ from src.rope import rope_cos_sin
 GRAPH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 192, 256, 384, 512, 768, 1024, 1536, 2048, 3072, 4096)  # token counts
 # captured as CUDA graphs (each on first use; ≤ 1.5× padding above 128); longer forwards run eagerly
 FLASH_MIN_TOKENS = 256  # a contiguous forward at least this long uses sdpa's causal flash path (eager)
+
+
+KV = tuple[torch.Tensor, torch.Tensor]  # one layer's (keys, values) of some slots: [H_kv, s, d] each
+
+
+@dataclass(frozen=True)
+class Recompute:
+    """Mapped tokens a forward reads again, first, with the tail (fused recompute; `Engine.forward`).
+
+    positions [R]: their slots, ascending. start: the first layer the forward runs — the layers below hold native K/V
+    in every slot it reads — and hidden [R + N, hidden]: each row's hidden state entering it (None: the embeddings,
+    start 0). sizes: the set's rows in layers start..L − 1 (sizes[0] = R, non-increasing; () keeps all R). After a
+    layer whose next size is smaller, keep(mapped, fresh, size) gets the set's K/V in its slots before (mapped)
+    and after (fresh) the layer wrote them and returns the `size` set rows that go on (ascending indices into 0..s − 1);
+    the others keep their fresh K/V up to that layer and the mapped K/V above. Every tail row runs every layer run."""
+
+    positions: torch.Tensor
+    start: int = 0
+    hidden: torch.Tensor | None = None
+    sizes: tuple[int, ...] = ()
+    keep: Callable[[KV, KV, int], torch.Tensor] | None = None
+
+    @property
+    def plain(self) -> bool:
+        """Every row through every layer from the embeddings: the forward a graph replays."""
+        return self.start == 0 and self.hidden is None and all(size == self.sizes[0] for size in self.sizes)
+
+    def work(self, tail: int, layers: int) -> float:
+        """Token-equivalents of the forward (rows × layers run / L): (Σ sizes + tail · (L − start)) / L."""
+        sizes = self.sizes or (self.positions.numel(),) * (layers - self.start)
+        return (sum(sizes) + tail * (layers - self.start)) / layers
+
+
+class Native(NamedTuple):
+    """A stopped native prefill (`Engine.native_prefix`) over n tokens."""
+
+    keys: torch.Tensor  # [depth, H_kv, n, d]
+    values: torch.Tensor  # [depth, H_kv, n, d]
+    hidden: torch.Tensor  # [n, hidden] entering layer `depth`
+    mass: torch.Tensor | None  # [n] the last queries' attention at layer depth − 1 (`attention_mass`), or None
+
+
+def attention_mass(q: torch.Tensor, keys: torch.Tensor, positions: torch.Tensor, scale: float) -> torch.Tensor:
+    """Attention probabilities of queries q [H_q, Q, d] at positions [Q] over slots keys [H_kv, n, d] (each query reads
+    the slots ≤ its position; q head j reads kv head j // (H_q / H_kv)), summed over heads and queries: [n] float32."""
+    group = q.shape[0] // keys.shape[0]
+    k = keys.float().repeat_interleave(group, 0)  # [H_q, n, d]
+    scores = (q.float() @ k.transpose(1, 2)) * scale  # [H_q, Q, n]
+    unseen = torch.arange(keys.shape[1], device=q.device)[None, :] > positions[:, None]  # [Q, n]
+    return scores.masked_fill(unseen, float("-inf")).softmax(-1).sum((0, 1))  # [n]
 
 
 def engine_problem(model: PreTrainedModel) -> str | None:
@@ -125,30 +185,58 @@ class Engine:
         return hidden + layer.mlp(self._norm(layer.post_attention_layernorm, hidden))
 
     def _layers(
-        self, ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, rows: torch.Tensor, flash: int | None
+        self,
+        ids: torch.Tensor,
+        positions: torch.Tensor,
+        slots: torch.Tensor,
+        rows: torch.Tensor,
+        flash: int | None,
+        plan: Recompute | None = None,
     ) -> torch.Tensor:
-        """ids, positions, slots [T] (device) → logits [R, V] at rows [R]; every layer's K/V written into `slots`."""
+        """ids, positions, slots [T] (device) → logits [R, V] at rows [R] of the last layer's rows; every layer's K/V
+        written into `slots`. plan: a recompute set that starts at a layer or shrinks with depth (`Recompute`)."""
         decoder = self.model.model
-        hidden = decoder.embed_tokens(ids)  # [T, hidden]
-        for index, layer in enumerate(decoder.layers):
-            attend = lambda q, index=index: self._attend(q, index, positions, flash)
-            hidden = self._layer(layer, hidden, positions, slots, self.keys[index], self.values[index], attend)
+        start, size = (0, 0) if plan is None else (plan.start, plan.positions.numel())
+        hidden = decoder.embed_tokens(ids) if plan is None or plan.hidden is None else plan.hidden  # [T, hidden]
+        for index in range(start, len(decoder.layers)):
+            keys, values = self.keys[index], self.values[index]  # [H_kv, N + 1, d]
+            after = index - start + 1
+            kept = plan.sizes[after] if plan is not None and after < len(plan.sizes) else size
+            if kept < size:  # the set's mapped K/V, read before the layer overwrites them
+                mapped = keys[:, slots[:size]], values[:, slots[:size]]  # [H_kv, s, d] copies
+            attend = lambda q, index=index, positions=positions: self._attend(q, index, positions, flash)
+            hidden = self._layer(decoder.layers[index], hidden, positions, slots, keys, values, attend)
+            if kept < size:  # only the set rows `keep` picks, and the tail, go on
+                fresh = keys[:, slots[:size]], values[:, slots[:size]]  # [H_kv, s, d]
+                chosen = plan.keep(mapped, fresh, kept).to(self.device)  # [kept]
+                go_on = torch.cat([chosen, torch.arange(size, hidden.shape[0], device=self.device)])  # [T']
+                hidden, positions, slots, size = hidden[go_on], positions[go_on], slots[go_on], kept  # [T', …]
         return self.model.lm_head(self._norm(decoder.norm, hidden[rows]))  # [R, V]
 
     @torch.inference_mode()
     def forward(
-        self, ids: torch.Tensor, positions: torch.Tensor, rows: torch.Tensor | None = None, graph: bool | None = None
+        self,
+        ids: torch.Tensor,
+        positions: torch.Tensor,
+        rows: torch.Tensor | None = None,
+        graph: bool | None = None,
+        recompute: Recompute | None = None,
     ) -> torch.Tensor:
         """The model reads ids [T] at positions [T] (distinct, < capacity; a recompute set, hold-back and turn, in
         ascending order) on the cache: each writes its K/V into slot = position and attends to the slots ≤ its
         position. Returns the logits [R, V] at rows [R] of the forward (default: the last). `length` becomes
         max(length, last position + 1). graph: replay a captured graph (True: whenever the engine has graphs and the
-        forward fits a bucket; None: unless it is a long contiguous prefill, which takes sdpa's flash path eagerly)."""
+        forward fits a bucket; None: unless it is a long contiguous prefill, which takes sdpa's flash path eagerly).
+        recompute: the set the first rows are (`Recompute`); one that starts at a layer or shrinks runs eagerly and
+        returns the last row's logits."""
         ids, positions = torch.as_tensor(ids).reshape(-1), torch.as_tensor(positions).reshape(-1)
         count = ids.numel()
         if count == 0 or positions.numel() != count:
             raise ValueError(f"engine forward needs ≥ 1 id and one position per id, got {count} ids, "
                              f"{positions.numel()} positions")  # fmt: skip
+        plan = None if recompute is None or recompute.plain else recompute
+        if plan is not None:
+            self._check_plan(plan, positions, rows)
         last = int(positions.max())
         if int(positions.min()) < 0 or last >= self.capacity:
             raise ValueError(f"positions {int(positions.min())}..{last} outside the engine's capacity {self.capacity}")
@@ -159,18 +247,39 @@ class Engine:
                 f"got {fresh.tolist()[:8]}…"
             )
         single_row = rows is None
-        rows = torch.tensor([count - 1]) if rows is None else torch.as_tensor(rows).reshape(-1)
+        last_row = -1 if plan is not None else count - 1  # a shrinking forward ends with fewer rows
+        rows = torch.tensor([last_row]) if rows is None else torch.as_tensor(rows).reshape(-1)
         first = int(positions[0])
         contiguous = bool((positions == torch.arange(first, first + count, device=positions.device)).all())
         replay = single_row and self.graphs_enabled and count <= GRAPH_BUCKETS[-1] and graph is not False
-        flash = first + count if contiguous and count >= FLASH_MIN_TOKENS and not (replay and graph) else None
+        replay, long = replay and plan is None, contiguous and count >= FLASH_MIN_TOKENS and plan is None  # plan: eager
+        flash = first + count if long and not (replay and graph) else None
         if replay and flash is None:
             logits = self._replay(ids, positions)
         else:
             on = lambda t: t.to(self.device, torch.long)
-            logits = self._layers(on(ids), on(positions), on(positions), on(rows), flash)
+            logits = self._layers(on(ids), on(positions), on(positions), on(rows), flash, plan)
         self.length = max(self.length, last + 1)
         return logits
+
+    def _check_plan(self, plan: Recompute, positions: torch.Tensor, rows: torch.Tensor | None) -> None:
+        """A ValueError for a `Recompute` the forward of `positions` [T] cannot run, before any slot is written."""
+        layers, size = self.keys.shape[0], plan.positions.numel()
+        sizes = plan.sizes or (size,) * (layers - plan.start)
+        if rows is not None or size >= positions.numel():
+            raise ValueError("a recompute that starts at a layer or shrinks returns the last tail row's logits: "
+                             f"rows must be None and a tail must follow the {size} recomputed rows")  # fmt: skip
+        if not torch.equal(positions[:size].cpu(), plan.positions.reshape(-1).cpu()):
+            raise ValueError("the forward's first positions must be the recompute set's")
+        if not 0 <= plan.start <= layers or len(sizes) != layers - plan.start or (sizes and sizes[0] != size):
+            raise ValueError(f"recompute sizes {sizes} must give the set's rows in layers {plan.start}..{layers - 1}, "
+                             f"starting at its {size} rows")  # fmt: skip
+        if any(b > a for a, b in zip(sizes, sizes[1:], strict=False)) or (plan.keep is None and len(set(sizes)) > 1):
+            raise ValueError(f"recompute sizes {sizes} must not grow, and shrinking needs `keep`")
+        if (plan.start > 0) != (plan.hidden is not None) or (
+            plan.hidden is not None and plan.hidden.shape[0] != positions.numel()
+        ):
+            raise ValueError("a recompute that starts past layer 0 needs the hidden states of every row, and only it")
 
     # --- CUDA graphs, one per token-count bucket --------------------------------------------------------------------
 
@@ -235,21 +344,29 @@ class Engine:
         return self.keys[:, None, :, start:end], self.values[:, None, :, start:end]
 
     @torch.inference_mode()
-    def native_prefix(self, ids: torch.Tensor, depth: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The model's own K/V of ids [n] at positions 0..n − 1 in its first `depth` layers (a stopped prefill over
-        fresh K/V, the cache untouched): keys, values [depth, H_kv, n, d]."""
+    def native_prefix(self, ids: torch.Tensor, depth: int, queries: int = 0) -> Native:
+        """The model's own K/V of ids [n] at positions 0..n − 1 in its first `depth` ≥ 1 layers (a stopped prefill
+        over fresh K/V, the cache untouched), the hidden states entering layer `depth`, and (queries > 0) the
+        attention mass of the last `queries` tokens over every slot at layer depth − 1 (`Native`)."""
         decoder, count = self.model.model, ids.numel()
         positions = torch.arange(count, device=self.device)
         shape = (depth, self.kv_heads, count, self.head_dim)
         keys = torch.empty(shape, dtype=self.dtype, device=self.device)  # [depth, H_kv, n, d]
         values = torch.empty(shape, dtype=self.dtype, device=self.device)
-        hidden = decoder.embed_tokens(ids.reshape(-1).to(self.device))  # [n, hidden]
-        for index, layer in enumerate(decoder.layers[:depth]):
-            attend = lambda q, index=index: F.scaled_dot_product_attention(
+        mass = []
+
+        def attend(q: torch.Tensor, index: int) -> torch.Tensor:  # q [1, H_q, n, d]
+            if queries and index == depth - 1:
+                mass.append(attention_mass(q[0, :, -queries:], keys[index], positions[-queries:], self.scale))
+            return F.scaled_dot_product_attention(
                 q, keys[index, None], values[index, None], is_causal=True, scale=self.scale, enable_gqa=True
             )
-            hidden = self._layer(layer, hidden, positions, positions, keys[index], values[index], attend)
-        return keys, values
+
+        hidden = decoder.embed_tokens(ids.reshape(-1).to(self.device))  # [n, hidden]
+        for index, layer in enumerate(decoder.layers[:depth]):
+            read = lambda q, index=index: attend(q, index)
+            hidden = self._layer(layer, hidden, positions, positions, keys[index], values[index], read)
+        return Native(keys, values, hidden, mass[0] if mass else None)
 
     def truncate(self, length: int) -> None:
         """Forget every slot from `length` on (their contents are overwritten before any query reads them)."""

@@ -6,6 +6,8 @@ earlier recomputed tokens in the same layer; its fresh K/V replace the mapped on
   deviation  largest mapped-vs-native K/V deviation in the first target layers, computed natively over the prefix
   attention  largest attention mass from the new turn's queries (read on top of the spliced cache) onto the prefix
   recency    the last ones (the hold-back baseline, recomputed in place)
+  turn       largest attention mass from the new turn's queries onto the span at the last native layer, taken in
+             the stopped native prefill over prefix + turn (static engine only: src/runtime/splice.py)
 The mechanics: the selected tokens are appended as new tokens with their own position ids and a 4-D additive mask
 over [cache slots | new tokens] that hides, for each, the cache slots at or after its position and every selected
 slot (causal among the new tokens); the appended K/V are then scattered into their slots and the cache cut back.
@@ -18,7 +20,7 @@ from collections.abc import Sequence
 import torch
 from transformers import DynamicCache, PreTrainedModel
 
-RULES = ("deviation", "attention", "recency")
+RULES = ("deviation", "attention", "recency", "turn")
 Pair = tuple[torch.Tensor, torch.Tensor]  # one layer's (keys, values) [B, H_t, T, d_t]
 _MASKED_ATTENTION = ("eager", "sdpa")  # implementations that read an arbitrary 4-D mask
 

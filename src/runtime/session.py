@@ -29,9 +29,10 @@ fingerprint), checked once when the session is built.
 
 A model may hold its conversation on the static receiver engine instead (`engines`: a capacity or an `Engine` per
 name; src/runtime/engine.py): slot = position, the mapped pieces written straight into its slots, the recompute fused
-into the tail's forward, greedy decoding by one-token forwards. The semantics are the DynamicCache path's — the same
-records, provenance, rollback and all-or-nothing calls — within float tolerance, and `cache` / `exact_prefix` hand
-out DynamicCache copies of its slots. What it refuses: the attention recompute rule (the splice's own refusal, before
+into the tail's forward (where the turn rule and progressive selection run: a DynamicCache reader refuses them),
+greedy decoding by one-token forwards. The semantics are the DynamicCache path's — the same records, provenance,
+rollback and all-or-nothing calls — within float tolerance, and `cache` / `exact_prefix` hand out DynamicCache copies
+of its slots. What it refuses: the attention recompute rule (the splice's own refusal, before
 anything changes), generate's keyword arguments and generation-config settings a greedy argmax does not reproduce,
 and a conversation longer than the smallest engine's capacity (every model may come to read it).
 """
@@ -54,7 +55,7 @@ from src.apply import KVTransfer
 from src.forward import ids_problem
 from src.maps import TransferError, cache_layers
 from src.models import fingerprint
-from src.runtime.engine import Engine
+from src.runtime.engine import Engine, Recompute
 from src.runtime.levers import Levers, spent
 from src.runtime.routing import CostModel, Policy, Route
 from src.runtime.splice import check_splice, splice
@@ -505,15 +506,16 @@ class Session:
 
     # --- reading and generating --------------------------------------------------------------------------------
 
-    def _read(self, name: str, ids: torch.Tensor, recompute: torch.Tensor | None = None) -> torch.Tensor:
-        """The model reads ids [N] natively on its cache; returns the last logits [1, V]. recompute: positions [R]
-        of held (mapped) conversation tokens an engine reads again in the same forward, first — fused recompute."""
+    def _read(self, name: str, ids: torch.Tensor, recompute: Recompute | None = None) -> torch.Tensor:
+        """The model reads ids [N] natively on its cache; returns the last logits [1, V]. recompute: held (mapped)
+        conversation tokens an engine reads again in the same forward, first — fused recompute (`Recompute`)."""
         reader = self._reader(name)
         start = reader.length
         if reader.engine is not None:
-            recompute = torch.zeros(0, dtype=torch.long) if recompute is None else recompute
-            positions = torch.cat([recompute, torch.arange(start, start + ids.numel())])  # [R + N]
-            logits = reader.engine.forward(torch.cat([self._ids[recompute], ids]), positions)  # [1, V]
+            chosen = torch.zeros(0, dtype=torch.long) if recompute is None else recompute.positions  # [R]
+            positions = torch.cat([chosen, torch.arange(start, start + ids.numel())])  # [R + N]
+            both = torch.cat([self._ids[chosen], ids])  # [R + N]
+            logits = reader.engine.forward(both, positions, recompute=recompute)  # [1, V]
         else:
             if reader.cache is None:
                 reader.cache = DynamicCache(config=reader.model.config)
@@ -822,15 +824,16 @@ class Session:
             for low, high, sender in pieces
         ]
 
-        def read(ids: torch.Tensor, part: str, recompute: torch.Tensor | None = None) -> None:
+        def read(ids: torch.Tensor, part: str, recompute: Recompute | None = None) -> None:
             if part == "sink":
                 self._read(model, ids[0])
                 return
             for segment in mapped_segments:  # the span precedes the tail in the provenance
                 reader.add(segment)
             began = _clock(_device(target))
-            self._read(model, ids[0], recompute)  # an engine's recomputed positions [R] first, in the same forward
-            count = ids.shape[1] + (0 if recompute is None else recompute.numel())
+            self._read(model, ids[0], recompute)  # an engine's recomputed tokens first, in the same forward
+            layers = target.config.get_text_config().num_hidden_layers
+            count = ids.shape[1] if recompute is None else round(recompute.work(ids.shape[1], layers))  # tokens
             self.costs.observe(model, "prefill", count, (_clock(_device(target)) - began) * 1e3)
 
         receiver = reader.cache if reader.engine is None else reader.engine

@@ -16,7 +16,7 @@ from transformers import DynamicCache, PreTrainedModel
 from src.apply import KVTransfer
 from src.forward import check_ids, prefill, prefill_layers
 from src.maps import TransferError, cache_layers, dropped_tokens
-from src.runtime.engine import Engine
+from src.runtime.engine import KV, Engine, Recompute
 from src.runtime.levers import Levers
 from src.runtime.recompute import attention_scores, deviation_scores, recompute_in_place, select_tokens
 
@@ -45,10 +45,17 @@ def check_splice(levers: Levers, token_features: bool, prefix_len: int, queries:
     count, rule = levers.recomputed(prefix_len), levers.recompute_rule
     if count and rule == "attention" and static:
         raise ValueError("the attention rule is not built on the static engine (its selection pass): use deviation")
+    if count and (rule == "turn" or levers.progressive < 1) and not static:
+        raise ValueError("progressive selection / the turn rule are built on the static engine (src/runtime/engine.py):"
+                         " splice onto an Engine, or use progressive=1 and another rule")  # fmt: skip
     if count and rule == "deviation" and token_features and levers.recompute_layers < 2:
         raise ValueError("a token-feature mapper makes layer 0 exact: the deviation rule needs recompute_layers ≥ 2")
-    if count and rule == "attention" and queries == 0:
-        raise ValueError("the attention rule needs the new turn: hold_back > 0 or a turn")
+    if count and rule in ("attention", "turn") and queries == 0:
+        raise ValueError(f"the {rule} rule needs the new turn: hold_back > 0 or a turn")
+    if count and levers.progressive < 1 and queries == 0:
+        raise ValueError(
+            "progressive selection reads the turn's logits past the shrinking set: hold_back > 0 or a turn"
+        )
 
 
 @torch.no_grad()
@@ -75,7 +82,8 @@ def splice(
     every layer (chosen by the rule; the attention rule reads `queries` [B, Q]), then `tail` read natively.
 
     On an `Engine` (B = 1) the mapped pieces are written into their slots and the recomputed tokens are read in the
-    tail's own forward — fused recompute: `read(tail, "tail", positions)` with the recomputed positions [R] first."""
+    tail's own forward — fused recompute: `read(tail, "tail", recompute)` with the `Recompute` set (its positions [R]
+    read first; `_splice_static`)."""
     if isinstance(cache, Engine):
         return _splice_static(cache, ids, start, mapped, levers, prefix_len, token_features, tail, queries, read)
     check_splice(levers, token_features, prefix_len, queries.shape[1])
@@ -125,7 +133,12 @@ def _splice_static(
     queries: torch.Tensor,
     read: Callable[..., None],
 ) -> int:
-    """`splice` on the static engine: the same steps, the recompute fused into the tail's forward."""
+    """`splice` on the static engine: the same steps, the recompute fused into the tail's forward (`Recompute`).
+    Deviation and recency: the forward starts at the embeddings (the tail has no native layers), the set running the
+    layers below the native depth too — exact there, and at progressive 1 the forward a graph replays. Turn: the
+    stopped native prefill reads prefix + tail, its tail queries' attention at its last layer picks the set, and the
+    forward starts at the native depth from its hidden states (no row redoes a native layer). Progressive < 1: past
+    the native depth each layer keeps the set rows that deviate most there (`_deviating`)."""
     check_splice(levers, token_features, prefix_len, queries.shape[1], static=True)
     held, end = engine.length, ids.shape[1]
     if start > held:
@@ -141,26 +154,45 @@ def _splice_static(
         low += layers[0][0].shape[2]
     if engine.length != end:
         raise ValueError(f"the spliced engine holds {engine.length} tokens, the prefix {end}")
-    count, rule = levers.recomputed(prefix_len), levers.recompute_rule
-    depth = min(levers.native_depth(prefix_len), engine.keys.shape[0])
-    if depth:  # the target's own first layers over 0..end−1 (exact), kept for the mapped slots
-        keys, values = engine.native_prefix(ids[0], depth)  # [depth, H_kv, end, d]
+    count, rule, layers = levers.recomputed(prefix_len), levers.recompute_rule, engine.keys.shape[0]
+    depth = min(levers.native_depth(prefix_len), layers)
+    turn = count > 0 and rule == "turn"  # the stopped prefill reads the tail too: its queries choose
+    if depth:  # the target's own first layers over 0..end−1 (exact), kept for the mapped slots (and the tail's)
+        over = torch.cat([ids[0], tail[0].to(ids)]) if turn else ids[0]  # [end (+ n)]
+        native = engine.native_prefix(over, depth, tail.shape[1] if turn else 0)  # keys [depth, H_kv, end (+ n), d]
         if count and rule == "deviation":
-            native = [(keys[i, None], values[i, None]) for i in range(depth)]
+            own = [(native.keys[i, None], native.values[i, None]) for i in range(depth)]
             spliced = [(engine.keys[i, None], engine.values[i, None]) for i in range(depth)]
-            scores = deviation_scores(native, spliced, min(levers.recompute_layers, depth), start, end)  # [1, S]
-        engine.keys[:depth, :, start:end], engine.values[:depth, :, start:end] = (
-            keys[:, :, start:end],
-            values[:, :, start:end],
+            scores = deviation_scores(own, spliced, min(levers.recompute_layers, depth), start, end)  # [1, S]
+        high = over.numel()
+        engine.keys[:depth, :, start:high], engine.values[:depth, :, start:high] = (
+            native.keys[:, :, start:high],
+            native.values[:, :, start:high],
         )
-    positions = None
+    recompute = None
     if count:
         if rule == "recency":
             scores = torch.arange(end - start, dtype=torch.float32)[None]  # [1, S]
+        elif rule == "turn":
+            scores = native.mass[None, start:end]  # [1, S]
         positions = select_tokens(scores, count, start)[0].cpu()  # [R]
-    if tail.shape[1] or positions is not None:
-        read(tail, "tail", positions)
+        first = depth if turn else 0
+        hidden = torch.cat([native.hidden[positions], native.hidden[end:]]) if turn else None  # [R + n, hidden]
+        sizes = levers.layer_sizes(prefix_len, layers)[first:]
+        recompute = Recompute(positions, first, hidden, sizes, _deviating if levers.progressive < 1 else None)
+    if tail.shape[1] or recompute is not None:
+        read(tail, "tail", recompute)
     return count
+
+
+def _deviating(mapped: KV, fresh: KV, size: int) -> torch.Tensor:
+    """The `size` rows [size] (ascending) of a recomputed set whose fresh K/V at a layer deviate most from the mapped
+    K/V they replaced (`deviation_scores` at that layer alone) — progressive selection under every rule, the turn
+    rule's too: the layer writes both anyway, so ranking is free, and it measures what recomputing a token changes in
+    the cache the turn reads (the turn's attention at that layer would need the probabilities the fused kernel never
+    forms)."""
+    own, spliced = [(fresh[0][None], fresh[1][None])], [(mapped[0][None], mapped[1][None])]
+    return select_tokens(deviation_scores(own, spliced, 1, 0, fresh[0].shape[1]), size, 0)[0]  # [size]
 
 
 @torch.no_grad()
@@ -220,11 +252,12 @@ def engine_handoff(
     engine.truncate(0)
     logits = []
 
-    def read(ids: torch.Tensor, part: str, recompute: torch.Tensor | None = None) -> None:
-        recompute = torch.zeros(0, dtype=torch.long) if recompute is None else recompute
+    def read(ids: torch.Tensor, part: str, recompute: Recompute | None = None) -> None:
+        chosen = torch.zeros(0, dtype=torch.long) if recompute is None else recompute.positions  # [R]
         start = engine.length
-        positions = torch.cat([recompute, torch.arange(start, start + ids.shape[1])])  # [R + n]
-        logits.append(engine.forward(torch.cat([conversation[recompute], ids[0].cpu()]), positions))
+        positions = torch.cat([chosen, torch.arange(start, start + ids.shape[1])])  # [R + n]
+        ids = torch.cat([conversation[chosen], ids[0].cpu()])  # [R + n]
+        logits.append(engine.forward(ids, positions, recompute=recompute))
 
     if end <= sink:
         read(conversation[None], "tail")
