@@ -11,6 +11,8 @@
 #   bash scripts/device_quality.sh routed2    what `routed` left (2026-12-03), the lever chosen on validation items
 #   bash scripts/device_quality.sh routed3    200-shot ARC at bf16 with the items the gate's CI needs, then the rest
 #   bash scripts/device_quality.sh harness    the bf16 clock and rollback of routed3 (2026-12-04), diagnosed
+#   bash scripts/device_quality.sh signal     the receiver's read error over a lever grid, then its rank correlation
+#                                             with the loss (issue 25: src/eval/read_error.py, src/report/error_signal.py)
 # The GPU image has no hydra/mlflow: hydra comes from the carried wheels, tracking writes JSON records
 # that come back as one tarball in $OUT and are imported here with `python -m src.tracking import DIR`.
 set -euo pipefail
@@ -221,5 +223,23 @@ PY
     # "Results reproducibility"; tag env.CUBLAS_WORKSPACE_CONFIG) tells GPU arithmetic from a fallback bug
     CUBLAS_WORKSPACE_CONFIG=:4096:8 step 5 "${R[@]}" workload.limit=120 tracking.experiment=routed_harness_cublas
     echo "harness queue done" | tee -a "$OUT/log.txt" ;;
+  signal)  # issue 25: does the receiver's read error predict the loss? Passage validation items (never reported)
+    # through 26 lever settings — recompute 0 and {.05 .1 .15 .2 .3 .4} x rule {deviation, recency}, sink 4 — for each
+    # of two mappers (the capacity point; V fitted where it is read), with eval.diagnose.read_error per item; then
+    # src/report/error_signal.py over the runs. Resumable ($HOME/signal.done), <= 4 runs a step: a 100-item
+    # validation passage run took 46-57 s on 2026-12-03 (routed2), + the mapper's fit in a mapper's first step.
+    R=(+experiment=routed "${CAPACITY[@]}" workload.warmup=2 +workload=passage workload.split=valid
+      workload.limit=${SIGNAL_LIMIT:-50} workload.rollback_items=1 eval.diagnose.read_error=true
+      eval.diagnose.fidelity=true policy.levers.native_sink=4 tracking.experiment=error_signal)
+    n=0
+    for mapper in fit.v_space=token fit.v_space=attention; do
+      step $((n += 1)) "${R[@]}" $mapper policy.levers.recompute_rule=deviation policy.levers.recompute=0,0.05,0.1,0.15
+      step $((n += 1)) "${R[@]}" $mapper policy.levers.recompute_rule=deviation policy.levers.recompute=0.2,0.3,0.4
+      step $((n += 1)) "${R[@]}" $mapper policy.levers.recompute_rule=recency policy.levers.recompute=0.05,0.1,0.15
+      step $((n += 1)) "${R[@]}" $mapper policy.levers.recompute_rule=recency policy.levers.recompute=0.2,0.3,0.4
+    done
+    echo "signal queue done" | tee -a "$OUT/log.txt"
+    python3 -m src.report.error_signal "$HOME/valid" --experiment error_signal --workload passage \
+      --json "$OUT/error_signal.json" 2>&1 | tee -a "$OUT/log.txt" ;;
   *) echo "unknown stage $stage" >&2; exit 2 ;;
 esac

@@ -7,8 +7,9 @@ the same token ids → per task accuracy and loss in points with paired bootstra
 reference answers, TTFT p50/p95 per path (map + new turn + first token; re-prefill of what the receiver has not seen;
 same-model prefix hit), the median paired speedup with its seeded bootstrap CI, the same-work harness check (a sample
 of handoffs re-prefilled inside the routed session), prefill fraction spent, handoff frequency, refusals by context
-length and direction, GPU memory, throughput, rollback replayed on the workload's own items → tracking (metrics,
-per-item JSON, plots).
+length and direction, GPU memory, throughput, rollback replayed on the workload's own items, and with
+`eval.diagnose.read_error` each item's receiver read error, spliced vs native (src/eval/read_error.py) → tracking
+(metrics, per-item JSON, plots).
 Random weights: timing and plumbing only (tagged), never quality. The runners live in src/routed_runs.py; which
 workload plays how: src/routed_workloads.py `WORKLOADS`.
 """
@@ -29,6 +30,7 @@ from src.eval.accuracy import compare, summarize
 from src.eval.diagnose import cache_fidelity
 from src.eval.latency import percentiles
 from src.eval.metrics import Interval
+from src.eval.read_error import read_error_metrics
 from src.models import Pair
 from src.pipeline import build_mapper, calibration, load, tags, vocab_size
 from src.routed_runs import LENGTH_EDGES, Run, bucket, rollback, task_scores
@@ -259,6 +261,7 @@ def _plots(items: list[dict], curve: dict[int, dict[str, float]]) -> dict[str, p
 
 
 ENGINE_WORKLOADS = ("fewshot", "passage")  # single-turn runners: every session and timed path on the engine
+READ_ERROR_WORKLOADS = ("fewshot", "passage", "switches")  # the routed and native receivers read the same history
 ENGINE_KINDS = ("routed", "reprefill", "twin")  # a session kind each; twins are the same-work forks
 
 
@@ -277,6 +280,10 @@ def routed(cfg: DictConfig) -> float:
         having = sorted(name for name, known in WORKLOADS.items() if known.shards)
         raise ValueError(f"workload.shards: the {w.name} workload's items are not sharded (only {having}); set it to 1")
     policy = policy_from(cfg.policy)  # a policy that cannot hold is refused before any model loads
+    if cfg.eval.diagnose.read_error and w.name not in READ_ERROR_WORKLOADS:
+        raise ValueError(f"eval.diagnose.read_error: the {w.name} workload's routed and native conversations may "
+                         f"differ (each reads its own answers), so no shared history to compare; only "
+                         f"{READ_ERROR_WORKLOADS}")  # fmt: skip
     pair = load(cfg)
     bound, mappers = routes(cfg, pair, workload.reverse)
     tokenizer = pair.tokenizer if pair.tokenizer is not None else Bytes(vocab_size(pair))
@@ -284,7 +291,8 @@ def routed(cfg: DictConfig) -> float:
     engines = {}
     if w.engine_capacity is not None:  # every kind of session on engines of its own, kept across items
         engines = {kind: {n: Engine(m, w.engine_capacity) for n, m in models.items()} for kind in ENGINE_KINDS}
-    run = Run(models, bound, policy, tokenizer, w.warmup, w.same_work_every, engines=engines)
+    read = cfg.eval.diagnose.read_error
+    run = Run(models, bound, policy, tokenizer, w.warmup, w.same_work_every, engines=engines, read_error=read)
     method = mappers[("source", "target")].manifest.get("method", "mapper")
     run_name = f"{cfg.pair.name}:routed:{w.name}:{method}:{policy.mode}" + (":valid" if w.split == "valid" else "")
     run_tags = tags(cfg, pair, "routed") | {
@@ -310,6 +318,7 @@ def routed(cfg: DictConfig) -> float:
         items = played.items
         metrics = quality(items, cfg.eval.tasks.n_boot, cfg.seed) | timing(items, cfg.eval.tasks.n_boot, cfg.seed)
         metrics |= handoffs(played.records, played.turns) | {"scored_turns": float(played.turns)}
+        metrics |= read_error_metrics(items, cfg.eval.tasks.n_boot, cfg.seed)  # {} unless eval.diagnose.read_error
         transfer = bound[("source", "target")].transfer
         if cfg.eval.diagnose.fidelity and played.examples and transfer is not None:  # the histories mapped
             shown = played.examples[: cfg.eval.diagnose.prompts_per_task * len(w.tasks)]

@@ -22,12 +22,13 @@ import sys
 import tempfile
 from pathlib import Path
 
+from src.eval.read_error import read_error_metrics
 from src.routed import handoffs, quality, timing
 from src.tracking import ITEMS, RecordError, metric_values, read_json, read_record, record_digest, record_dir, require
 
 SHARD_PARAMS = ("workload.shard", "tracking.json_dir")  # the only params shards of one run may differ in
 RECOMPUTED = ("task.", "ttft.", "ttft_speedup", "gpu_peak_mb.", "handoffs.", "refusals.", "handoff_frequency",
-              "prefill_fraction", "mapped_bytes_per_handoff")  # fmt: skip  # from the items and handoff records
+              "prefill_fraction", "mapped_bytes_per_handoff", "read_error.")  # fmt: skip  # from the items and handoff records
 
 
 def _shard(tags: dict[str, str], where: Path) -> tuple[int, int]:
@@ -113,6 +114,7 @@ def merge(paths: list[Path]) -> tuple[dict, dict]:
     if turns is None:
         raise ValueError("a shard lacks the metric 'scored_turns' (records before shards existed cannot join)")
     metrics = quality(items, n_boot, seed) | timing(items, n_boot, seed) | handoffs(moves, int(turns))
+    metrics |= read_error_metrics(items, n_boot, seed)  # {} unless the shards collected it
     for key in sorted(set().union(*values) - metrics.keys()):
         if key.startswith(RECOMPUTED):
             continue  # a bucket the joined items no longer have in this form: recomputed above or absent

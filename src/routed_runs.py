@@ -10,6 +10,8 @@ whole history in fewshot / passage, the chunks since its last turn in switches a
 already holds its own history and reads the new turn. On every `same_work_every`-th scored item (conversation, in
 multiturn) the routed session's handoff is also re-prefilled in a copy of that session, timed in the routed slot
 (`ttft.same_work`): the baseline's own work on the same clock, which src/gate.py's harness criterion compares.
+With `Run.read_error` (fewshot, passage, switches) each scored item's row also carries the receiver's read error,
+spliced vs native history (src/eval/read_error.py), computed outside every clock from the native prefill already made.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from transformers import DynamicCache, PreTrainedModel
 
 from src.artifact import Mapper
 from src.eval.accuracy import TaskScores, encode_pair
+from src.eval.read_error import read_error
 from src.eval.scoring import score_continuations
 from src.runtime.engine import Engine
 from src.runtime.routing import CostModel, Policy, Route, bind
@@ -69,7 +72,7 @@ def _timed(model: PreTrainedModel, step: Callable[[], T]) -> tuple[T, float, flo
 class Run:
     """What every runner shares: the models ("source", "target"), their bound routes, the routed policy, the
     tokenizer, untimed warm-up items, the same-work sampling rate (every k-th scored item), one cost model (every
-    session's measurements), and throughput counters."""
+    session's measurements), throughput counters, and whether single-turn runners diagnose the read error."""
 
     models: dict[str, PreTrainedModel]
     routes: dict[tuple[str, str], Route]
@@ -79,6 +82,7 @@ class Run:
     same_work_every: int
     costs: CostModel = field(default_factory=CostModel)
     engines: dict[str, dict[str, Engine]] = field(default_factory=dict)  # kind → model → Engine, kept across items
+    read_error: bool = False  # each scored item's receiver read error, spliced vs native (src/eval/read_error.py)
     seconds: dict[str, float] = field(default_factory=lambda: {"routed": 0.0, "reprefill": 0.0})
     tokens: int = 0
     items: int = 0
@@ -211,8 +215,9 @@ def task_scores(rows: list[dict], mode: str) -> TaskScores:
     )
 
 
-def _natives(run: Run, history: torch.Tensor, groups) -> tuple[dict, dict, dict]:
-    """The all-re-prefill session and the source alone on the same ids: scores, TTFT (reprefill, hit), peaks."""
+def _natives(run: Run, history: torch.Tensor, groups) -> tuple[dict, dict, dict, DynamicCache | None]:
+    """The all-re-prefill session and the source alone on the same ids: scores, TTFT (reprefill, hit), peaks, and
+    with `run.read_error` a copy of the native target's cache (history + turn: the read error's reference)."""
     target, turn = run.models["target"], groups[0][0]
     began = time.perf_counter()
     native = run.session("reprefill")
@@ -235,7 +240,15 @@ def _natives(run: Run, history: torch.Tensor, groups) -> tuple[dict, dict, dict]
         hit = lambda: int(target(turn[None].to(target.device), past_key_values=cache, logits_to_keep=1).logits.argmax())
     _, hit_ms, hit_peak = _timed(target, hit)
     scores["native_source"] = _score(run.models["source"], native.cache("source"), 0, groups)
-    return scores, {"reprefill": ttft, "hit": hit_ms}, {"reprefill": peak, "hit": hit_peak}
+    reference = native.cache("target") if run.read_error else None
+    return scores, {"reprefill": ttft, "hit": hit_ms}, {"reprefill": peak, "hit": hit_peak}, reference
+
+
+def _read_error(run: Run, reference: DynamicCache | None, routed: Session, history: int, turn: torch.Tensor) -> dict:
+    """{"read_error": …} of a scored item (src/eval/read_error.py), untimed; {} unless the run diagnoses it."""
+    if reference is None:
+        return {}
+    return {"read_error": read_error(run.models["target"], reference, routed.cache("target"), history, turn)}
 
 
 def single_turn(run: Run, examples: list[Example]) -> tuple[list[dict], list[dict]]:
@@ -243,7 +256,7 @@ def single_turn(run: Run, examples: list[Example]) -> tuple[list[dict], list[dic
     rows, records = [], []
     for n, example in enumerate(examples[: run.warmup] + examples):
         history, groups = run.encode(example.history), run.groups(example.item)
-        scores, ttft, peaks = _natives(run, history, groups)
+        scores, ttft, peaks, reference = _natives(run, history, groups)
         began = time.perf_counter()
         routed = run.session("routed")
         routed.append("source", history)
@@ -258,7 +271,8 @@ def single_turn(run: Run, examples: list[Example]) -> tuple[list[dict], list[dic
         run.seconds["routed"] += time.perf_counter() - began
         run.items, run.tokens = run.items + 1, run.tokens + history.numel() + groups[0][0].numel()
         row = _row(example.item, history.numel(), groups[0][0].numel(), groups, scores, ttft, peaks, record)
-        rows.append(row | {"shots": shot_ids(example.shots)})
+        diagnosed = _read_error(run, reference, routed, history.numel(), groups[0][0])
+        rows.append(row | {"shots": shot_ids(example.shots)} | diagnosed)
         records.append(asdict(record))
     return rows, records
 
@@ -281,7 +295,7 @@ def switches(run: Run, examples: list[Example], counts) -> tuple[list[dict], lis
     for n, example in enumerate(examples[: run.warmup] + examples):
         history, groups = run.encode(example.history), run.groups(example.item)
         turn = groups[0][0]
-        natives, whole, peaks = _natives(run, history, groups)
+        natives, whole, peaks, reference = _natives(run, history, groups)
         for count in counts:
             if count > history.numel():
                 continue
@@ -296,7 +310,8 @@ def switches(run: Run, examples: list[Example], counts) -> tuple[list[dict], lis
             scores = natives | {"routed": _score(run.models["target"], routed.cache("target"), turn.numel(), groups)}
             if n >= run.warmup:
                 row = _row(example.item, history.numel(), turn.numel(), groups, scores, ttft, dict(peaks), record)
-                per_count[count].append(row | {"switches": count})
+                diagnosed = _read_error(run, reference, routed, history.numel(), turn)
+                per_count[count].append(row | {"switches": count} | diagnosed)
                 records += [asdict(r) for r in routed.records]
         if n < run.warmup:
             run.warmed()

@@ -278,6 +278,7 @@ def test_routed_job_end_to_end_on_the_tiny_random_pair(items, tmp_path, monkeypa
         "workload.rollback_items=1", "workload.rollback_tokens=2", "budget.sequences=8", "budget.seq_len=64",
         f"paths.data={DATA}", "tracking.backend=json", f"tracking.json_dir={tmp_path / 'records'}",
         f"workload.split={items}", "eval.diagnose.fidelity=true", "eval.diagnose.prompts_per_task=2",
+        "eval.diagnose.read_error=true",
     )  # fmt: skip
     accuracy = routed(cfg)
     (path,) = (tmp_path / "records").glob("*/record.json")
@@ -297,7 +298,11 @@ def test_routed_job_end_to_end_on_the_tiny_random_pair(items, tmp_path, monkeypa
     artifacts = path.parent / "artifacts"
     assert (artifacts / "plots/ttft_vs_prefix.png").is_file()
     assert (artifacts / "plots/accuracy_vs_prefill_fraction.png").is_file()
-    assert len(json.loads((artifacts / "routed/items.json").read_text())["items"]) == 2
+    rows = json.loads((artifacts / "routed/items.json").read_text())["items"]
+    assert len(rows) == 2 and all(len(row["read_error"]["layers"]) == 6 for row in rows)  # the receiver's 6 layers
+    assert metrics["read_error.mean"] == pytest.approx(np.mean([row["read_error"]["mean"] for row in rows]))
+    assert 0 < metrics["read_error.mean_low"] <= metrics["read_error.mean"] <= metrics["read_error.mean_high"]
+    assert {f"read_error.layer_{n}" for n in range(6)} | {"read_error.share_sink", "read_error.max"} <= set(metrics)
     verdicts = {v.criterion.split(":")[0]: v.status for v in judge_run(metrics, tags)}
     assert verdicts["quality"] == "MISSING"  # random weights
     assert verdicts["routed workload run"] == ("PASS" if items == "test" else "FAIL")  # validation items never gate
@@ -354,10 +359,13 @@ def test_routed_job_on_the_static_engine_scores_what_the_hf_sessions_score(tmp_p
     monkeypatch.setattr(src.pipeline, "_MEMO", {})  # this test's pair and traces stay out of the process's memo
     with pytest.raises(ValueError, match="does not run on the engine"):  # refused before any model is loaded
         routed(compose("workload=multiturn", "workload.engine_capacity=2048", f"paths.data={DATA}"))
+    with pytest.raises(ValueError, match="no shared history to compare"):  # refused before any model is loaded
+        routed(compose("workload=multiturn", "eval.diagnose.read_error=true", f"paths.data={DATA}"))
     common = (
         "workload=passage", "workload.limit=2", "workload.tasks=[lambada]", "workload.rollback_items=1",
         "workload.rollback_tokens=2",
         "budget.sequences=8", "budget.seq_len=64", f"paths.data={DATA}", "tracking.backend=json",
+        "eval.diagnose.read_error=true",
     )  # fmt: skip
     results = {}
     for engine in ("null", "2048"):
@@ -371,6 +379,8 @@ def test_routed_job_on_the_static_engine_scores_what_the_hf_sessions_score(tmp_p
     assert (hf_tags["engine"], engine_tags["engine"]) == ("hf", "static")
     for key in ("task.mean.acc", "task.mean.loss_points", "handoffs.applied", "prefill_fraction"):
         assert on_engine[key] == pytest.approx(hf[key], abs=1e-9), key
+    assert on_engine["read_error.mean"] == pytest.approx(hf["read_error.mean"], rel=1e-4)  # slots read as the cache
+    assert hf["read_error.mean"] > 0
     assert on_engine["rollback_verified"] == 1.0 and on_engine["ttft.same_work_items"] == 1.0
 
 

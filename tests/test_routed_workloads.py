@@ -1,7 +1,7 @@
 """The routed workloads' registry (src/routed_workloads.py WORKLOADS): each workload named by a conf/workload file
 runs end to end through `routed(cfg)` on the tiny random pair from its one entry — fitting the reverse mapper exactly
 when its conversation comes back to the source, scoring switch counts apart for switches, and diagnosing fidelity
-on the histories it mapped (none for multiturn)."""
+on the histories it mapped and the receiver's read error of each item (none for multiturn)."""
 
 import json
 from pathlib import Path
@@ -33,7 +33,8 @@ def configured(workload: str, tmp_path: Path):
         "+experiment=routed", f"+workload={workload}", "workload.limit=2", "workload.rollback_items=1",
         "workload.rollback_tokens=2", "budget.sequences=8", "budget.seq_len=64", f"paths.data={DATA}",
         "tracking.backend=json", f"tracking.json_dir={tmp_path / 'records'}", "eval.diagnose.fidelity=true",
-        "eval.diagnose.prompts_per_task=1", *SMALL.get(workload, []),
+        "eval.diagnose.prompts_per_task=1", f"eval.diagnose.read_error={workload != 'multiturn'}",
+        *SMALL.get(workload, []),
     ]  # fmt: skip
     with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
         return compose("run", overrides=overrides)
@@ -60,6 +61,7 @@ def test_each_workload_runs_from_its_registry_entry(workload, tmp_path, monkeypa
     assert any(key.startswith("handoffs.target_to_source.") for key in metrics) == back  # … and exactly then
     assert ("switches.s2.mean.acc" in metrics) == (workload == "switches")
     assert ("fidelity.attention_output_cosine" in metrics) == (workload != "multiturn")
+    assert ("read_error.mean" in metrics) == (workload != "multiturn")  # multiturn refuses it (test_routed.py)
     assert {"task.mean.acc", "rollback_verified", "handoff_frequency"} <= metrics
 
 
