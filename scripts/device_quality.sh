@@ -11,6 +11,8 @@
 #   bash scripts/device_quality.sh routed2    what `routed` left (2026-12-03), the lever chosen on validation items
 #   bash scripts/device_quality.sh routed3    200-shot ARC at bf16 with the items the gate's CI needs, then the rest
 #   bash scripts/device_quality.sh harness    the bf16 clock and rollback of routed3 (2026-12-04), diagnosed
+#   bash scripts/device_quality.sh signal     issue 25: the read error against the loss over 26 lever settings
+#   bash scripts/device_quality.sh gate       issue 23: the gate at bf16 on the graph engine, item shards joined
 #   bash scripts/device_quality.sh signal     the receiver's read error over a lever grid, then its rank correlation
 #                                             with the loss (issue 25: src/eval/read_error.py, src/report/error_signal.py)
 # The GPU image has no hydra/mlflow: hydra comes from the carried wheels, tracking writes JSON records
@@ -241,5 +243,24 @@ PY
     echo "signal queue done" | tee -a "$OUT/log.txt"
     python3 -m src.report.error_signal "$HOME/valid" --experiment error_signal --workload passage \
       --json "$OUT/error_signal.json" 2>&1 | tee -a "$OUT/log.txt" ;;
+  gate)  # issue 23: the gate at bf16 on the serving engine (graphs) — 200-shot ARC (histories <= 8,066 tokens), both
+    # directions, with the items a +-2-point CI needs (~726 / 635 per task at routed4's flip rates), as item shards: a
+    # resumable queue of one shard per step (<= 4 x 100 items per task, ~200 turns), shards of a direction joined by
+    # src.routed_merge once all are in (same code and config, or it refuses). Defaults: LIMIT=400 SHARDS=4 (~25 min of
+    # device time for both directions at routed4's 0.83 s a turn on HF; the engine's is unmeasured); raise both
+    # together for the full power. Reverse direction after the forward one; its records join apart.
+    G=(+experiment=routed "${CAPACITY[@]}" workload.warmup=2 pair.dtype=bfloat16 pair.compute_dtype=bfloat16
+      pair.apply_backend=auto workload.engine_capacity=8448 +workload=fewshot "workload.tasks=[arc_easy,arc_challenge]"
+      workload.shots.arc_easy=200 workload.shots.arc_challenge=200 "workload.limit=${LIMIT:-400}"
+      "workload.shards=${SHARDS:-4}" tracking.experiment=routed_gate)
+    n=0
+    for direction in pair=qwen25coder_0p5b_to_1p5b pair=qwen25coder_1p5b_to_0p5b; do
+      for ((k = 0; k < ${SHARDS:-4}; k++)); do step $((n += 1)) "${G[@]}" "$direction" "workload.shard=$k"; done
+      parts=$(grep -l "\"workload.shards\": \"${SHARDS:-4}\"" "$HOME"/valid/*shard*/record.json 2>/dev/null |
+        xargs -r grep -l "\"pair.name\": \"${direction#pair=}\"" | xargs -r -n1 dirname || true)
+      [ "$(echo "$parts" | grep -c .)" -eq "${SHARDS:-4}" ] && python3 -m src.routed_merge "$OUT/trk" $parts 2>&1 |
+        tee -a "$OUT/log.txt" || echo "not joined yet: ${direction#pair=}" | tee -a "$OUT/log.txt"
+    done
+    echo "gate queue done" | tee -a "$OUT/log.txt" ;;
   *) echo "unknown stage $stage" >&2; exit 2 ;;
 esac
