@@ -335,6 +335,7 @@ def routed(cfg: DictConfig) -> float:
         tracked.dict({"items": items, "handoffs": played.records, "policy": repr(policy)}, "routed/items.json")
         for path, figure in _plots(items, curve).items():
             tracked.figure(figure, path)
+            plt.close(figure)  # pyplot keeps every open figure: a sweep of runs would pile them up
     print(f"\n{run_name}  (weights={pair.weights}, {len(items)} scored turns, {len(played.records)} switches)")
     for name, value in sorted(metrics.items()):
         print(f"  {name:<48} {value:12.4f}")
