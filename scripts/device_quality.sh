@@ -11,6 +11,7 @@
 #   bash scripts/device_quality.sh routed2    what `routed` left (2026-12-03), the lever chosen on validation items
 #   bash scripts/device_quality.sh routed3    200-shot ARC at bf16 with the items the gate's CI needs, then the rest
 #   bash scripts/device_quality.sh harness    the bf16 clock and rollback of routed3 (2026-12-04), diagnosed
+#   bash scripts/device_quality.sh length     quality vs history length to 32K (validation items), then the length evidence
 # The GPU image has no hydra/mlflow: hydra comes from the carried wheels, tracking writes JSON records
 # that come back as one tarball in $OUT and are imported here with `python -m src.tracking import DIR`.
 set -euo pipefail
@@ -221,5 +222,41 @@ PY
     # "Results reproducibility"; tag env.CUBLAS_WORKSPACE_CONFIG) tells GPU arithmetic from a fallback bug
     CUBLAS_WORKSPACE_CONFIG=:4096:8 step 5 "${R[@]}" workload.limit=120 tracking.experiment=routed_harness_cublas
     echo "harness queue done" | tee -a "$OUT/log.txt" ;;
+  length)  # issue 25: quality vs history length on VALIDATION items — fewshot_long (ARC-Easy + HellaSwag, shot counts
+    # cycling so the histories fill every bin of conf/gate/default.yaml length_edges up to 32K tokens; the length guard
+    # off, so every length is mapped and measured) at bf16 with the Triton apply as routed3, for the 1,024-token
+    # calibration (the capacity point) and the 8,192-token one (budget=paper_8k); then `python -m src.length_evidence`
+    # on each mapper's records into a COPY of its cached artifact ($HOME/evidence/<sha>: the cache keeps serving the
+    # other stages as it was), the tables and the amended manifests into $OUT. LENGTH_LIMIT items per task (6 lengths
+    # each): 120 are sized to fit one call per step; a bin verifies only from 300 mapped items (min_length_items), so
+    # one lease gives the curve with its CIs, and verifies lengths only where a later call adds items (a larger limit)
+    R=(+experiment=routed "${CAPACITY[@]}" workload.warmup=2 pair.dtype=bfloat16 pair.compute_dtype=bfloat16
+      pair.apply_backend=auto +workload=fewshot_long workload.split=valid workload.limit=${LENGTH_LIMIT:-120}
+      tracking.experiment=routed_length)
+    step 1 "${R[@]}"
+    step 2 "${R[@]}" budget=paper_8k
+    mkdir -p "$HOME/evidence"
+    python3 - "$HOME/valid" "$KVRELAY_HOME/mappers" <<'PY' > "$HOME/evidence/mappers.txt"  # sha, mapper dir, its records
+import json, pathlib, sys
+runs = {}
+for path in sorted(pathlib.Path(sys.argv[1]).glob("*/record.json")):
+    record = json.loads(path.read_text())
+    tags = record["tags"]
+    if record["status"] == "FINISHED" and tags.get("workload") == "fewshot_long" and tags.get("split") == "valid":
+        runs.setdefault(tags["mapper_tensor_sha256"], []).append(str(path.parent))
+for manifest in sorted(pathlib.Path(sys.argv[2]).glob("*/manifest.json")):
+    sha = json.loads(manifest.read_text()).get("tensor_sha256")
+    if sha in runs:
+        print(sha[:12], manifest.parent, *runs.pop(sha))
+for sha in runs:
+    print(f"no cached mapper holds the coefficients {sha[:12]} of {runs[sha]}", file=sys.stderr)
+PY
+    while read -r sha mapper records; do
+      rm -rf "$HOME/evidence/$sha" && cp -a "$mapper" "$HOME/evidence/$sha"
+      # shellcheck disable=SC2086  # one argument per record folder
+      python3 -m src.length_evidence "$HOME/evidence/$sha" $records 2>&1 | tee -a "$OUT/log.txt" "$OUT/evidence-$sha.txt" || true
+      cp -L "$HOME/evidence/$sha/manifest.json" "$OUT/evidence-$sha-manifest.json"
+    done < "$HOME/evidence/mappers.txt"
+    echo "length queue done" | tee -a "$OUT/log.txt" ;;
   *) echo "unknown stage $stage" >&2; exit 2 ;;
 esac

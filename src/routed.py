@@ -73,15 +73,15 @@ def quality(items: list[dict], n_boot: int, seed: int, prefix: str = "task") -> 
         pairs[task] = (correct["native_target"], correct["routed"])
         floors[task] = (correct["native_source"], correct["routed"])
         metrics |= _points(
-            f"{prefix}.{task}.below_source_points", _mean_difference_ci({task: floors[task]}, n_boot, seed)
+            f"{prefix}.{task}.below_source_points", mean_difference_ci({task: floors[task]}, n_boot, seed)
         )
         for mode in scores:
             per_task[task][f"nll_{mode}"] = float(np.mean([row["nll"][mode] for row in rows]))
         metrics |= {f"{prefix}.{task}.{key}": value for key, value in per_task[task].items()}
     mean = summarize(per_task)
-    interval = _mean_difference_ci(pairs, n_boot, seed)
+    interval = mean_difference_ci(pairs, n_boot, seed)
     mean |= {"loss_points_low": 100 * interval.low, "loss_points_high": 100 * interval.high}
-    metrics |= _points(f"{prefix}.mean.below_source_points", _mean_difference_ci(floors, n_boot, seed))
+    metrics |= _points(f"{prefix}.mean.below_source_points", mean_difference_ci(floors, n_boot, seed))
     for mode in ("routed", "native_target", "native_source"):
         mean[f"nll_{mode}"] = float(np.mean([row[f"nll_{mode}"] for row in per_task.values()]))
     return metrics | loss_spread(items, prefix) | {f"{prefix}.mean.{key}": value for key, value in mean.items()}
@@ -103,7 +103,7 @@ def _points(name: str, interval: Interval) -> dict[str, float]:
     return {name: 100 * interval.estimate, f"{name}_low": 100 * interval.low, f"{name}_high": 100 * interval.high}
 
 
-def _mean_difference_ci(pairs: dict[str, tuple[np.ndarray, np.ndarray]], n_boot: int, seed: int) -> Interval:
+def mean_difference_ci(pairs: dict[str, tuple[np.ndarray, np.ndarray]], n_boot: int, seed: int) -> Interval:
     """Mean over tasks of acc(first) − acc(second) (target − routed: the loss; source − routed: below the source),
     percentile CI from resampling items within each task."""
     rng = np.random.default_rng(seed)
@@ -127,7 +127,7 @@ def paired_gain(first: list[dict], second: list[dict], n_boot: int, seed: int) -
         mine = task_scores(rows, "routed").correct(METRICS[task][0])
         other = task_scores([theirs[key(item)] for item in rows], "routed").correct(METRICS[task][0])
         pairs[task] = (mine, other)
-    return _mean_difference_ci(pairs, n_boot, seed)
+    return mean_difference_ci(pairs, n_boot, seed)
 
 
 def timing(items: list[dict], n_boot: int, seed: int) -> dict[str, float]:
@@ -276,7 +276,7 @@ def routed(cfg: DictConfig) -> float:
     pair = load(cfg)
     bound, mappers = routes(cfg, pair, workload.reverse)
     tokenizer = pair.tokenizer if pair.tokenizer is not None else Bytes(vocab_size(pair))
-    policy = Policy(w.policy, Levers(**cfg.eval.levers), w.max_length_factor, w.guard_max_abs)
+    policy = Policy(w.policy, Levers(**cfg.eval.levers), w.max_length_factor, w.guard_max_abs, w.length_guard)
     models = {"source": pair.source, "target": pair.target}
     engines = {}
     if w.engine_capacity is not None:  # every kind of session on engines of its own, kept across items
@@ -285,6 +285,9 @@ def routed(cfg: DictConfig) -> float:
     method = mappers[("source", "target")].manifest.get("method", "mapper")
     run_name = f"{cfg.pair.name}:routed:{w.name}:{method}:{w.policy}" + (":valid" if w.split == "valid" else "")
     run_tags = tags(cfg, pair, "routed") | {"workload": w.name, "method": method, "policy": w.policy, "split": w.split}
+    # the coefficients it ran (the id src/length_evidence.py matches a mapper's evidence to; a manifest amended with
+    # evidence keeps them); a synthetic mapper is never saved
+    run_tags["mapper_tensor_sha256"] = mappers[("source", "target")].manifest.get("tensor_sha256", "unsaved")
     graphs = any(e.graphs_enabled for kind in engines.values() for e in kind.values())
     run_tags["engine"] = (
         ("graph" if graphs else "static") if engines else "hf"

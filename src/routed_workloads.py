@@ -93,6 +93,7 @@ class Workload:
 # The routed workloads, by conf/workload/<name>.yaml `name`. A new one: an entry here and a YAML (docs/extending.md).
 WORKLOADS: dict[str, Workload] = {
     "fewshot": Workload(play_single_turn, fewshot_examples),
+    "fewshot_long": Workload(play_single_turn, fewshot_examples),  # shot counts cycling up to 32K-token histories
     "passage": Workload(play_single_turn, passage_examples),
     "switches": Workload(play_switches, reverse=True),
     "multiturn": Workload(play_multiturn, reverse=True),
