@@ -3,7 +3,8 @@
 #   bash scripts/device_engine.sh setup    wheels (.whl: hydra-core, omegaconf, antlr4) + data (.stage/data) carried
 #   bash scripts/device_engine.sh tests    the GPU tests of the engine and the turn-attention kernel
 #   bash scripts/device_engine.sh probe    ../shared/tools/engine_probe.py (carried as .stage/engine_probe.py) beside
-#   bash scripts/device_engine.sh pair     +experiment=handoff, Qwen2.5-Coder 0.5B → 1.5B shapes, 1K–16K, three engines
+#   bash scripts/device_engine.sh pair     +experiment=handoff, Qwen2.5-Coder 0.5B → 1.5B shapes, 1K–16K, three engines,
+#                                          fused recompute by deviation and by the turn rule
 #   bash scripts/device_engine.sh large    +experiment=handoff, Qwen3 14B → 32B shapes, 4K / 16K / 32K, graph engine
 # Records are JSON (tracking.backend=json) packed into $OUT/trk-<stage>.tgz; here: `python -m src.tracking import DIR`.
 set -euo pipefail
@@ -28,7 +29,8 @@ case $stage in
     OUT=$OUT python3 .stage/engine_probe.py | tee "$OUT/probe.txt" ;;
   pair)
     python3 -m src.run "${COMMON[@]}" pair=qwen25coder_0p5b_to_1p5b_random fit.k=24 \
-      "eval.handoff.prefix_lens=[1024,2048,4096,8192,16384]" eval.handoff.profile=true 2>&1 | tee "$OUT/pair.txt" | grep -v "^prefix" || true
+      "eval.handoff.prefix_lens=[1024,2048,4096,8192,16384]" "eval.handoff.recompute_rules=[deviation,turn]" \
+      eval.handoff.profile=true 2>&1 | tee "$OUT/pair.txt" | grep -v "^prefix" || true
     grep "^prefix" "$OUT/pair.txt" | cut -c1-400 ;;
   large)
     python3 -m src.run "${COMMON[@]}" pair=qwen3_14b_to_32b fit.k=8 "eval.handoff.engines=[graph]" \

@@ -11,10 +11,11 @@
 #   bash scripts/device_quality.sh routed2    what `routed` left (2026-12-03), the lever chosen on validation items
 #   bash scripts/device_quality.sh routed3    200-shot ARC at bf16 with the items the gate's CI needs, then the rest
 #   bash scripts/device_quality.sh harness    the bf16 clock and rollback of routed3 (2026-12-04), diagnosed
-#   bash scripts/device_quality.sh signal     issue 25: the read error against the loss over 26 lever settings
-#   bash scripts/device_quality.sh gate       issue 23: the gate at bf16 on the graph engine, item shards joined
 #   bash scripts/device_quality.sh signal     the receiver's read error over a lever grid, then its rank correlation
 #                                             with the loss (issue 25: src/eval/read_error.py, src/report/error_signal.py)
+#   bash scripts/device_quality.sh length     quality vs history length to 32K (validation items), then the length evidence
+#   bash scripts/device_quality.sh gate       issue 23: the gate at bf16 on the graph engine, item shards joined
+#   bash scripts/device_quality.sh frontier3  issue 25: each recompute rule's frontier on the engine, then the chosen one
 # The GPU image has no hydra/mlflow: hydra comes from the carried wheels, tracking writes JSON records
 # that come back as one tarball in $OUT and are imported here with `python -m src.tracking import DIR`.
 set -euo pipefail
@@ -262,5 +263,66 @@ PY
         tee -a "$OUT/log.txt" || echo "not joined yet: ${direction#pair=}" | tee -a "$OUT/log.txt"
     done
     echo "gate queue done" | tee -a "$OUT/log.txt" ;;
+  length)  # issue 25: quality vs history length on VALIDATION items — fewshot_long (ARC-Easy + HellaSwag, shot counts
+    # cycling so the histories fill every bin of conf/gate/default.yaml length_edges up to 32K tokens; the length guard
+    # off, so every length is mapped and measured) at bf16 with the Triton apply as routed3, for the 1,024-token
+    # calibration (the capacity point) and the 8,192-token one (budget=paper_8k); then `python -m src.length_evidence`
+    # on each mapper's records into a COPY of its cached artifact ($HOME/evidence/<sha>: the cache keeps serving the
+    # other stages as it was), the tables and the amended manifests into $OUT. LENGTH_LIMIT items per task (6 lengths
+    # each): 120 are sized to fit one call per step; a bin verifies only from 300 mapped items (min_length_items), so
+    # one lease gives the curve with its CIs, and verifies lengths only where a later call adds items (a larger limit)
+    R=(+experiment=routed "${CAPACITY[@]}" workload.warmup=2 pair.dtype=bfloat16 pair.compute_dtype=bfloat16
+      pair.apply_backend=auto +workload=fewshot_long workload.split=valid workload.limit=${LENGTH_LIMIT:-120}
+      policy.length_guard=off tracking.experiment=routed_length)
+    step 1 "${R[@]}"
+    step 2 "${R[@]}" budget=paper_8k
+    mkdir -p "$HOME/evidence"
+    python3 - "$HOME/valid" "$KVRELAY_HOME/mappers" <<'PY' > "$HOME/evidence/mappers.txt"  # sha, mapper dir, its records
+import json, pathlib, sys
+runs = {}
+for path in sorted(pathlib.Path(sys.argv[1]).glob("*/record.json")):
+    record = json.loads(path.read_text())
+    tags = record["tags"]
+    if record["status"] == "FINISHED" and tags.get("workload") == "fewshot_long" and tags.get("split") == "valid":
+        runs.setdefault(tags["mapper_tensor_sha256"], []).append(str(path.parent))
+for manifest in sorted(pathlib.Path(sys.argv[2]).glob("*/manifest.json")):
+    sha = json.loads(manifest.read_text()).get("tensor_sha256")
+    if sha in runs:
+        print(sha[:12], manifest.parent, *runs.pop(sha))
+for sha in runs:
+    print(f"no cached mapper holds the coefficients {sha[:12]} of {runs[sha]}", file=sys.stderr)
+PY
+    while read -r sha mapper records; do
+      rm -rf "$HOME/evidence/$sha" && cp -a "$mapper" "$HOME/evidence/$sha"
+      # shellcheck disable=SC2086  # one argument per record folder
+      python3 -m src.length_evidence "$HOME/evidence/$sha" $records 2>&1 | tee -a "$OUT/log.txt" "$OUT/evidence-$sha.txt" || true
+      cp -L "$HOME/evidence/$sha/manifest.json" "$OUT/evidence-$sha-manifest.json"
+    done < "$HOME/evidence/mappers.txt"
+    echo "length queue done" | tee -a "$OUT/log.txt" ;;
+  frontier3)  # issue 25: the recompute frontier on the static engine — each rule at ~5 / 10 / 15 / 20 / 30 % of the
+    # prefill spent (Levers.prefill_fraction: sink 4 + the native first layer ≈ 4 % at every share), on VALIDATION
+    # passages (50 per task), both directions: deviation (all layers), the turn rule (its own attention at the native
+    # layer, recomputed from there), progressive 0.8 (the set shrinks by deviation per layer: ≈ 4 % + 21 % x r), and
+    # deviation with V fitted in attention space (the levers combined). `python -m src.choose` and the paired table
+    # (src/report/routed_tables.py routed_paired: equal prefill within 5 points) compare them; the chosen one then
+    # runs on test items (FROM=9). fp32 as the earlier passage frontier; engines sized for the passages.
+    F=(+experiment=routed "${CAPACITY[@]}" workload.warmup=2 +workload=passage workload.split=valid workload.limit=50
+      workload.engine_capacity=2048 policy.levers.native_sink=4 tracking.experiment=routed_frontier3)
+    SHARES=policy.levers.recompute=0.015,0.065,0.115,0.165,0.265
+    n=0
+    for direction in pair=qwen25coder_0p5b_to_1p5b pair=qwen25coder_1p5b_to_0p5b; do
+      step $((n += 1)) "${F[@]}" "$direction" $SHARES policy.levers.recompute_rule=deviation
+      step $((n += 1)) "${F[@]}" "$direction" $SHARES policy.levers.recompute_rule=turn
+      step $((n += 1)) "${F[@]}" "$direction" policy.levers.recompute=0.05,0.25,0.5,0.75,1.0 policy.levers.progressive=0.8
+      step $((n += 1)) "${F[@]}" "$direction" $SHARES policy.levers.recompute_rule=deviation fit.v_space=attention
+    done
+    for direction in qwen25coder_0.5b_to_1.5b qwen25coder_1.5b_to_0.5b; do
+      lever=$(python3 -m src.choose "$HOME/valid" --workload passage --direction "$direction" --data "$HOME/data" \
+        2>>"$OUT/log.txt") || lever=
+      echo "chosen on validation items ($direction): ${lever:-NONE}" | tee -a "$OUT/log.txt"
+      pair=pair=$(echo "$direction" | sed 's/\./p/g')  # qwen25coder_0.5b_to_1.5b -> qwen25coder_0p5b_to_1p5b
+      [ -n "$lever" ] && step $((n += 1)) "${F[@]}" workload.split=test workload.limit=100 "$pair" $lever
+    done
+    echo "frontier3 queue done" | tee -a "$OUT/log.txt" ;;
   *) echo "unknown stage $stage" >&2; exit 2 ;;
 esac

@@ -17,6 +17,11 @@ verifies the manifest bytes against the version id (their sha256: a manifest edi
 tensor bytes against the manifest's sha256, and deserializes those same bytes; then the schema, the source/target
 fingerprints, the tokenizer hash and every tensor's name, dtype and shape. Anything that differs is refused with a
 message that names it. A directory of the older flat layout (the two files only) still loads.
+
+The manifest may carry measured length evidence (`length_evidence`; `python -m src.length_evidence` publishes the same
+tensor bytes under the amended manifest: a new version), so the version id verifies it with the rest — one integrity
+check, no side file to keep in step. A load checks that its `max_verified_length` is what its measurements show and
+refuses evidence in a manifest no version id verifies (the flat layout): never silently used.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ import contextlib
 import fcntl
 import hashlib
 import json
+import math
 import os
 import platform
 import shutil
@@ -46,6 +52,9 @@ POINTER, VERSIONS, LOCK = "current", "versions", ".lock"
 STAGING = ".staging-"  # + host-pid-random: a save in progress (or killed: swept by the next save)
 LOAD_ATTEMPTS = 20  # a load retries while concurrent saves replace the version it was reading
 COEFFICIENT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+EVIDENCE = "length_evidence"  # the manifest key of the measured length evidence (module docstring)
+EVIDENCE_KEYS = ("margin_points", "min_items", "measurements", "max_verified_length", "verified_by")
+MEASUREMENT_KEYS = ("bin", "length", "items", "loss_points_high", "split", "run_id", "record")
 
 
 class ArtifactError(ValueError):
@@ -120,9 +129,24 @@ def save_mapper(mapper: Mapper, directory: str | Path, coefficient_dtype: str = 
         tensor_bytes=len(data),
         libraries=library_versions(),
     )
-    publish(directory, json.dumps(manifest, indent=2, sort_keys=True, default=str).encode(), data)
+    publish(directory, _manifest_bytes(manifest), data)
     mapper.manifest = manifest
     return Path(directory)
+
+
+def amend_manifest(directory: str | Path, changes: dict) -> Mapper:
+    """Publish the artifact at `directory` again with `changes` merged into its manifest and the very tensor bytes it
+    holds, verified on the way in: a new version whose id is the sha256 of the new manifest, atomically (module
+    docstring). Returns the mapper loaded back from it."""
+    mapper, tensors = _load(Path(directory))
+    manifest = mapper.manifest | changes
+    length_evidence(manifest)  # evidence that does not hold is refused before anything is written
+    publish(directory, _manifest_bytes(manifest), tensors)
+    return load_mapper(directory)
+
+
+def _manifest_bytes(manifest: dict) -> bytes:
+    return json.dumps(manifest, indent=2, sort_keys=True, default=str).encode()
 
 
 def publish(directory: str | Path, manifest: bytes, tensors: bytes) -> Path:
@@ -164,7 +188,16 @@ def load_mapper(
     tokenizer_hash: str | None = None,
 ) -> Mapper:
     """Read and verify an artifact; pass the fingerprints of the models it will serve to check the pair."""
-    directory = Path(directory)
+    return _load(Path(directory), source_fingerprint, target_fingerprint, tokenizer_hash)[0]
+
+
+def _load(
+    directory: Path,
+    source_fingerprint: str | None = None,
+    target_fingerprint: str | None = None,
+    tokenizer_hash: str | None = None,
+) -> tuple[Mapper, bytes]:
+    """`load_mapper`, and the tensor bytes it verified."""
     manifest_path, manifest_bytes, tensor_bytes = _read(directory)
     tensor_path = manifest_path.parent / TENSOR_FILE
     _verify_version(manifest_path, manifest_bytes)
@@ -176,6 +209,14 @@ def load_mapper(
         raise ArtifactError(f"{manifest_path} holds a JSON {type(manifest).__name__}, not a manifest object")
     if manifest.get("schema_version") != SCHEMA_VERSION:
         raise ArtifactError(f"schema_version {manifest.get('schema_version')} ≠ supported {SCHEMA_VERSION}")
+    if EVIDENCE in manifest:
+        digest = hashlib.sha256(manifest_bytes).hexdigest()
+        if manifest_path.parent.name != digest and not (directory / VERSIONS / digest).is_dir():
+            raise ArtifactError(
+                f"{manifest_path} carries length evidence but no version id verifies its bytes (the flat layout, or "
+                f"a copy without versions/): re-add the evidence with python -m src.length_evidence"
+            )
+        length_evidence(manifest)
     actual = hashlib.sha256(tensor_bytes).hexdigest()
     if actual != manifest.get("tensor_sha256"):
         raise ArtifactError(
@@ -215,7 +256,69 @@ def load_mapper(
         dtype = coefficient_dtype if name in COEFFICIENTS else torch.int64
         if tensors[name].dtype != dtype:
             raise ArtifactError(f"tensor {name!r} is {tensors[name].dtype}, the manifest implies {dtype}")
-    return Mapper(**{name: tensors[name] for name in shapes}, manifest=manifest)
+    return Mapper(**{name: tensors[name] for name in shapes}, manifest=manifest), tensor_bytes
+
+
+# --------------------------------------------------------------------------- length evidence
+
+
+def verified_length(measurements: list[dict], margin: float, min_items: int) -> tuple[int, dict | None]:
+    """The longest history length the measurements verify, and the measurement that showed it (None: none verified).
+
+    A non-inferiority reading, per measurement (one routed run on validation items × one history-length bin
+    (low, high], high None past the last edge): it passes when it scored ≥ `min_items` mapped items and the upper
+    bound of the paired 95 % CI of the loss (native receiver − routed, points) is ≤ `margin`. A point estimate under
+    the margin is not enough, nor a CI from a handful of items. Bins are read from the shortest measured one upwards;
+    a bin is verified when every measurement in it passes; the reading stops at the first bin that is not, or at a
+    gap (no measurement between two measured bins). The verified length is the longest history measured in the last
+    verified bin — never a bin's edge that no item reached — and 0 when the shortest measured bin is not verified."""
+    upper = lambda row: math.inf if row["bin"][1] is None else row["bin"][1]
+    length, shown, reach = 0, None, None
+    for high in sorted({upper(row) for row in measurements}):
+        rows = [row for row in measurements if upper(row) == high]
+        low = rows[0]["bin"][0]
+        passed = all(passes(row, margin, min_items) for row in rows)
+        if (reach is not None and low != reach) or not passed:
+            break
+        shown = max(rows, key=lambda row: row["length"])
+        length, reach = shown["length"], high
+    return length, shown
+
+
+def passes(measurement: dict, margin: float, min_items: int) -> bool:
+    """One measurement's non-inferiority reading (`verified_length`): enough mapped items, the CI's upper bound ≤ margin."""
+    high = measurement["loss_points_high"]
+    return measurement["items"] >= min_items and high is not None and high <= margin
+
+
+def length_evidence(manifest: dict) -> tuple[int, str | None] | None:
+    """(max_verified_length, the run that showed it) of the manifest's length evidence, None when it has none.
+    Evidence that is malformed, reads test items, or whose max_verified_length is not what its measurements show
+    (`verified_length`) is an ArtifactError naming the problem: never silently used."""
+    evidence = manifest.get(EVIDENCE)
+    if evidence is None:
+        return None
+    rows = evidence.get("measurements") if isinstance(evidence, dict) else None
+    if not isinstance(rows, list) or any(not isinstance(row, dict) for row in rows):
+        raise ArtifactError("length evidence is malformed: no list of measurement objects")
+    for n, row in enumerate([evidence, *rows]):
+        where = f"measurement {n - 1}" if n else "block"
+        if missing := [key for key in (MEASUREMENT_KEYS if n else EVIDENCE_KEYS) if key not in row]:
+            raise ArtifactError(f"length evidence {where} lacks {missing}")
+        if n and row["split"] != "valid":
+            raise ArtifactError(f"length evidence {where} ({row['run_id']}) read {row['split']!r} items: a length "
+                                "threshold is chosen on validation items only")  # fmt: skip
+    try:
+        length, shown = verified_length(rows, evidence["margin_points"], evidence["min_items"])
+    except TypeError as error:  # a count or a bound that is not a number
+        raise ArtifactError(f"length evidence is malformed: {error}") from None
+    by = None if shown is None else f"{shown['run_id']} ({shown['record']})"
+    if (evidence["max_verified_length"], evidence["verified_by"]) != (length, by):
+        raise ArtifactError(
+            f"length evidence does not hold: it says max_verified_length {evidence['max_verified_length']} "
+            f"(verified by {evidence['verified_by']}), its measurements show {length} (verified by {by})"
+        )
+    return length, by
 
 
 # --------------------------------------------------------------------------- reading and publishing

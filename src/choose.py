@@ -92,9 +92,14 @@ def choose(runs: list[dict], max_loss: float | None = None) -> dict:
     return min(scored, key=lambda r: (mean(r), spent_or_all(r)))
 
 
+MAPPER_LEVERS = ("fit.v_space",)  # levers that change the mapper itself: a chosen run's must travel with it
+
+
 def overrides(run: dict) -> list[str]:
-    """The chosen run's lever settings as Hydra overrides."""
-    return [f"{key}={value}" for key, value in sorted(run["params"].items()) if key.startswith(LEVERS)]
+    """The chosen run's lever settings as Hydra overrides: its levers, and the mapper's own (V fitted where it is
+    read) where the record names them."""
+    chosen = lambda key: key.startswith(LEVERS) or key in MAPPER_LEVERS
+    return [f"{key}={value}" for key, value in sorted(run["params"].items()) if chosen(key)]
 
 
 def main() -> None:

@@ -74,15 +74,15 @@ def quality(items: list[dict], n_boot: int, seed: int, prefix: str = "task") -> 
         pairs[task] = (correct["native_target"], correct["routed"])
         floors[task] = (correct["native_source"], correct["routed"])
         metrics |= _points(
-            f"{prefix}.{task}.below_source_points", _mean_difference_ci({task: floors[task]}, n_boot, seed)
+            f"{prefix}.{task}.below_source_points", mean_difference_ci({task: floors[task]}, n_boot, seed)
         )
         for mode in scores:
             per_task[task][f"nll_{mode}"] = float(np.mean([row["nll"][mode] for row in rows]))
         metrics |= {f"{prefix}.{task}.{key}": value for key, value in per_task[task].items()}
     mean = summarize(per_task)
-    interval = _mean_difference_ci(pairs, n_boot, seed)
+    interval = mean_difference_ci(pairs, n_boot, seed)
     mean |= {"loss_points_low": 100 * interval.low, "loss_points_high": 100 * interval.high}
-    metrics |= _points(f"{prefix}.mean.below_source_points", _mean_difference_ci(floors, n_boot, seed))
+    metrics |= _points(f"{prefix}.mean.below_source_points", mean_difference_ci(floors, n_boot, seed))
     for mode in ("routed", "native_target", "native_source"):
         mean[f"nll_{mode}"] = float(np.mean([row[f"nll_{mode}"] for row in per_task.values()]))
     return metrics | loss_spread(items, prefix) | {f"{prefix}.mean.{key}": value for key, value in mean.items()}
@@ -104,7 +104,7 @@ def _points(name: str, interval: Interval) -> dict[str, float]:
     return {name: 100 * interval.estimate, f"{name}_low": 100 * interval.low, f"{name}_high": 100 * interval.high}
 
 
-def _mean_difference_ci(pairs: dict[str, tuple[np.ndarray, np.ndarray]], n_boot: int, seed: int) -> Interval:
+def mean_difference_ci(pairs: dict[str, tuple[np.ndarray, np.ndarray]], n_boot: int, seed: int) -> Interval:
     """Mean over tasks of acc(first) − acc(second) (target − routed: the loss; source − routed: below the source),
     percentile CI from resampling items within each task."""
     rng = np.random.default_rng(seed)
@@ -128,7 +128,7 @@ def paired_gain(first: list[dict], second: list[dict], n_boot: int, seed: int) -
         mine = task_scores(rows, "routed").correct(METRICS[task][0])
         other = task_scores([theirs[key(item)] for item in rows], "routed").correct(METRICS[task][0])
         pairs[task] = (mine, other)
-    return _mean_difference_ci(pairs, n_boot, seed)
+    return mean_difference_ci(pairs, n_boot, seed)
 
 
 def timing(items: list[dict], n_boot: int, seed: int) -> dict[str, float]:
@@ -260,8 +260,6 @@ def _plots(items: list[dict], curve: dict[int, dict[str, float]]) -> dict[str, p
     return figures
 
 
-ENGINE_WORKLOADS = ("fewshot", "passage")  # single-turn runners: every session and timed path on the engine
-READ_ERROR_WORKLOADS = ("fewshot", "passage", "switches")  # the routed and native receivers read the same history
 ENGINE_KINDS = ("routed", "reprefill", "twin")  # a session kind each; twins are the same-work forks
 
 
@@ -272,18 +270,19 @@ def routed(cfg: DictConfig) -> float:
     if w.name not in WORKLOADS:
         raise ValueError(f"unknown workload {w.name!r}: one of {sorted(WORKLOADS)} (src/routed_workloads.py WORKLOADS)")
     workload = WORKLOADS[w.name]
-    if w.engine_capacity is not None and w.name not in ENGINE_WORKLOADS:
+    having = lambda feature: sorted(name for name, known in WORKLOADS.items() if getattr(known, feature))
+    if w.engine_capacity is not None and not workload.engine:
         raise ValueError(f"workload.engine_capacity: the {w.name} workload does not run on the engine yet "
-                         f"(only {ENGINE_WORKLOADS}); set it to null")  # fmt: skip
+                         f"(only {having('engine')}); set it to null")  # fmt: skip
     check_shard(w.shard, w.shards)
     if w.shards != 1 and not workload.shards:
-        having = sorted(name for name, known in WORKLOADS.items() if known.shards)
-        raise ValueError(f"workload.shards: the {w.name} workload's items are not sharded (only {having}); set it to 1")
+        raise ValueError(f"workload.shards: the {w.name} workload's items are not sharded (only {having('shards')}); "
+                         "set it to 1")  # fmt: skip
     policy = policy_from(cfg.policy)  # a policy that cannot hold is refused before any model loads
-    if cfg.eval.diagnose.read_error and w.name not in READ_ERROR_WORKLOADS:
+    if cfg.eval.diagnose.read_error and not workload.read_error:
         raise ValueError(f"eval.diagnose.read_error: the {w.name} workload's routed and native conversations may "
                          f"differ (each reads its own answers), so no shared history to compare; only "
-                         f"{READ_ERROR_WORKLOADS}")  # fmt: skip
+                         f"{having('read_error')}")  # fmt: skip
     pair = load(cfg)
     bound, mappers = routes(cfg, pair, workload.reverse)
     tokenizer = pair.tokenizer if pair.tokenizer is not None else Bytes(vocab_size(pair))
@@ -304,6 +303,9 @@ def routed(cfg: DictConfig) -> float:
     if w.shards > 1:  # a part of a run: joined by src/routed_merge.py, never judged alone (src/gate.py)
         run_name += f":shard{w.shard}of{w.shards}"
         run_tags["shard"] = f"{w.shard}/{w.shards}"
+    # the coefficients it ran (the id src/length_evidence.py matches a mapper's evidence to; a manifest amended with
+    # evidence keeps them); a synthetic mapper is never saved
+    run_tags["mapper_tensor_sha256"] = mappers[("source", "target")].manifest.get("tensor_sha256", "unsaved")
     graphs = any(e.graphs_enabled for kind in engines.values() for e in kind.values())
     run_tags["engine"] = (
         ("graph" if graphs else "static") if engines else "hf"

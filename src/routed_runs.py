@@ -441,7 +441,8 @@ def rollback(
         "artifact_mismatch": (replace(mapper, manifest=manifest | {"target_fingerprint": "0" * 64}), {}, False),
         "nonfinite_map": (_overflowing(mapper), {}, False),
         "nonfinite_source": (mapper, {}, True),
-        "beyond_length": (replace(mapper, manifest=manifest | {"calibration": {"seq_len": 1}}), {"max_length_factor": 1.0}, False),
+        "beyond_length": (replace(mapper, manifest=manifest | {"calibration": {"seq_len": 1}}),
+                          {"max_length_factor": 1.0, "length_guard": "factor"}, False),  # also for a mapper with evidence
         "failed_guard": (mapper, {"guard_max_abs": 0.0}, False),
     }  # fmt: skip
     source, target = run.models["source"], run.models["target"]

@@ -105,19 +105,24 @@ def play_multiturn(run: Run, cfg: DictConfig) -> Played:
 class Workload:
     """One routed workload: how its items go through the sessions (`play`), its own (history, new turn) items where
     it has them (`examples`: what switches' `base` and scripts/history_tokens.py read), and whether the conversation
-    comes back to the source (`reverse`: the target → source mapper is fitted too), and whether its items can be sharded
-    over calls (`shards`)."""
+    comes back to the source (`reverse`: the target → source mapper is fitted too), and what it supports: item shards
+    over calls (`shards`), the static engine (`engine`), the read-error diagnosis (`read_error`)."""
 
     play: Callable[[Run, DictConfig], Played]
     examples: Callable[[DictConfig], list[Example]] | None = None
     reverse: bool = False
     shards: bool = False  # its items can be split over calls (`workload.shards`) and joined (src/routed_merge.py)
+    engine: bool = False  # every session and timed path may run on the static engine (`workload.engine_capacity`)
+    read_error: bool = False  # the routed and native receivers read the same history (`eval.diagnose.read_error`)
 
 
 # The routed workloads, by conf/workload/<name>.yaml `name`. A new one: an entry here and a YAML (docs/extending.md).
 WORKLOADS: dict[str, Workload] = {
-    "fewshot": Workload(play_single_turn, fewshot_examples, shards=True),
-    "passage": Workload(play_single_turn, passage_examples, shards=True),
-    "switches": Workload(play_switches, reverse=True),
+    "fewshot": Workload(play_single_turn, fewshot_examples, shards=True, engine=True, read_error=True),
+    "fewshot_long": Workload(  # shot counts cycling up to 32K-token histories
+        play_single_turn, fewshot_examples, shards=True, engine=True, read_error=True
+    ),
+    "passage": Workload(play_single_turn, passage_examples, shards=True, engine=True, read_error=True),
+    "switches": Workload(play_switches, reverse=True, read_error=True),
     "multiturn": Workload(play_multiturn, reverse=True),
 }

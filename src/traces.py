@@ -4,6 +4,12 @@ Rows are every `stride`-th position of each calibration sequence (paper: 500 × 
 128,000 rows). Only sampled rows are kept, one batch of sequences is in flight at a time, and the
 target's Attn-Repair sensitivities (Eqs. 14–16) are reduced to one scalar per row while the batch's
 queries are still at hand.
+
+Long calibration sequences (conf/budget/paper_2k|4k|8k) stream: each batch is read in chunks of ⌊ATTENTION_TILE / T⌋
+tokens (one chunk up to T = 1,024), so an eager attention's scores [B, H, chunk, T] never exceed B·H·ATTENTION_TILE
+elements whatever T; only the queries the statistics read are kept (at the boundaries, at the sampled rows for the
+mixing), RoPE is removed at the sampled rows only, and the mixing's scores are taken in blocks of query rows of the
+same size. What grows with T is the batch's KV cache, which the forward itself needs, and the statistics.
 """
 
 from __future__ import annotations
@@ -21,6 +27,8 @@ from transformers import DynamicCache, PreTrainedModel
 
 from src.models import KVInterface, check_model, describe_kv
 from src.rope import apply_rope, remove_rope, rope_cos_sin
+
+ATTENTION_TILE = 1 << 20  # query × key positions of one chunk's attention scores (module docstring)
 
 
 @dataclass
@@ -126,10 +134,12 @@ def content_kv(model: PreTrainedModel, kv: KVInterface, cache, positions: torch.
 
 
 class QueryCapture:
-    """Forward hooks that keep each layer's pre-RoPE query states [B, H_q, T, d] for one forward pass."""
+    """Forward hooks that keep each layer's pre-RoPE query states [B, H_q, T, d] for one forward pass — or, with
+    `keep` (ascending positions [K]), only those positions' [B, H_q, K, d], gathered over a sequence read in chunks
+    (`offset`: the position of the chunk being read; clear `queries` before the next sequence)."""
 
-    def __init__(self, model: PreTrainedModel, kv: KVInterface):
-        self.kv, self.queries, self.handles = kv, {}, []
+    def __init__(self, model: PreTrainedModel, kv: KVInterface, keep: torch.Tensor | None = None):
+        self.kv, self.keep, self.offset, self.queries, self.handles = kv, keep, 0, {}, []
         for layer_idx, layer in enumerate(model.model.layers):
             attention = layer.self_attn
             module = attention.q_norm if kv.qk_norm else attention.q_proj
@@ -138,7 +148,14 @@ class QueryCapture:
     def _hook(self, layer_idx: int):
         def keep(module, inputs, output):
             batch, seq = output.shape[0], output.shape[1]
-            self.queries[layer_idx] = output.reshape(batch, seq, self.kv.num_q_heads, self.kv.head_dim).transpose(1, 2)
+            states = output.reshape(batch, seq, self.kv.num_q_heads, self.kv.head_dim).transpose(1, 2)  # [B, H_q, n, d]
+            if self.keep is None:
+                self.queries[layer_idx] = states
+                return
+            inside = self.keep[(self.keep >= self.offset) & (self.keep < self.offset + seq)] - self.offset
+            kept = states[:, :, inside.to(states.device)]  # [B, H_q, k, d] a copy: the chunk's states are let go
+            held = self.queries.get(layer_idx)
+            self.queries[layer_idx] = kept if held is None else torch.cat([held, kept], dim=2)
 
         return keep
 
@@ -158,7 +175,7 @@ def attention_sensitivity(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Raw Attn-Repair weights for one target layer, r^K and r^V: [B, H_kv, T].
 
-    query [B, H_q, T, d] and key [B, H_kv, T, d] carry RoPE; value [B, H_kv, T, d]; eligible [T] bool
+    query [B, H_q, C, d] (the queries at the C boundaries) and key [B, H_kv, T, d] carry RoPE; value [B, H_kv, T, d]; eligible [T] bool
     marks sampled positions. At each boundary c the first future query (position c) attends causally
     to 0..c (to c−window+1..c with a sliding `window`, as the model does); sensitivities of eligible prefix
     positions i < c get unit mass per (head, component, boundary), and boundaries are summed with equal mass.
@@ -167,7 +184,7 @@ def attention_sensitivity(
     kv_heads = key.shape[1]
     group = q_heads // kv_heads
     c = torch.tensor(boundaries, device=query.device)
-    q = query[:, :, c].float()  # [B, H_q, C, d]
+    q = query.float()  # [B, H_q, C, d]
     k = key.float().repeat_interleave(group, dim=1)  # [B, H_q, T, d]
     v = value.float().repeat_interleave(group, dim=1)  # [B, H_q, T, d]
     positions = torch.arange(key.shape[2], device=query.device)
@@ -195,22 +212,28 @@ def attention_mixing(
 ) -> torch.Tensor:
     """How the target mixes the sampled rows' values: [B, H_kv, t, t], t = ⌈T / stride⌉ (fit.v_space=attention).
 
-    query [B, H_q, T, d] and key [B, H_kv, T, d] carry RoPE. Each sampled query row (positions 0, s, 2s, …) attends
-    causally as the model does (the window too); a key position's weight goes to the sampled row that opens its
-    block of `stride` positions, and the query heads of a KV head are averaged. Rows sum to 1, lower-triangular:
-    Σ_s M_ts·v_s is the attention output at row t with each block's value represented by its sampled row."""
-    batch, q_heads, length, _ = query.shape
-    kv_heads = key.shape[1]
+    query [B, H_q, t, d] (the queries at the sampled rows 0, s, 2s, …) and key [B, H_kv, T, d] carry RoPE. Each
+    sampled query row attends causally as the model does (the window too); a key position's weight goes to the
+    sampled row that opens its block of `stride` positions, and the query heads of a KV head are averaged. Rows sum
+    to 1, lower-triangular: Σ_s M_ts·v_s is the attention output at row t with each block's value represented by its
+    sampled row. The scores are taken for ⌊ATTENTION_TILE / T⌋ query rows at a time."""
+    batch, q_heads, rows, _ = query.shape
+    kv_heads, length = key.shape[1], key.shape[2]
     sampled = torch.arange(0, length, stride, device=query.device)  # [t]
     positions = torch.arange(length, device=query.device)
-    causal = positions[None, :] <= sampled[:, None]  # [t, T]
-    if window is not None:
-        causal &= positions[None, :] > sampled[:, None] - window
     k = key.float().repeat_interleave(q_heads // kv_heads, dim=1)  # [B, H_q, T, d]
-    scores = (query[:, :, sampled].float() @ k.transpose(-1, -2)) * softmax_scale  # [B, H_q, t, T]
-    a = scores.masked_fill(~causal, float("-inf")).softmax(dim=-1)
-    pooled = a.new_zeros(batch, q_heads, sampled.numel(), sampled.numel()).index_add_(-1, positions // stride, a)
-    return pooled.unflatten(1, (kv_heads, -1)).mean(2)  # [B, H_kv, t, t]
+    block = max(1, ATTENTION_TILE // length)
+    pooled = []
+    for start in range(0, rows, block):
+        at = sampled[start : start + block]  # [r]
+        causal = positions[None, :] <= at[:, None]  # [r, T]
+        if window is not None:
+            causal &= positions[None, :] > at[:, None] - window
+        scores = (query[:, :, start : start + block].float() @ k.transpose(-1, -2)) * softmax_scale  # [B, H_q, r, T]
+        a = scores.masked_fill(~causal, float("-inf")).softmax(dim=-1)
+        part = a.new_zeros(batch, q_heads, at.numel(), rows).index_add_(-1, positions // stride, a)  # [B, H_q, r, t]
+        pooled.append(part.unflatten(1, (kv_heads, -1)).mean(2))  # [B, H_kv, r, t]
+    return torch.cat(pooled, dim=2)  # [B, H_kv, t, t]
 
 
 @torch.no_grad()
@@ -225,55 +248,83 @@ def collect_traces(
     first_boundary: int = 12,
     storage_device: str = "cpu",
     mixing: bool = False,
+    chunk_tokens: int | None = None,
 ) -> Traces:
     """Run calibration ids [N, T] through both models and keep every `stride`-th position's K/V.
 
     attention_boundaries > 0 also computes the target's raw Attn-Repair sensitivities; mixing=True the target's
-    attention between the sampled rows of each sequence (`attention_mixing`, for fit.v_space=attention). Sliding-window models (the
-    `allow_sliding_window` opt-in) work at any length: the forward keeps every position's K/V (a full cache; the
-    attention mask stays the model's own) and the sensitivities use the window. Models no map can serve (hybrid
-    layers, MLA, per-layer-type RoPE, unsupported families) are refused up front (IncompatiblePairError).
+    attention between the sampled rows of each sequence (`attention_mixing`, for fit.v_space=attention). Each batch is
+    read `chunk_tokens` at a time (None: ⌊ATTENTION_TILE / T⌋, module docstring); the statistics do not depend on it
+    beyond float rounding. Sliding-window models (the `allow_sliding_window` opt-in) work at any length: the forward
+    keeps every position's K/V (a full cache; the attention mask stays the model's own) and the sensitivities use the
+    window. Models no map can serve (hybrid layers, MLA, per-layer-type RoPE, unsupported families) are refused up
+    front (IncompatiblePairError).
     """
     source_kv, target_kv = describe_kv(source), describe_kv(target)
     check_model(source_kv, "source", allow_sliding_window=True)
     check_model(target_kv, "target", allow_sliding_window=True)
     num_sequences, seq_len = sequences.shape
+    chunk = max(1, ATTENTION_TILE // seq_len) if chunk_tokens is None else chunk_tokens
+    if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1:
+        raise ValueError(f"chunk_tokens must be a token count ≥ 1 or None, not {chunk_tokens!r}")
     sampled = torch.arange(0, seq_len, stride)
     eligible = torch.zeros(seq_len, dtype=torch.bool)
     eligible[sampled] = True
     boundaries = log_boundaries(seq_len, attention_boundaries, first_boundary) if attention_boundaries else []
+    keep = torch.tensor(sorted(set(boundaries) | (set(sampled.tolist()) if mixing else set())), dtype=torch.long)
+    at_boundaries = torch.searchsorted(keep, torch.tensor(boundaries, dtype=torch.long))  # their queries in `keep`
+    at_sampled = torch.searchsorted(keep, sampled) if mixing else None
     parts: dict[str, list[torch.Tensor]] = {key: [] for key in ("sk", "sv", "tk", "tv", "ak", "av", "mix")}
-    capture = QueryCapture(target, target_kv) if boundaries or mixing else None
+    capture = QueryCapture(target, target_kv, keep) if boundaries or mixing else None
     try:
         for start in tqdm(range(0, num_sequences, batch_size), desc="calibration traces", unit="batch"):
             ids = sequences[start : start + batch_size]
-            positions = torch.arange(seq_len)
             roles = ((source, source_kv, ("sk", "sv"), False), (target, target_kv, ("tk", "tv"), True))
             for model, kv, keys, is_target in roles:  # source and target may be one model (self-transfer)
                 device = next(model.parameters()).device
+                if capture is not None:
+                    capture.queries.clear()  # this batch's (a self-transfer's source read fired the hooks too)
                 # a cache of full layers keeps all T positions even for a sliding-window model (its own cache
-                # would keep the last window − 1 only); the attention itself is unchanged
-                cache = model(
-                    ids.to(device), use_cache=True, past_key_values=DynamicCache(), logits_to_keep=1
-                ).past_key_values  # K/V only: no logits over the whole vocabulary per position
-                layers = content_kv(model, kv, cache, positions.to(device))
-                for name, index in zip(keys, (0, 1), strict=True):
-                    rows = torch.stack([layer[index][:, :, sampled.to(device)] for layer in layers])  # [L, B, H, t, d]
+                # would keep the last window − 1 only); the attention itself is unchanged. K/V only: no logits over
+                # the whole vocabulary per position
+                cache = DynamicCache()
+                for offset in range(0, seq_len, chunk):
+                    if capture is not None:
+                        capture.offset = offset
+                    chunk_ids = ids[:, offset : offset + chunk].to(device)  # [B, chunk]
+                    model(chunk_ids, use_cache=True, past_key_values=cache, logits_to_keep=1)
+                at = sampled.to(device)
+                cos, sin = rope_cos_sin(model.model.rotary_emb, at)  # RoPE removed at the sampled rows only
+                content = (
+                    torch.stack(
+                        [remove_rope(layer.keys[:, :, at], cos, sin, kv.rope_layout) for layer in cache.layers]
+                    ),
+                    torch.stack([layer.values[:, :, at] for layer in cache.layers]),
+                )  # K, V [L, B, H, t, d]
+                for name, rows in zip(keys, content, strict=True):
                     parts[name].append(rows.permute(0, 2, 1, 3, 4).flatten(2, 3).to(storage_device, storage_dtype))
                 if capture is not None and is_target:
-                    cos, sin = rope_cos_sin(target.model.rotary_emb, positions.to(device))
-                    queries = [apply_rope(capture.queries[i], cos, sin, kv.rope_layout) for i in range(len(layers))]
-                    scale, window = kv.attention_softmax_scale, kv.sliding_window
+                    cos, sin = rope_cos_sin(target.model.rotary_emb, keep.to(device))
+                    queries = [
+                        apply_rope(capture.queries[i], cos, sin, kv.rope_layout) for i in range(len(cache.layers))
+                    ]
+                    scale, window = kv.attention_softmax_scale, kv.sliding_window  # queries: [B, H_q, K, d] at `keep`
                     if mixing:
                         mixes = [
-                            attention_mixing(q, layer.keys, stride, scale, window)
+                            attention_mixing(q[:, :, at_sampled.to(device)], layer.keys, stride, scale, window)
                             for q, layer in zip(queries, cache.layers, strict=True)
                         ]
                         parts["mix"].append(torch.stack(mixes).to(storage_device, storage_dtype))  # [L_t, B, H_t, t, t]
                 if boundaries and is_target:
                     per_layer = [
                         attention_sensitivity(
-                            q, layer.keys, layer.values, boundaries, eligible.to(device), scale, window
+                            q[:, :, at_boundaries.to(device)],
+                            layer.keys,
+                            layer.values,
+                            boundaries,
+                            eligible.to(device),
+                            scale,
+                            window,
                         )
                         for q, layer in zip(queries, cache.layers, strict=True)
                     ]

@@ -4,7 +4,7 @@ history), the new turn the router escalates on, and the answers to score.
 fewshot    lm-eval-style k-shot prompts: the shots (and an MMLU subject's header) are the history, the question the
            new turn. Shots come from a split that is never scored and that the calibration budget did not read
            (`SHOT_FILES`, else — or where it holds too few — the scored file's other items), never a scored item nor
-           one with the same question.
+           one with the same question. A list of shot counts cycles over the items (histories of several lengths).
 passage    a BoolQ passage or a LAMBADA passage up to its final sentence is the history; the question / the final
            sentence (less its last word) the new turn.
 multiturn  conversations of N turns chained from consecutive scored items, rendered append-only with the chat
@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import random
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
@@ -105,7 +106,7 @@ def fewshot(
     data_root: str | Path,
     task: str,
     limit: int | None,
-    shots: int,
+    shots: int | Sequence[int],
     seed: int,
     calibration: frozenset[str],
     split: str = "test",
@@ -116,7 +117,10 @@ def fewshot(
     subject's first k, lm-eval's first_n — topped up from the subject's unscored test items where some of its 5 dev
     exemplars repeat a test question). split="valid" scores the validation items (`tasks.subsample`), whose shots are
     never a reported test item either (`tasks.reported`); a test item's shots may be validation items (choices never
-    read test items)."""
+    read test items). A sequence of shot counts gives the n-th scored item shots[n mod its length] shots."""
+    counts = list(shots) if isinstance(shots, Sequence) else [shots]
+    if not counts or any(isinstance(k, bool) or not isinstance(k, int) or k < 0 for k in counts):
+        raise ValueError(f"{task}: shots must be a count ≥ 0 or a non-empty list of them, not {shots!r}")
     scored = load_task(task, data_root, limit, split)
     everything = _items(data_root, task)
     excluded = (
@@ -126,7 +130,8 @@ def fewshot(
     for source, item in _pool(data_root, task, excluded, calibration):
         by_header.setdefault(_header(item.contexts[0])[0], []).append((source, item))
     examples = []
-    for item in scored:
+    for n, item in enumerate(scored):
+        shots = counts[n % len(counts)]
         header = _header(item.contexts[0])[0]
         candidates = by_header.get(header, [])
         preferred = [c for c in candidates if c[0] == candidates[0][0]] if candidates else []

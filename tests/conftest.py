@@ -1,9 +1,14 @@
 """Tiny random-weight configs of every supported family (correctness only, never quality)."""
 
+from pathlib import Path
+
 import pytest
 import torch
+import yaml
 
 from src.models import build_random_model
+
+CONF = Path(__file__).resolve().parents[1] / "conf"
 
 TINY = dict(
     vocab_size=96,
@@ -30,6 +35,15 @@ def tiny(family: str, seed: int = 0, **overrides) -> torch.nn.Module:
 @pytest.fixture(params=sorted(FAMILIES))
 def family(request) -> str:
     return request.param
+
+
+def budget_spec(name: str) -> dict:
+    """conf/budget/<name>.yaml as it composes: over the budgets its defaults list names (paper_2k: paper_mix)."""
+    spec = yaml.safe_load((CONF / "budget" / f"{name}.yaml").read_text())
+    composed = {}
+    for entry in spec.pop("defaults", []):
+        composed |= budget_spec(entry) if entry != "_self_" else {}
+    return composed | spec
 
 
 def calibration_ids(sequences: int, length: int, vocab: int = 96, seed: int = 0) -> torch.Tensor:

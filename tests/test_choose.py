@@ -56,6 +56,8 @@ def test_the_least_prefill_within_the_threshold_on_validation_runs_only(grid):
     assert choose(runs, max_loss=2.0)["name"] == "r10"
     assert choose([r for r in runs if r["name"] in ("pure", "r10")])["name"] == "r10"  # none within: least mean loss
     assert overrides(choose(runs)) == ["policy.levers.recompute=0.25"]  # an old record's levers under today's keys
+    vattn = choose(runs) | {"params": choose(runs)["params"] | {"fit.v_space": "attention"}}
+    assert overrides(vattn) == ["fit.v_space=attention", "policy.levers.recompute=0.25"]  # the mapper's lever travels
     with pytest.raises(ValueError, match="no finished routed runs on validation items"):
         choose(validation_runs(grid, workload="switches"))
 

@@ -71,6 +71,15 @@ def file_keys(path: Path) -> dict[str, object]:
     return leaves(body if is_global else {relative.parent.name: body})
 
 
+def option_keys(path: Path) -> dict[str, object]:
+    """`file_keys` of a group option, over those of the options of its group that its defaults list composes."""
+    keys = {}
+    for entry in (yaml.safe_load(path.read_text()) or {}).get("defaults", []):
+        if isinstance(entry, str) and entry != "_self_":
+            keys |= option_keys(path.parent / f"{entry}.yaml")
+    return keys | file_keys(path)
+
+
 def default_choices() -> dict[str, str]:
     defaults = yaml.safe_load((CONF / "run.yaml").read_text())["defaults"]
     return {k: v for entry in defaults if isinstance(entry, dict) for k, v in entry.items()}
@@ -149,6 +158,9 @@ WORKLOADS_COMPOSED = {  # cfg.workload of each workload as it composed when ever
     "multiturn": {"name": "multiturn", "tasks": ["arc_easy", "mmlu", "boolq", "piqa"]}
     | SHARED
     | {"limit": 96, "turns": 8, "escalation": {"policy": "schedule", "every": 2, "threshold": 0.6}},
+    "fewshot_long": {"name": "fewshot_long", "tasks": ["arc_easy", "hellaswag"]}
+    | SHARED
+    | {"shots": {"arc_easy": [20, 45, 90, 180, 360, 800], "hellaswag": [8, 18, 38, 75, 150, 330]}},
     "passage": {"name": "passage", "tasks": ["boolq", "lambada"]} | SHARED,
     "switches": {"name": "switches", "tasks": ["boolq", "lambada"]}
     | SHARED
@@ -194,7 +206,7 @@ def test_options_of_a_group_set_the_same_keys():
     for group in GROUPS:
         shapes = {}
         for path in sorted((CONF / group).glob("*.yaml")):
-            keys = {k for k in file_keys(path) if k.startswith(f"{group}.") and k not in shared}
+            keys = {k for k in option_keys(path) if k.startswith(f"{group}.") and k not in shared}
             depth = 2 if group == "pair" else None  # real pairs have a path, random pairs a seed + config
             shapes[path.stem] = {".".join(k.split(".")[:depth]) for k in keys}
         assert len({frozenset(v) for v in shapes.values()}) == 1, (group, shapes)
@@ -260,7 +272,7 @@ def test_the_policy_is_one_group_whose_defaults_are_the_api_defaults():
     YAML line has its default outside the one file) and the guards; composed, it is the Python API's Policy()."""
     assert default_choices()["policy"] == "default"
     policy = resolved()["policy"]
-    assert list(policy) == ["mode", "levers", "max_length_factor", "guard_max_abs"]
+    assert list(policy) == list(Policy.__dataclass_fields__)  # mode, levers, the guards: in the API's order
     assert set(policy["levers"]) == set(Levers.__dataclass_fields__)
     assert policy_from(composed().policy) == Policy()
 
@@ -270,12 +282,12 @@ def test_no_lever_or_guard_outside_the_policy_group(experiment):
     """A job that reads a lever, the mode or a guard anywhere but `cfg.policy` fails: the old homes are gone from
     every experiment's config (and from every workload's), so reading them is a missing-key error."""
     cfg = composed(f"+experiment={experiment}")
-    assert "levers" not in cfg.eval and set(cfg.policy) == {"mode", "levers", "max_length_factor", "guard_max_abs"}
+    assert "levers" not in cfg.eval and set(cfg.policy) == set(Policy.__dataclass_fields__)
     with pytest.raises(ConfigAttributeError):
         cfg.eval.levers  # noqa: B018
     for workload in WORKLOAD_FILES if experiment == "routed" else ():
         composed_workload = composed(f"+experiment={experiment}", f"+workload={workload}").workload
-        assert not {"policy", "max_length_factor", "guard_max_abs"} & set(composed_workload), workload
+        assert not {"policy", *Policy.__dataclass_fields__} & set(composed_workload) - {"levers"}, workload
         with pytest.raises(ConfigAttributeError):
             composed_workload.max_length_factor  # noqa: B018
 
@@ -456,6 +468,25 @@ def test_budgets_and_evaluation():
     assert latency["prefix_lens"] == sorted(latency["prefix_lens"])
 
 
+@pytest.mark.parametrize(("option", "seq_len"), [("paper_2k", 2048), ("paper_4k", 4096), ("paper_8k", 8192)])
+def test_long_calibration_budgets_change_only_the_sequence_length(option, seq_len):
+    """paper_2k / 4k / 8k compose paper_mix and list only what differs: longer sequences, fewer of them — the same
+    calibration tokens and fit rows (within 1 %), at most 8,192 tokens per batch."""
+    base, budget = resolved("budget=paper_mix")["budget"], resolved(f"budget={option}")["budget"]
+    text = yaml.safe_load((CONF / "budget" / f"{option}.yaml").read_text())
+    assert text["defaults"] == ["paper_mix", "_self_"] and set(text) == {
+        "defaults",
+        "sequences",
+        "seq_len",
+        "batch_size",
+    }
+    assert {key for key in budget if budget[key] != base[key]} == {"sequences", "seq_len", "batch_size"}
+    fit_rows = lambda b: (b["sequences"] - round(b["sequences"] * b["heldout_fraction"])) * b["seq_len"] // b["stride"]
+    tokens = lambda b: b["sequences"] * b["seq_len"]
+    assert budget["seq_len"] == seq_len and budget["batch_size"] * seq_len <= 8192
+    assert abs(fit_rows(budget) / fit_rows(base) - 1) < 0.01 and abs(tokens(budget) / tokens(base) - 1) < 0.01
+
+
 def test_sweep_and_gate_defaults():
     cfg = resolved()
     sweep = cfg["sweep"]
@@ -470,4 +501,6 @@ def test_sweep_and_gate_defaults():
         "max_loss_points": 1.0,
         "max_harness_skew": 1.25,
         "max_prefill_fraction": 0.5,
+        "length_edges": [1024, 2048, 4096, 8192, 16384, 32768],
+        "min_length_items": 300,
     }

@@ -20,6 +20,7 @@ from src.corpus import (
     token_sequences,
 )
 from src.tasks import DEV_FILES, Item, load_task
+from tests.conftest import budget_spec
 
 CONF = Path(__file__).resolve().parents[1] / "conf"
 DATA = Path(__file__).resolve().parents[2] / "shared/data"
@@ -48,7 +49,7 @@ def test_validation_and_test_nll_streams_are_disjoint():
 
 @pytest.mark.parametrize("budget", BUDGETS)
 def test_validation_windows_are_disjoint_from_every_calibration_budget(budget):
-    spec = yaml.safe_load((CONF / f"budget/{budget}.yaml").read_text())
+    spec = budget_spec(budget)
     names = spec["corpus"].split("+")
     if NLL["valid_corpus"] not in names:
         assert CORPORA[NLL["valid_corpus"]] not in {CORPORA[name] for name in names}

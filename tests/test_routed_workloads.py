@@ -17,6 +17,7 @@ REPO = Path(__file__).resolve().parents[1]
 DATA = REPO.parent / "shared/data"
 SMALL = {  # the fewest items that exercise each workload (a new workload runs at workload.limit=2 unless listed)
     "fewshot": ["workload.tasks=[arc_easy]", "workload.shots={arc_easy: 2}"],
+    "fewshot_long": ["workload.tasks=[arc_easy]", "workload.shots={arc_easy: [1, 3]}"],
     "passage": ["workload.tasks=[lambada]"],
     "switches": ["workload.tasks=[lambada]", "workload.switch_counts=[1,2]"],
     "multiturn": ["workload.tasks=[arc_easy]", "workload.turns=3", "workload.limit=3"],
@@ -67,7 +68,8 @@ def test_each_workload_runs_from_its_registry_entry(workload, tmp_path, monkeypa
 
 def test_examples_come_from_a_workload_that_builds_its_own():
     with pytest.raises(
-        ValueError, match=r"workload 'multiturn' has no examples of its own: one of \['fewshot', 'passage'\]"
+        ValueError,
+        match=r"workload 'multiturn' has no examples of its own: one of \['fewshot', 'fewshot_long', 'passage'\]",
     ):
         examples(None, "multiturn")
     with pytest.raises(ValueError, match="workload 'nameless' has no examples"):

@@ -10,8 +10,10 @@ from dataclasses import replace
 import pytest
 import torch
 
+from src.artifact import EVIDENCE
 from src.eval.scoring import score_continuations
 from src.forward import prefill
+from src.length_evidence import evidence
 from src.runtime.levers import Levers
 from src.runtime.routing import MAX_LENGTH_FACTOR, CostModel, Policy, bind
 from src.runtime.session import RouteRefusedWarning, Session
@@ -231,10 +233,18 @@ REFUSALS = {  # kind → (how the route / policy / state is broken, expected sta
     "nonfinite_map": ("nan_map", "fallback_reprefill", "not finite"),
     "nonfinite_source": ("nan_source", "fallback_reprefill", "NaN"),
     "beyond_length": ("length", "fallback_reprefill", "calibration length"),
+    "beyond_evidence": ("evidence", "fallback_reprefill", "beyond the mapper's verified length 12"),
     "sliding_window": ("sliding", "unsupported", "sliding-window"),
     "failed_guard": ("guard", "fallback_reprefill", "guard"),
     "no_route": ("none", "unsupported", "no mapper route"),
 }
+
+
+def verified_to_12(mapper):
+    """The mapper with length evidence (src/length_evidence.py) that verifies histories of up to 12 tokens."""
+    row = {"bin": [0, 16], "length": 12, "items": 300, "loss_points_high": 0.0, "split": "valid", "run_id": "r",
+           "record": "r/record.json"}  # fmt: skip
+    return replace(mapper, manifest=mapper.manifest | {EVIDENCE: evidence([row], [16], 1.0, 300)})
 
 
 @pytest.mark.parametrize("kind", sorted(REFUSALS))
@@ -249,6 +259,8 @@ def test_every_refusal_rolls_back_bit_identically(pair, kind):
     elif how == "length":
         mapper = replace(mapper, manifest=mapper.manifest | {"calibration": {"seq_len": 8}})
         policy = {"max_length_factor": 2.0}
+    elif how == "evidence":
+        mapper = verified_to_12(mapper)
     elif how == "sliding":
         target = copy.deepcopy(target)
         target.config.sliding_window = 8

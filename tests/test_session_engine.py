@@ -21,7 +21,7 @@ from src.runtime.splice import engine_handoff
 from tests.conftest import tiny
 from tests.exact_pair import exact_pair, max_cache_diff
 from tests.session_state import same, state
-from tests.test_session import REFUSALS, Spy, _overflowing, both_ways, tokens
+from tests.test_session import REFUSALS, Spy, _overflowing, both_ways, tokens, verified_to_12
 
 TOL = 1e-4  # float32 rounding: the engine's own layers against HF's forward
 BOTH = {"a": 64, "b": 64}
@@ -154,6 +154,8 @@ def test_every_refusal_rolls_back_bit_identically_on_the_engine(pair, kind):
     elif how == "length":
         mapper = replace(mapper, manifest=mapper.manifest | {"calibration": {"seq_len": 8}})
         policy = {"max_length_factor": 2.0}
+    elif how == "evidence":
+        mapper = verified_to_12(mapper)
     elif how == "guard":
         policy = {"guard_max_abs": 1e-3}
     routes = {} if how == "none" else {("a", "b"): bind(pair.source, pair.target, mapper, pair.tokenizer_hash)}

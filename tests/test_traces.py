@@ -1,13 +1,15 @@
 """Calibration traces (`src.traces`): rows are every stride-th position of every sequence, in sequence order and
 independent of the batch size; the stored content K equals each model's own key projection before RoPE (k_norm
 output where the model has one) and V its value projection, at the sampled positions; save/load round-trips;
-`split_heldout` holds out whole sequences. The Attn-Repair sensitivities' unit mass per boundary (Eqs. 14–16) is
-checked in tests/test_weighting.py, at the kernel and at the `collect_traces` level.
+`split_heldout` holds out whole sequences; a long sequence read in chunks gives the statistics of one read (every
+field, sensitivities and attention mixing included). The Attn-Repair sensitivities' unit mass per boundary
+(Eqs. 14–16) is checked in tests/test_weighting.py, at the kernel and at the `collect_traces` level.
 """
 
 import pytest
 import torch
 
+import src.traces
 from src.models import describe_kv
 from src.traces import collect_traces, corpus_hash, load_traces, save_traces
 from tests.conftest import calibration_ids, tiny
@@ -109,3 +111,27 @@ def test_split_heldout_keeps_sensitivities_aligned():
     fit, heldout = traces.split_heldout(0.25)
     torch.testing.assert_close(torch.cat([fit.attn_k, heldout.attn_k], -1), traces.attn_k, rtol=0, atol=0)
     torch.testing.assert_close(torch.cat([fit.attn_v, heldout.attn_v], -1), traces.attn_v, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("self_transfer", [False, True], ids=["pair", "self-transfer"])
+def test_a_sequence_read_in_chunks_gives_the_statistics_of_one_read(self_transfer, monkeypatch):
+    """The streamed forward (src/traces.py: chunks of ⌊ATTENTION_TILE / T⌋ tokens, the mixing's query rows in blocks
+    of as many) keeps the statistics of reading each sequence at once: K/V rows, Attn-Repair sensitivities and the
+    target's attention mixing — with chunks that do not divide the length (7 of 41; the tile's 2) and boundaries
+    inside chunks."""
+    source, target = tiny("llama", seed=5), tiny("qwen3", seed=6)
+    source = target if self_transfer else source
+    ids = calibration_ids(2, 41, seed=11)
+    read = lambda chunk: collect_traces(
+        source, target, ids, stride=3, batch_size=2, attention_boundaries=5, first_boundary=4, mixing=True,
+        chunk_tokens=chunk,
+    )  # fmt: skip
+    whole, chunked = read(None), read(7)  # None: one chunk at this length
+    monkeypatch.setattr(src.traces, "ATTENTION_TILE", 100)  # ⌊100 / 41⌋ = 2 tokens a chunk, 2 query rows a block
+    tiled = read(None)
+    for name in ("source_k", "source_v", "target_k", "target_v", "attn_k", "attn_v", "mix"):
+        for streamed in (chunked, tiled):
+            torch.testing.assert_close(getattr(streamed, name), getattr(whole, name), rtol=1e-4, atol=1e-5, msg=name)
+    assert torch.equal(chunked.position, whole.position) and chunked.meta == tiled.meta == whole.meta
+    with pytest.raises(ValueError, match="chunk_tokens must be a token count ≥ 1"):
+        read(0)

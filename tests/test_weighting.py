@@ -163,7 +163,7 @@ BOUNDARIES = [0, 1, 5, 12, 23]  # 0 and 1 have no eligible prefix position (i < 
 
 def test_attention_sensitivity_matches_brute_force_gqa():
     query, key, value = _random_qkv(seq=SEQ, d=DIM)  # 2 query heads per KV head
-    r_k, r_v = attention_sensitivity(query, key, value, BOUNDARIES, ELIGIBLE, DIM**-0.5)
+    r_k, r_v = attention_sensitivity(query[:, :, BOUNDARIES], key, value, BOUNDARIES, ELIGIBLE, DIM**-0.5)
     ref_k, ref_v = _brute_sensitivity(query, key, value, BOUNDARIES, ELIGIBLE, DIM)
     assert r_k.shape == r_v.shape == (2, 2, SEQ)
     torch.testing.assert_close(r_v.double(), ref_v, rtol=1e-5, atol=1e-7)
@@ -174,7 +174,7 @@ def test_attention_sensitivity_unit_mass_per_boundary():
     query, key, value = _random_qkv(seed=1, seq=SEQ, d=DIM)
     positions = torch.arange(SEQ)
     for c in BOUNDARIES:
-        r_k, r_v = attention_sensitivity(query, key, value, [c], ELIGIBLE, DIM**-0.5)
+        r_k, r_v = attention_sensitivity(query[:, :, [c]], key, value, [c], ELIGIBLE, DIM**-0.5)
         inside = ELIGIBLE & (positions < c)
         for r in (r_k, r_v):
             assert bool((r >= 0).all()) and bool(torch.isfinite(r).all())
@@ -186,13 +186,13 @@ def test_attention_sensitivity_unit_mass_per_boundary():
 
 def test_attention_sensitivity_equal_mass_sum():
     query, key, value = _random_qkv(seed=2, seq=SEQ, d=DIM)
-    r_k, r_v = attention_sensitivity(query, key, value, BOUNDARIES, ELIGIBLE, DIM**-0.5)
+    r_k, r_v = attention_sensitivity(query[:, :, BOUNDARIES], key, value, BOUNDARIES, ELIGIBLE, DIM**-0.5)
     with_mass = sum(bool((ELIGIBLE & (torch.arange(SEQ) < c)).any()) for c in BOUNDARIES)
     assert with_mass == 3
     for r in (r_k, r_v):
         torch.testing.assert_close(r.sum(-1), torch.full((2, 2), float(with_mass)), rtol=0, atol=1e-5)
     # the sum equals the per-boundary results added up
-    parts = [attention_sensitivity(query, key, value, [c], ELIGIBLE, DIM**-0.5) for c in BOUNDARIES]
+    parts = [attention_sensitivity(query[:, :, [c]], key, value, [c], ELIGIBLE, DIM**-0.5) for c in BOUNDARIES]
     torch.testing.assert_close(r_k, sum(p[0] for p in parts), rtol=1e-6, atol=1e-7)
     torch.testing.assert_close(r_v, sum(p[1] for p in parts), rtol=1e-6, atol=1e-7)
 

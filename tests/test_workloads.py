@@ -6,7 +6,6 @@ from pathlib import Path
 
 import pytest
 import torch
-import yaml
 
 from src.tasks import _FILES, load_task
 from src.workloads import (
@@ -22,12 +21,13 @@ from src.workloads import (
     passage,
     shot_ids,
 )
+from tests.conftest import budget_spec
 
 REPO = Path(__file__).resolve().parents[1]
 DATA = REPO.parent / "shared/data"
 if not (DATA / "eval").is_dir():
     pytest.skip(f"shared data not found at {DATA}", allow_module_level=True)
-BUDGETS = {p.stem: yaml.safe_load(p.read_text())["corpus"] for p in (REPO / "conf/budget").glob("*.yaml")}
+BUDGETS = {p.stem: budget_spec(p.stem)["corpus"] for p in (REPO / "conf/budget").glob("*.yaml")}
 SHOTS = {"arc_easy": 25, "arc_challenge": 25, "hellaswag": 10, "mmlu": 5, "winogrande": 5, "piqa": 5}
 LIMIT = 6
 
@@ -122,6 +122,19 @@ def test_validation_items_never_meet_a_test_item(task, monkeypatch):
         assert not any(question in example.history for question in questions)
     passages = passage(DATA, "boolq", LIMIT, "valid")
     assert not {ex.item.index for ex in passages} & {ex.item.index for ex in passage(DATA, "boolq", LIMIT)}
+
+
+def test_a_list_of_shot_counts_cycles_over_the_items():
+    """fewshot_long (conf/workload/fewshot_long.yaml): the n-th scored item gets shots[n mod len] shots, each item's
+    shots drawn as a single count would draw them (the same seeded sampler); bad counts are refused."""
+    calibration = calibration_files("gutenberg")
+    cycled = fewshot(DATA, "piqa", 5, [1, 3], 0, calibration)
+    assert [len(ex.shots) for ex in cycled] == [1, 3, 1, 3, 1]
+    single = {k: fewshot(DATA, "piqa", 5, k, 0, calibration) for k in (1, 3)}
+    assert [ex.history for ex in cycled] == [single[len(ex.shots)][n].history for n, ex in enumerate(cycled)]
+    for bad in ([], [2, -1], [True], 2.5):
+        with pytest.raises(ValueError, match="piqa: shots must be a count ≥ 0 or a non-empty list"):
+            fewshot(DATA, "piqa", 2, bad, 0, calibration)
 
 
 def test_fewshot_is_seeded_and_refuses_too_few_shots():

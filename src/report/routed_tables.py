@@ -44,8 +44,9 @@ def routed_label(row: Row) -> str:
         levers.insert(0, f"policy {row['params.policy.mode']}")
     arrow = str(row.get("tags.direction", "?")).replace("qwen25coder_", "").replace("_to_", " → ")
     notes = ["validation items"] if row.get("tags.split") == "valid" else []
-    longer = [n for task, k in FEWSHOT_SHOTS.items() if (n := int(row.get(f"params.workload.shots.{task}", k))) > k]
-    notes += [f"{max(longer)} shots"] if row.get("tags.workload") == "fewshot" and longer else []
+    if row.get("tags.workload") == "fewshot":  # (fewshot_long cycles lists of counts)
+        longer = [n for task, k in FEWSHOT_SHOTS.items() if (n := int(row.get(f"params.workload.shots.{task}", k))) > k]
+        notes += [f"{max(longer)} shots"] if longer else []
     notes += ["bf16"] if row.get("params.pair.dtype") == "bfloat16" else []  # the models' weights and compute
     items = f" ({', '.join(notes)})" if notes else ""
     return f"{row.get('tags.workload')}{items} | {arrow} | {', '.join(levers) or 'pure transfer'}"

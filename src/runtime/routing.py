@@ -2,6 +2,11 @@
 and receiver once (`bind`: a refusal — artifact mismatch, sliding-window receiver — is kept as the route's reason), the
 policy (map | reprefill | auto, the levers, the length and magnitude guards; from config: `policy_from`) and the
 measured costs behind `auto`.
+
+The length guard (`Policy.length_guard`): `evidence` refuses to map a history longer than the mapper's measured
+`max_verified_length` (its manifest's length evidence, src/artifact.py; `python -m src.length_evidence`) and, for a
+mapper without evidence, falls back to the factor rule; `factor` refuses positions past `max_length_factor` × the
+mapper's calibration sequence length; `off` maps at any length (a measurement run that must see every length).
 """
 
 from __future__ import annotations
@@ -18,12 +23,13 @@ import torch
 from transformers import PreTrainedModel
 
 from src.apply import KVTransfer
-from src.artifact import Mapper
+from src.artifact import ArtifactError, Mapper, length_evidence
 from src.maps import TransferError
 from src.models import describe_kv
 from src.runtime.levers import NO_LEVERS, Levers
 
 MODES = ("map", "reprefill", "auto")
+LENGTH_GUARDS = ("evidence", "factor", "off")  # module docstring
 MAX_LENGTH_FACTOR = 8.0  # the length guard's default: the factor the project's workloads calibrate for
 
 
@@ -53,17 +59,21 @@ class CostModel:
 
 @dataclass(frozen=True)
 class Policy:
-    """How a session covers a receiver's unseen tokens. The length guard is on by default (`MAX_LENGTH_FACTOR`);
-    None switches a guard off explicitly."""
+    """How a session covers a receiver's unseen tokens. The length guard is on by default (the mapper's evidence,
+    else `MAX_LENGTH_FACTOR`; module docstring); None switches a bound off explicitly."""
 
     mode: str = "map"  # MODES
     levers: Levers = NO_LEVERS  # target work kept native around the mapped span
     max_length_factor: float | None = MAX_LENGTH_FACTOR  # refuse positions past factor × the mapper's calibration
     guard_max_abs: float | None = None  # refuse a mapped span with any |K| or |V| above this
+    length_guard: str = "evidence"  # LENGTH_GUARDS: the mapper's verified length, else the factor rule
 
     def __post_init__(self) -> None:
         if not isinstance(self.mode, str) or self.mode not in MODES:
             raise ValueError(f"policy mode must be one of {MODES}, not {self.mode!r}")
+        if not isinstance(self.length_guard, str) or self.length_guard not in LENGTH_GUARDS:
+            quoted = " (YAML reads a bare off as false: quote it)" if self.length_guard is False else ""
+            raise ValueError(f"policy length_guard must be one of {LENGTH_GUARDS}, not {self.length_guard!r}{quoted}")
         if not isinstance(self.levers, Levers):
             raise ValueError(f"policy levers must be a Levers, not a {type(self.levers).__name__}")
         _check_bound("max_length_factor", self.max_length_factor, positive=True)
@@ -95,6 +105,8 @@ class Route:
     mapper_id: str
     refusal: str | None  # why every handoff on this route re-prefills (status unsupported)
     calibrated_length: int | None  # tokens per calibration sequence (None: not recorded)
+    verified_length: int | None = None  # the longest history its length evidence verifies (None: no evidence)
+    verified_by: str | None = None  # the run that showed it (run id and record)
 
 
 def mapper_id(mapper: Mapper) -> str:
@@ -111,8 +123,9 @@ def bind(
     compute_dtype: torch.dtype = torch.float32,
     backend: str = "torch",
 ) -> Route:
-    """Verify the mapper against both models (KVTransfer) and the receiver's attention; a refusal is kept as the
-    route's reason, so every handoff on it re-prefills (status unsupported)."""
+    """Verify the mapper against both models (KVTransfer), its length evidence (src/artifact.py `length_evidence`)
+    and the receiver's attention; a refusal is kept as the route's reason, so every handoff on it re-prefills (status
+    unsupported)."""
     identity = mapper_id(mapper)
     calibrated = mapper.manifest.get("calibration", {}).get("seq_len")
     kv = describe_kv(receiver)
@@ -120,7 +133,8 @@ def bind(
         window = f"sliding-window receiver (window {kv.sliding_window}, layers {sorted(set(kv.layer_types))})"
         return Route(None, identity, f"unsupported: {window}: its cache keeps only the window", calibrated)
     try:
+        evidence = length_evidence(mapper.manifest) or (None, None)
         transfer = KVTransfer(mapper, sender, receiver, tokenizer_hash, compute_dtype, backend)
-    except TransferError as refusal:
+    except (TransferError, ArtifactError) as refusal:
         return Route(None, identity, f"mapper refused: {refusal}", calibrated)
-    return Route(transfer, identity, None, calibrated)
+    return Route(transfer, identity, None, calibrated, *evidence)

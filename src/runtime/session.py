@@ -16,8 +16,9 @@ auto (the faster path by measured per-token costs; src/runtime/routing.py); the 
 mapped span native. The new turn is always read natively (with no new turn, the last unseen token is: the receiver
 always has next-token logits, `session.logits`). Every refusal — a mapper refused at binding (artifact mismatch, a
 warning when the session is built), a sliding-window receiver, no route (status `unsupported`), non-finite values,
-length beyond the mapper's calibration (on by default), a failed guard (`fallback_reprefill`) — re-prefills exactly
-as a session that never tried a transfer, so its caches and greedy outputs are bit-identical; the record says why.
+a history beyond the mapper's verified length or positions beyond its calibration (the length guard, on by default),
+a failed guard (`fallback_reprefill`) — re-prefills exactly as a session that never tried a transfer, so its caches
+and greedy outputs are bit-identical; the record says why.
 Each cache carries provenance per segment (native, or mapped from model X by mapper id); `exact_prefix` exports only
 the model's own computation over an exact context, so mapped KV is never served as an exact prefix hit.
 
@@ -679,12 +680,8 @@ class Session:
         mapped, read = [], 0
         for start, end, sender in pieces:
             route = self.routes[(sender, receiver)]
-            limit = self.policy.max_length_factor
-            if limit is not None and route.calibrated_length is not None and end > limit * route.calibrated_length:
-                raise TransferError(
-                    f"position {end - 1} is beyond {limit:g} × the mapper's calibration length "
-                    f"{route.calibrated_length}"
-                )
+            if refusal := self._beyond_length(route, end):
+                raise TransferError(refusal)
             layers = self.readers[sender].layers(start, end)  # [(K, V) [1, H_kv, n, d]]
             read += sum(t.numel() * t.element_size() for pair in layers for t in pair)
             positions, ids = torch.arange(start, end), self._ids[None, start:end]
@@ -702,6 +699,22 @@ class Session:
                     raise TransferError(f"guard: mapped |K|, |V| reach {peak:.3g} > {bound:g}")
             mapped.append(cache)
         return mapped, read
+
+    def _beyond_length(self, route: Route, end: int) -> str | None:
+        """Why the length guard (`Policy.length_guard`, src/runtime/routing.py) refuses to map a piece ending at
+        position end − 1 of the conversation on `route`, or None. The evidence bounds the history (the conversation
+        before the new turn, what its measurements binned); the factor rule bounds the mapped positions."""
+        guard, history = self.policy.length_guard, self._ids.numel()
+        if guard == "evidence" and route.verified_length is not None:
+            if history <= route.verified_length:
+                return None
+            shown = f"shown by {route.verified_by}" if route.verified_by else "no measured length passed"
+            verified = route.verified_length
+            return f"a history of {history} tokens is beyond the mapper's verified length {verified} ({shown})"
+        limit = self.policy.max_length_factor
+        if guard == "off" or limit is None or route.calibrated_length is None or end <= limit * route.calibrated_length:
+            return None
+        return f"position {end - 1} is beyond {limit:g} × the mapper's calibration length {route.calibrated_length}"
 
     @torch.no_grad()
     def switch_to(self, model: str, turn=()) -> HandoffRecord:
