@@ -15,8 +15,8 @@ from src.eval.scoring import score_continuations
 from src.forward import prefill
 from src.length_evidence import evidence
 from src.runtime.levers import Levers
-from src.runtime.routing import MAX_LENGTH_FACTOR, CostModel, Policy, bind
-from src.runtime.session import RouteRefusedWarning, Session
+from src.runtime.routing import MAX_LENGTH_FACTOR, CostModel, Policy, RouteRefusedWarning, bind
+from src.runtime.session import Session
 from src.runtime.splice import spliced_cache
 from tests.conftest import tiny
 from tests.exact_pair import _mapper, exact_pair, max_cache_diff

@@ -15,8 +15,8 @@ import torch
 from src.forward import prefill
 from src.runtime.engine import Engine
 from src.runtime.levers import Levers
-from src.runtime.routing import Policy, bind
-from src.runtime.session import RouteRefusedWarning, Session
+from src.runtime.routing import Policy, RouteRefusedWarning, bind
+from src.runtime.session import Session
 from src.runtime.splice import engine_handoff
 from tests.conftest import tiny
 from tests.exact_pair import exact_pair, max_cache_diff

@@ -1,12 +1,14 @@
 """What a router session may do and decide (src/runtime/session.py): the mapper routes it may use, each bound to its sender
 and receiver once (`bind`: a refusal — artifact mismatch, sliding-window receiver — is kept as the route's reason), the
 policy (map | reprefill | auto, the levers, the length and magnitude guards; from config: `policy_from`) and the
-measured costs behind `auto`.
+measured costs behind `auto`. A session checks each route once against its own models (`check_route`: a route
+refused at binding warns, `RouteRefusedWarning`).
 
 The length guard (`Policy.length_guard`): `evidence` refuses to map a history longer than the mapper's measured
 `max_verified_length` (its manifest's length evidence, src/artifact.py; `python -m src.length_evidence`) and, for a
 mapper without evidence, falls back to the factor rule; `factor` refuses positions past `max_length_factor` × the
-mapper's calibration sequence length; `off` maps at any length (a measurement run that must see every length).
+mapper's calibration sequence length; `off` maps at any length (a measurement run that must see every length);
+`length_refusal` says why it refuses a piece.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from numbers import Real
@@ -25,7 +28,7 @@ from transformers import PreTrainedModel
 from src.apply import KVTransfer
 from src.artifact import ArtifactError, Mapper, length_evidence
 from src.maps import TransferError
-from src.models import describe_kv
+from src.models import describe_kv, fingerprint
 from src.runtime.levers import NO_LEVERS, Levers
 
 MODES = ("map", "reprefill", "auto")
@@ -97,6 +100,10 @@ def _check_bound(name: str, value: object, positive: bool) -> None:
         raise ValueError(f"{name} must be a finite number {relation} or None (no guard), not {value!r}")
 
 
+class RouteRefusedWarning(UserWarning):
+    """A session holds a route whose bind was refused: every handoff that needs it re-prefills (status unsupported)."""
+
+
 @dataclass(frozen=True)
 class Route:
     """A sender → receiver mapper bound to both models once, or the reason it cannot be used."""
@@ -107,6 +114,51 @@ class Route:
     calibrated_length: int | None  # tokens per calibration sequence (None: not recorded)
     verified_length: int | None = None  # the longest history its length evidence verifies (None: no evidence)
     verified_by: str | None = None  # the run that showed it (run id and record)
+
+
+def length_refusal(policy: Policy, route: Route, history: int, end: int) -> str | None:
+    """Why the length guard (`Policy.length_guard`) refuses to map a piece ending at position end − 1 of the
+    conversation on `route`, or None. The evidence bounds the history (the conversation before the new turn, what its
+    measurements binned); the factor rule bounds the mapped positions."""
+    guard = policy.length_guard
+    if guard == "evidence" and route.verified_length is not None:
+        if history <= route.verified_length:
+            return None
+        shown = f"shown by {route.verified_by}" if route.verified_by else "no measured length passed"
+        verified = route.verified_length
+        return f"a history of {history} tokens is beyond the mapper's verified length {verified} ({shown})"
+    limit = policy.max_length_factor
+    if guard == "off" or limit is None or route.calibrated_length is None or end <= limit * route.calibrated_length:
+        return None
+    return f"position {end - 1} is beyond {limit:g} × the mapper's calibration length {route.calibrated_length}"
+
+
+def check_route(sender: str, receiver: str, route: Route, models: dict[str, PreTrainedModel]) -> None:
+    """A ValueError unless the route joins two of a session's `models` and its transfer was bound to them (the
+    same objects, or the same fingerprint); a route whose bind was refused warns (RouteRefusedWarning)."""
+    if sender not in models or receiver not in models:
+        raise ValueError(f"route {sender} → {receiver} names a model the session does not hold")
+    if not isinstance(route, Route):
+        raise ValueError(f"route {sender} → {receiver} is a {type(route).__name__}, not a Route (routing.bind)")
+    if (route.transfer is None) == (route.refusal is None):
+        raise ValueError(f"route {sender} → {receiver} needs a transfer or a refusal, exactly one (routing.bind)")
+    if route.transfer is None:
+        warnings.warn(
+            f"route {sender} → {receiver} was refused at binding ({route.refusal}): every handoff on it re-prefills",
+            RouteRefusedWarning,
+            stacklevel=3,
+        )
+        return
+    for role, name, bound in (
+        ("sender", sender, route.transfer.source),
+        ("receiver", receiver, route.transfer.target),
+    ):
+        held = models[name]
+        if bound is not held and fingerprint(bound) != fingerprint(held):
+            raise ValueError(
+                f"route {sender} → {receiver} was bound to another {role} than the session's {name!r}: "
+                f"fingerprint {fingerprint(bound)[:12]} ≠ {fingerprint(held)[:12]} (bind the route to this model)"
+            )
 
 
 def mapper_id(mapper: Mapper) -> str:

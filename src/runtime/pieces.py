@@ -1,0 +1,94 @@
+"""The unseen span of a handoff (`Session.switch_to`, src/runtime/session.py), piece by piece: which model covers each
+piece — one that holds it with a usable route into the receiver, native segments first, the active model first
+(`owners`) — and each piece mapped at its own positions on its route, into a cache or straight into an engine
+receiver's slots (`map_pieces`), under the length guard and the magnitude guard (`Policy`, src/runtime/routing.py).
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers import DynamicCache
+
+from src.maps import TransferError, cache_layers
+from src.runtime.reader import Reader
+from src.runtime.routing import Policy, Route, length_refusal
+
+
+def owners(
+    readers: dict[str, Reader],
+    routes: dict[tuple[str, str], Route],
+    active: str | None,
+    receiver: str,
+    start: int,
+    end: int,
+) -> list[tuple[int, int, str]] | str:
+    """Pieces (start, end, sender) of tokens start..end−1, each from a model with a usable route to the receiver
+    that holds it — native first, the active model first — or the reason there is none."""
+    candidates = [
+        name
+        for name in sorted(readers, key=lambda n: n != active)
+        if name != receiver and (name, receiver) in routes and routes[(name, receiver)].refusal is None
+    ]
+    if not candidates:
+        refused = [f"route {s} → {t}: {r.refusal}" for (s, t), r in routes.items() if t == receiver and r.refusal]
+        return refused[0] if refused else f"no mapper route into {receiver!r}"
+    cuts = sorted(
+        {start, end}
+        | {
+            edge
+            for name in candidates
+            for s in readers[name].segments
+            for edge in (s.start, s.end)
+            if start < edge < end
+        }
+    )
+    pieces: list[tuple[int, int, str]] = []
+    for low, high in zip(cuts[:-1], cuts[1:], strict=True):
+        held = [
+            (s.origin != "native", rank, name)
+            for rank, name in enumerate(candidates)
+            for s in readers[name].segments
+            if s.start <= low and high <= s.end
+        ]
+        if not held:
+            return f"no model with a route into {receiver!r} holds tokens {low}..{high - 1}"
+        owner = min(held)[2]
+        if pieces and pieces[-1][2] == owner:
+            pieces[-1] = (pieces[-1][0], high, owner)
+        else:
+            pieces.append((low, high, owner))
+    return pieces
+
+
+def map_pieces(
+    readers: dict[str, Reader],
+    routes: dict[tuple[str, str], Route],
+    policy: Policy,
+    conversation: torch.Tensor,
+    receiver: str,
+    pieces: list[tuple[int, int, str]],
+) -> tuple[list[DynamicCache | tuple[int, int]], int]:
+    """Each piece of `conversation` [T] mapped at its own positions — a cache, or on an engine receiver (low, high):
+    its slots, written in place — and the bytes read; raises TransferError on any refusal (nothing is changed)."""
+    mapped, read = [], 0
+    for start, end, sender in pieces:
+        route = routes[(sender, receiver)]
+        if refusal := length_refusal(policy, route, conversation.numel(), end):
+            raise TransferError(refusal)
+        layers = readers[sender].layers(start, end)  # [(K, V) [1, H_kv, n, d]]
+        read += sum(t.numel() * t.element_size() for pair in layers for t in pair)
+        positions, ids = torch.arange(start, end), conversation[None, start:end]
+        engine = readers[receiver].engine
+        if engine is None:
+            cache = route.transfer(layers, positions=positions, input_ids=ids)
+            result = cache_layers(cache)
+        else:  # straight into the slots past what the receiver holds: a refusal leaves its state unchanged
+            route.transfer.into(engine.slots(start, end), layers, positions=positions, input_ids=ids)
+            cache, result = (start, end), [(engine.keys[:, :, start:end], engine.values[:, :, start:end])]
+        bound = policy.guard_max_abs
+        if bound is not None:
+            peak = float(torch.stack([t.abs().amax() for pair in result for t in pair]).max())
+            if peak > bound:
+                raise TransferError(f"guard: mapped |K|, |V| reach {peak:.3g} > {bound:g}")
+        mapped.append(cache)
+    return mapped, read
