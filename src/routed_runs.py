@@ -31,6 +31,7 @@ from src.eval.accuracy import TaskScores, encode_pair
 from src.eval.read_error import read_error
 from src.eval.scoring import score_continuations
 from src.runtime.engine import Engine
+from src.runtime.reader import clock, model_device
 from src.runtime.routing import CostModel, Policy, Route, bind
 from src.runtime.session import HandoffRecord, Session
 from src.tasks import METRICS, Item, choice_lengths
@@ -47,11 +48,11 @@ def bucket(tokens: int, edges=LENGTH_EDGES) -> str:
 
 
 def _clock(model: PreTrainedModel) -> float:
-    device = next(model.parameters()).device
+    """The session clock (`reader.clock`), the device's peak memory counter reset for the step that follows."""
+    device = model_device(model)
     if device.type == "cuda":
-        torch.cuda.synchronize(device)
         torch.cuda.reset_peak_memory_stats(device)
-    return time.perf_counter()
+    return clock(device)
 
 
 def _peak_mb(model: PreTrainedModel) -> float:

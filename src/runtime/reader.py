@@ -11,6 +11,7 @@ slots, on an engine), and saves and restores its state for the session's all-or-
 from __future__ import annotations
 
 import copy
+import time
 from dataclasses import dataclass, field, replace
 from typing import NamedTuple
 
@@ -47,6 +48,13 @@ class Score(NamedTuple):
 def model_device(model: PreTrainedModel) -> torch.device:
     """The device the model's parameters are on."""
     return next(model.parameters()).device
+
+
+def clock(device: torch.device) -> float:
+    """time.perf_counter() once the device has finished what it was given (a CUDA sync): every session clock."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter()
 
 
 @dataclass

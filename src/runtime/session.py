@@ -42,7 +42,6 @@ and a conversation longer than the smallest engine's capacity (every model may c
 from __future__ import annotations
 
 import copy
-import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
@@ -58,7 +57,7 @@ from src.runtime.engine import Engine, Recompute
 from src.runtime.generation import check_engine_generation, check_generation, engine_decode, hf_generate
 from src.runtime.levers import Levers, spent
 from src.runtime.pieces import map_pieces, owners
-from src.runtime.reader import Reader, Score, Segment, State, model_device
+from src.runtime.reader import Reader, Score, Segment, State, clock, model_device
 from src.runtime.routing import CostModel, Policy, Route, check_route
 from src.runtime.splice import check_splice, splice
 
@@ -101,12 +100,6 @@ class _Saved:
     active: str | None
     records: int
     readers: dict[str, State]
-
-
-def _clock(device: torch.device) -> float:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    return time.perf_counter()
 
 
 def _vocabulary(model: PreTrainedModel) -> int:
@@ -381,7 +374,7 @@ class Session:
         self._check_room(turn.numel())
         with self._atomic():
             device = model_device(reader.model)
-            began = _clock(device)
+            began = clock(device)
             held, total = reader.length, self._ids.numel()
             record = HandoffRecord(
                 self.active, model, "hit", "applied", "the receiver holds the whole conversation", total, held,
@@ -391,7 +384,7 @@ class Session:
                 record = self._cover(model, record, turn)
             elif turn.numel():
                 reader.read(turn)
-            record.ms = (_clock(device) - began) * 1e3
+            record.ms = (clock(device) - began) * 1e3
             self._ids = torch.cat([self._ids, turn])
             self.active = model
             self._records.append(record)
@@ -402,10 +395,10 @@ class Session:
     ) -> HandoffRecord:
         """The receiver reads the unseen tokens and the turn in one forward: what a session without transfers does."""
         reader = self._reader(model)
-        began = _clock(model_device(reader.model))
+        began = clock(model_device(reader.model))
         native = torch.cat([self._ids[record.hit :], turn])
         reader.read(native)
-        self.costs.observe(model, "prefill", native.numel(), (_clock(model_device(reader.model)) - began) * 1e3)
+        self.costs.observe(model, "prefill", native.numel(), (clock(model_device(reader.model)) - began) * 1e3)
         unseen = record.context - record.hit
         return replace(record, path="reprefill", status=status, reason=reason, prefilled=unseen, prefill_fraction=1.0)
 
@@ -447,12 +440,12 @@ class Session:
         static = self._reader(model).engine is not None
         check_splice(span, transfer.token_features, unseen, hold + turn.numel(), static)  # the splice's, first
         device = model_device(self._reader(model).model)
-        began = _clock(device)
+        began = clock(device)
         try:
             mapped, read = map_pieces(self.readers, self.routes, self.policy, self._ids, model, pieces)
         except TransferError as refusal:
             return self._reprefill(model, record, turn, "fallback_reprefill", str(refusal))
-        ms_map = (_clock(device) - began) * 1e3
+        ms_map = (clock(device) - began) * 1e3
         self.costs.observe(model, "map", end - sink_end, ms_map)
         recomputed = self._splice(model, pieces, mapped, sink_end, end, span, transfer, turn)
         return replace(
@@ -500,11 +493,11 @@ class Session:
                 return
             for segment in mapped_segments:  # the span precedes the tail in the provenance
                 reader.add(segment)
-            began = _clock(model_device(target))
+            began = clock(model_device(target))
             reader.read(ids[0], recompute, self._ids)  # an engine's recomputed tokens first, in the same forward
             layers = target.config.get_text_config().num_hidden_layers
             count = ids.shape[1] if recompute is None else round(recompute.work(ids.shape[1], layers))  # tokens
-            self.costs.observe(model, "prefill", count, (_clock(model_device(target)) - began) * 1e3)
+            self.costs.observe(model, "prefill", count, (clock(model_device(target)) - began) * 1e3)
 
         receiver = reader.cache if reader.engine is None else reader.engine
         return splice(
