@@ -16,6 +16,7 @@ from __future__ import annotations
 import torch
 
 from kernels.jit import interpreting, jit, tl, unavailable
+from src.rope import rotate
 
 
 def _rope_write_kernel(
@@ -114,11 +115,6 @@ def rope_write(
     return q_out
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
-
-
 def rope_write_ref(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -132,7 +128,7 @@ def rope_write_ref(
 ) -> torch.Tensor:
     """HF's apply_rotary_pos_emb in the model's dtype, then index_copy_ of K and V into the slots."""
     cos, sin = cos[positions][:, None], sin[positions][:, None]  # [T, 1, d]
-    rotated_k = k * cos + _rotate_half(k) * sin  # [T, H_kv, d]
+    rotated_k = k * cos + rotate(k) * sin  # [T, H_kv, d]
     keys.index_copy_(1, slots, rotated_k.transpose(0, 1))
     values.index_copy_(1, slots, v.transpose(0, 1))
-    return q * cos + _rotate_half(q) * sin  # [T, H_q, d]
+    return q * cos + rotate(q) * sin  # [T, H_q, d]

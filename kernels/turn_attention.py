@@ -195,15 +195,23 @@ def turn_attention(
     return out
 
 
+def turn_attention_weights(
+    q: torch.Tensor, keys: torch.Tensor, positions: torch.Tensor, scale: float, dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
+    """The attention probabilities [H_q, T, S] of queries q [H_q, T, d] at positions [T] over slots keys [H_kv, S, d]
+    (query head j reads KV head j // (H_q / H_kv)), each query over the slots s ≤ its position, in `dtype`."""
+    group = q.shape[0] // keys.shape[0]
+    slots = torch.arange(keys.shape[1], device=q.device)  # [S]
+    visible = slots[None, :] <= positions.to(q.device)[:, None]  # [T, S]
+    k = keys.to(dtype).repeat_interleave(group, 0)  # [H_q, S, D]
+    scores = (q.to(dtype) @ k.transpose(1, 2)) * scale  # [H_q, T, S]
+    return scores.masked_fill(~visible, float("-inf")).softmax(-1)  # [H_q, T, S]
+
+
 def turn_attention_ref(
     q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor, scale: float
 ) -> torch.Tensor:
     """Pure torch: softmax over slots s ≤ positions[t] in float32 (the kernel's definition), out in q's dtype."""
-    group = q.shape[0] // keys.shape[0]
-    slots = torch.arange(keys.shape[1], device=q.device)  # [S]
-    visible = slots[None, :] <= positions.to(q.device)[:, None]  # [T, S]
-    k = keys.float().repeat_interleave(group, 0)  # [H_q, S, D]
-    v = values.float().repeat_interleave(group, 0)  # [H_q, S, D]
-    scores = (q.float() @ k.transpose(1, 2)) * scale  # [H_q, T, S]
-    weights = scores.masked_fill(~visible, float("-inf")).softmax(-1)  # [H_q, T, S]
+    weights = turn_attention_weights(q, keys, positions, scale)  # [H_q, T, S]
+    v = values.float().repeat_interleave(q.shape[0] // keys.shape[0], 0)  # [H_q, S, D]
     return (weights @ v).to(q.dtype)  # [H_q, T, D]

@@ -25,7 +25,7 @@ def rope_cos_sin(rotary_emb: torch.nn.Module, positions: torch.Tensor) -> tuple[
     return cos[:, None].float(), sin[:, None].float()
 
 
-def _rotate(x: torch.Tensor, layout: str) -> torch.Tensor:
+def rotate(x: torch.Tensor, layout: str = "half") -> torch.Tensor:
     """The 90° partner of each rotated pair: rotate_half for "half", (-x2, x1) per pair for "interleaved"."""
     if layout == "half":
         x1, x2 = x.chunk(2, dim=-1)
@@ -47,7 +47,7 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layout: st
     rope_dim = cos.shape[-1]
     cos, sin = _interleave(cos, layout), _interleave(sin, layout)
     rotated, passthrough = x[..., :rope_dim].float(), x[..., rope_dim:]
-    out = rotated * cos + _rotate(rotated, layout) * sin  # RoFormer rotation, scaled by attention_scaling
+    out = rotated * cos + rotate(rotated, layout) * sin  # RoFormer rotation, scaled by attention_scaling
     return torch.cat((out.to(x.dtype), passthrough), dim=-1)
 
 
@@ -56,5 +56,5 @@ def remove_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layout: s
     rope_dim = cos.shape[-1]
     cos, sin = _interleave(cos, layout), _interleave(sin, layout)
     rotated, passthrough = x[..., :rope_dim].float(), x[..., rope_dim:]
-    out = (rotated * cos - _rotate(rotated, layout) * sin) / (cos * cos + sin * sin)
+    out = (rotated * cos - rotate(rotated, layout) * sin) / (cos * cos + sin * sin)
     return torch.cat((out.to(x.dtype), passthrough), dim=-1)

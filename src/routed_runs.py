@@ -17,7 +17,6 @@ spliced vs native history (src/eval/read_error.py), computed outside every clock
 from __future__ import annotations
 
 import copy
-import math
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
@@ -29,6 +28,7 @@ from transformers import DynamicCache, PreTrainedModel
 from src.artifact import Mapper
 from src.eval.accuracy import TaskScores, encode_pair
 from src.eval.read_error import read_error
+from src.eval.rollback import cache_max_abs_diff
 from src.eval.scoring import score_continuations
 from src.runtime.engine import Engine
 from src.runtime.reader import clock, model_device
@@ -56,7 +56,7 @@ def _clock(model: PreTrainedModel) -> float:
 
 
 def _peak_mb(model: PreTrainedModel) -> float:
-    device = next(model.parameters()).device
+    device = model_device(model)
     return torch.cuda.max_memory_allocated(device) / 2**20 if device.type == "cuda" else 0.0
 
 
@@ -148,7 +148,7 @@ def _score(model: PreTrainedModel, cache: DynamicCache | None, drop: int, groups
     base = copy.deepcopy(cache) if cache is not None else DynamicCache(config=model.config)
     if drop:
         base.crop(-drop)
-    device = next(model.parameters()).device
+    device = model_device(model)
     scores: dict[int, list[float]] = {}
     for turn, choices in groups:
         own = copy.deepcopy(base)
@@ -419,16 +419,6 @@ def _overflowing(mapper: Mapper) -> Mapper:
     return replace(mapper, weight_v=weight)
 
 
-def _max_abs_diff(cache: DynamicCache, reference: DynamicCache) -> float:
-    """max |a − b| over every layer's keys and values; inf when a layer's shapes differ or a value is NaN."""
-    diff = 0.0
-    for a, b in zip(cache.layers, reference.layers, strict=True):
-        for x, y in ((a.keys, b.keys), (a.values, b.values)):
-            found = float((x.float() - y.float()).abs().max()) if x.shape == y.shape else math.inf
-            diff = max(diff, math.inf if math.isnan(found) else found)
-    return diff
-
-
 def rollback(
     run: Run, mapper: Mapper, replays: list[tuple[torch.Tensor, torch.Tensor]], max_new_tokens: int, bind_args
 ) -> dict[str, float]:
@@ -461,7 +451,7 @@ def rollback(
                 record = session.switch_to("target", turn)
                 outputs.append((record, session.generate("target", [], max_new_tokens), session.cache("target")))
             (record, tokens, cache), (_, reference, reference_cache) = outputs
-            gap = _max_abs_diff(cache, reference_cache)  # 0 exactly when every key and value is equal
+            gap = cache_max_abs_diff(cache, reference_cache)  # 0 exactly when every key and value is equal
             refused.append(record.status != "applied")
             tokens_equal.append(torch.equal(tokens, reference))
             diff = max(diff, gap)

@@ -187,7 +187,7 @@ def test_rollback_replay_says_what_broke(pair, monkeypatch):
 def test_cache_difference_names_nan_and_length_as_infinite():
     from transformers import DynamicCache
 
-    from src.routed_runs import _max_abs_diff
+    from src.eval.rollback import cache_max_abs_diff
 
     def cache(values: torch.Tensor) -> DynamicCache:
         found = DynamicCache()
@@ -195,9 +195,9 @@ def test_cache_difference_names_nan_and_length_as_infinite():
         return found
 
     zeros = cache(torch.zeros(1, 1, 3, 2))
-    assert _max_abs_diff(zeros, cache(torch.full((1, 1, 3, 2), 0.25))) == 0.25
-    assert _max_abs_diff(zeros, cache(torch.full((1, 1, 3, 2), float("nan")))) == float("inf")  # max() skips NaN
-    assert _max_abs_diff(zeros, cache(torch.zeros(1, 1, 4, 2))) == float("inf")
+    assert cache_max_abs_diff(zeros, cache(torch.full((1, 1, 3, 2), 0.25))) == 0.25
+    assert cache_max_abs_diff(zeros, cache(torch.full((1, 1, 3, 2), float("nan")))) == float("inf")  # max() skips NaN
+    assert cache_max_abs_diff(zeros, cache(torch.zeros(1, 1, 4, 2))) == float("inf")
 
 
 def row(task, correct: bool, native: bool, history: int = 100, ttft=(10.0, 30.0, 2.0)) -> dict:

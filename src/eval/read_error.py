@@ -26,22 +26,13 @@ import numpy as np
 import torch
 from transformers import DynamicCache, PreTrainedModel
 
+from kernels.turn_attention import turn_attention_weights
 from src.eval.metrics import paired_bootstrap
 from src.models import describe_kv
 from src.rope import apply_rope, rope_cos_sin
 from src.traces import QueryCapture
 
 DECILES = 10  # history bins (after the sink) of an item's share profile
-
-
-def attention_weights(q: torch.Tensor, keys: torch.Tensor, scale: float) -> torch.Tensor:
-    """q [H_q, T, d] of the last T of S positions, keys [H_kv, S, d] (KV head g serving query heads g·G … g·G + G − 1)
-    → softmax weights [H_q, T, S], query t seeing the keys at positions ≤ S − T + t."""
-    count, total = q.shape[1], keys.shape[1]
-    k = keys.repeat_interleave(q.shape[0] // keys.shape[0], 0)  # [H_q, S, d]
-    visible = torch.arange(total, device=q.device)[None] <= torch.arange(total - count, total, device=q.device)[:, None]
-    scores = (q @ k.transpose(-1, -2)) * scale  # [H_q, T, S]
-    return scores.masked_fill(~visible, float("-inf")).softmax(-1)
 
 
 def layer_read_error(
@@ -57,9 +48,11 @@ def layer_read_error(
     bias. Shares are 0 where the outputs are equal (e_ℓ = 0)."""
     q, w = q.double(), o_weight.double()
     heads, count, _ = q.shape
+    length = native[0].shape[1]
+    positions = torch.arange(length - count, length, device=q.device)  # [T]: the last T of the S positions
     outputs, reads = [], []
     for keys, values in (native, mapped):
-        a = attention_weights(q, keys.double(), scale)  # [H_q, T, S]
+        a = turn_attention_weights(q, keys, positions, scale, torch.float64)  # [H_q, T, S]
         v = values.double().repeat_interleave(heads // values.shape[0], 0)  # [H_q, S, d]
         outputs.append((a @ v).transpose(0, 1).reshape(count, -1) @ w.T)  # [T, hidden] (bias: cancels in Δo)
         reads.append((a, v))

@@ -2,17 +2,24 @@
 
 from __future__ import annotations
 
+import math
+
 import torch
+from transformers import DynamicCache
 
 from src.apply import KVTransfer
 from src.forward import prefill
 from src.runtime.splice import handoff
 
 
-def _same_cache(a, b) -> bool:
-    return all(
-        torch.equal(x.keys, y.keys) and torch.equal(x.values, y.values) for x, y in zip(a.layers, b.layers, strict=True)
-    )
+def cache_max_abs_diff(cache: DynamicCache, reference: DynamicCache) -> float:
+    """max |a − b| over every layer's keys and values; inf when a layer's shapes differ or a value is NaN."""
+    diff = 0.0
+    for a, b in zip(cache.layers, reference.layers, strict=True):
+        for x, y in ((a.keys, b.keys), (a.values, b.values)):
+            found = float((x.float() - y.float()).abs().max()) if x.shape == y.shape else math.inf
+            diff = max(diff, math.inf if math.isnan(found) else found)
+    return diff
 
 
 @torch.no_grad()
@@ -27,7 +34,7 @@ def verify_rollback(transfer: KVTransfer, prefix: torch.Tensor) -> dict[str, flo
     checks = {}
     for name, cache in unsafe.items():
         result = handoff(transfer, cache, prefix)
-        checks[f"rollback_{name}"] = float(result.mode == "prefill" and _same_cache(result.cache, native))
+        checks[f"rollback_{name}"] = float(result.mode == "prefill" and cache_max_abs_diff(result.cache, native) == 0.0)
     checks["rollback_clean_transfers"] = float(handoff(transfer, clean, prefix).mode == "transfer")
     checks["rollback_verified"] = float(all(value == 1.0 for value in checks.values()))
     return checks

@@ -41,7 +41,7 @@ from transformers import PreTrainedModel
 
 from kernels.rms_norm import rms_norm
 from kernels.rope_write import rope_write
-from kernels.turn_attention import turn_attention
+from kernels.turn_attention import turn_attention, turn_attention_weights
 from src.models import describe_kv
 from src.rope import rope_cos_sin
 
@@ -91,13 +91,9 @@ class Native(NamedTuple):
 
 
 def attention_mass(q: torch.Tensor, keys: torch.Tensor, positions: torch.Tensor, scale: float) -> torch.Tensor:
-    """Attention probabilities of queries q [H_q, Q, d] at positions [Q] over slots keys [H_kv, n, d] (each query reads
-    the slots ≤ its position; q head j reads kv head j // (H_q / H_kv)), summed over heads and queries: [n] float32."""
-    group = q.shape[0] // keys.shape[0]
-    k = keys.float().repeat_interleave(group, 0)  # [H_q, n, d]
-    scores = (q.float() @ k.transpose(1, 2)) * scale  # [H_q, Q, n]
-    unseen = torch.arange(keys.shape[1], device=q.device)[None, :] > positions[:, None]  # [Q, n]
-    return scores.masked_fill(unseen, float("-inf")).softmax(-1).sum((0, 1))  # [n]
+    """Attention probabilities of queries q [H_q, Q, d] at positions [Q] over slots keys [H_kv, n, d]
+    (`turn_attention_weights`, float32), summed over heads and queries: [n]."""
+    return turn_attention_weights(q, keys, positions, scale).sum((0, 1))  # [n]
 
 
 def engine_problem(model: PreTrainedModel) -> str | None:
