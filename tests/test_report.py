@@ -37,7 +37,8 @@ def test_results_hold_small_records_and_no_weights():
     files = [path for path in (ROOT / "results").rglob("*") if path.is_file()]
     assert any(path.name == "record.json" for path in files)
     for path in files:
-        assert path.suffix not in WEIGHT_SUFFIXES and path.stat().st_size <= 1 << 20, path
+        joined = path.name == "items.json" and "shards" in path.parent.parent.parent.name  # src.routed_merge's join
+        assert path.suffix not in WEIGHT_SUFFIXES and path.stat().st_size <= (4 if joined else 1) << 20, path
         if path.name == "record.json":
             record = json.loads(path.read_text())
             assert {"name", "experiment", "status", "params", "tags", "metrics"} <= set(record), path
