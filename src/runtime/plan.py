@@ -1,0 +1,117 @@
+"""The splice decided once per handoff: a frozen `SplicePlan` (which tokens are read natively, which are mapped, the
+native depth, the recomputed set and its size per layer) built by `plan_splice` from the levers and the receiver's
+`Capabilities`, after `check_splice` — every refusal raised before the map runs and before the receiver is touched.
+The one splice (src/runtime/splice.py) then only carries it out.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from src.runtime.levers import Levers
+from src.runtime.recompute import RULES
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    """What a receiver (src/runtime/receivers.py) can run during a splice, as data the plan is checked against.
+
+    forward: it runs the target's forward itself — the sink read, the native layers, the recompute and the tail; a
+    receiver without one (vLLM's paged blocks inside a load hook) only takes mapped spans, and its own engine reads
+    the tail afterwards. rules: the recompute rules it selects with (src/runtime/recompute.py RULES). progressive: a
+    recomputed set that shrinks with depth. name: how refusals name it."""
+
+    name: str
+    forward: bool = True
+    rules: frozenset[str] = frozenset(RULES)
+    progressive: bool = False
+
+
+@dataclass(frozen=True)
+class SplicePlan:
+    """One handoff's splice over conversation positions (module docstring).
+
+    0..held − 1 the receiver holds already; held..start − 1 (the sink) it reads natively; start..end − 1 are mapped
+    (written into its slots); end..end + tail − 1 — the hold-back, then the new turn — it reads natively on top. The
+    first `depth` target layers over 0..end − 1 come from a stopped native prefill (kept for the mapped slots: exact;
+    the deviation rule compares the first `compared` of them with the mapped K/V). `recomputed` mapped tokens, chosen
+    by `rule`, are read again with the tail through layers first..L − 1 (`first`: the native depth for the turn rule,
+    whose stopped prefill reads the tail too; else 0), sizes[i] rows of them in layer first + i (`progressive`: the
+    set shrinks with depth)."""
+
+    held: int
+    start: int
+    end: int
+    hold_back: int
+    tail: int
+    depth: int
+    compared: int
+    recomputed: int
+    rule: str
+    first: int
+    sizes: tuple[int, ...]
+    progressive: bool
+
+    @property
+    def native_end(self) -> int:
+        """The stopped native prefill reads 0..native_end − 1: the prefix, and the tail for the turn rule."""
+        return self.end + self.tail if self.rule == "turn" and self.recomputed else self.end
+
+
+def check_splice(levers: Levers, token_features: bool, prefix_len: int, queries: int, receiver: Capabilities) -> None:
+    """A ValueError for a lever setting the splice cannot run on this receiver — raised before anything is touched.
+    levers: on the span (its sink and hold-back already realized); prefix_len: tokens the shares refer to; queries:
+    the attention and turn rules' query tokens (hold-back + new turn)."""
+    count, rule = levers.recomputed(prefix_len), levers.recompute_rule
+    if not receiver.forward and (levers.native_sink or levers.native_depth(prefix_len) or count):
+        raise ValueError(f"{receiver.name} cannot run the target's forward inside the splice: a native sink past "
+                         "what it holds, native layers and recompute are refused (the hold-back is its own engine's)")  # fmt: skip
+    if count and (rule == "turn" and rule not in receiver.rules or levers.progressive < 1 and not receiver.progressive):
+        raise ValueError("progressive selection / the turn rule are built on the static engine (src/runtime/engine.py),"
+                         f" not on {receiver.name}: splice onto an Engine, or use progressive=1 and another rule")  # fmt: skip
+    if count and rule not in receiver.rules:
+        raise ValueError(f"the {rule} rule is not built on {receiver.name} (its selection pass): use deviation")
+    if count and rule == "deviation" and token_features and levers.recompute_layers < 2:
+        raise ValueError("a token-feature mapper makes layer 0 exact: the deviation rule needs recompute_layers ≥ 2")
+    if count and rule in ("attention", "turn") and queries == 0:
+        raise ValueError(f"the {rule} rule needs the new turn: hold_back > 0 or a turn")
+    if count and levers.progressive < 1 and queries == 0:
+        raise ValueError(
+            "progressive selection reads the turn's logits past the shrinking set: hold_back > 0 or a turn"
+        )
+
+
+def plan_splice(
+    levers: Levers,
+    held: int,
+    prefix_len: int,
+    turn: int,
+    layers: int,
+    token_features: bool,
+    receiver: Capabilities,
+    queries: int | None = None,
+) -> SplicePlan:
+    """The plan of a receiver holding `held` tokens that is given the next `prefix_len` conversation tokens and then a
+    new turn of `turn` tokens, with the levers on those `prefix_len` tokens (their sink and hold-back clipped to them;
+    shares of them) over a target of `layers` layers — after `check_splice`. queries: the attention rule's query
+    tokens, when more than the tail (offline scoring reads the tokens after the prefix too)."""
+    span = levers.clipped(prefix_len)
+    tail = span.hold_back + turn
+    check_splice(span, token_features, prefix_len, tail if queries is None else queries, receiver)
+    count, rule = span.recomputed(prefix_len), span.recompute_rule
+    depth = min(span.native_depth(prefix_len), layers)
+    first = depth if count and rule == "turn" else 0
+    return SplicePlan(
+        held=held,
+        start=held + span.native_sink,
+        end=held + prefix_len - span.hold_back,
+        hold_back=span.hold_back,
+        tail=tail,
+        depth=depth,
+        compared=min(span.recompute_layers, depth) if count and rule == "deviation" else 0,
+        recomputed=count,
+        rule=rule,
+        first=first,
+        sizes=span.layer_sizes(prefix_len, layers)[first:] if count else (),
+        progressive=count > 0 and span.progressive < 1,
+    )
