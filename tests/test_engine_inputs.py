@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from src.runtime.engine import Engine
-from src.runtime.fused import Recompute
+from src.runtime.plan import Recompute
 from src.runtime.session import Session
 from tests.conftest import calibration_ids
 from tests.exact_pair import exact_pair

@@ -20,7 +20,7 @@ history length up to the capacity. Manual `torch.cuda.graph` capture rather than
 and the bucket logic is ours to read. Long contiguous prefills run eagerly on sdpa's causal flash path (compute-bound,
 as a server's prefill), unless `forward(..., graph=True)` asks for the replayed kernel path.
 On CPU everything is eager, with the kernel's torch reference.
-A fused recompute (`Recompute`, src/runtime/fused.py) runs eagerly.
+A fused recompute (`Recompute`, src/runtime/plan.py) runs eagerly.
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ from kernels.rope_write import rope_write
 from kernels.turn_attention import turn_attention, turn_attention_weights
 from src.models import describe_kv
 from src.rope import rope_cos_sin
-from src.runtime.fused import Recompute, check_recompute, picked
+from src.runtime.plan import Recompute, check_recompute, picked
 
 GRAPH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 192, 256, 384, 512, 768, 1024, 1536, 2048, 3072, 4096)  # token counts
 # captured as CUDA graphs (each on first use; ≤ 1.5× padding above 128); longer forwards run eagerly

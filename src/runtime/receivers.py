@@ -15,8 +15,7 @@ from transformers import DynamicCache, PreTrainedModel
 from src.forward import prefill_layers
 from src.maps import MapFlags, TransferError, cache_layers
 from src.runtime.engine import Engine
-from src.runtime.fused import KV, Recompute
-from src.runtime.plan import Capabilities
+from src.runtime.plan import KV, Capabilities, Recompute
 from src.runtime.recompute import RULES, attention_scores, recompute_in_place
 
 Layers = list[tuple[torch.Tensor, torch.Tensor]]  # (keys, values) per target layer, each [B, H_kv, n, d]
