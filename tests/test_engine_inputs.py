@@ -131,6 +131,8 @@ def test_one_engine_serves_one_session_at_a_time(pair):
     first.close()
     second = Session(models, engines={"b": shared})
     assert shared.owner is second and shared.length == 0
+    with pytest.raises(ValueError, match="already holds another session's conversation"):
+        shared.claim(Owner())  # the engine's own check, behind the session's
     with pytest.raises(ValueError, match="no longer holds this session's conversation"):
         first.append("b", [1, 2])
     spare = Engine(pair.target, 32)
@@ -139,3 +141,7 @@ def test_one_engine_serves_one_session_at_a_time(pair):
         second.fork(engines={"b": spare})
     third.close()
     assert second.fork(engines={"b": spare}).readers["b"].engine is spare
+
+
+class Owner:
+    """Anyone who may hold an engine (a session, in practice)."""

@@ -1,5 +1,5 @@
-"""Selection that needs less recompute, on the static engine (src/runtime/splice.py `_splice_static`,
-src/runtime/engine.py `Recompute`): progressive selection (the set shrinks with depth, CacheBlend-style) and the turn
+"""Selection that needs less recompute, on the static engine (src/runtime/splice.py on `EngineReceiver`,
+src/runtime/plan.py `Recompute`): progressive selection (the set shrinks with depth, CacheBlend-style) and the turn
 rule (the new turn's attention at the last native layer picks the set, which is recomputed from there on, with the
 turn, in one forward). On the exact non-identity pair with its perturbed (wrong) map, 5 layers: progressive 1 is
 today's fused forward bit for bit; a plain layer-by-layer torch reference equals the engine (every cache layer and

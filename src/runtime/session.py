@@ -36,7 +36,10 @@ greedy decoding by one-token forwards (src/runtime/generation.py). The semantics
 same records, provenance, rollback and all-or-nothing calls — within float tolerance, and `cache` / `exact_prefix`
 hand out DynamicCache copies of its slots. What it refuses: the attention recompute rule (the splice's own refusal, before
 anything changes), generate's keyword arguments and generation-config settings a greedy argmax does not reproduce,
-and a conversation longer than the smallest engine's capacity (every model may come to read it).
+and a conversation longer than the smallest engine's capacity (every model may come to read it). An engine serves one
+session at a time: a session holds the engines it is given or builds (`Engine.claim`) until `close()`; another
+session, a fork or `engine_handoff` is refused an engine a live session holds, and a closed session refuses to read
+the engines it gave back. One handoff's cover — re-prefill, or plan, map and splice — is src/runtime/cover.py.
 """
 
 from __future__ import annotations
