@@ -377,9 +377,9 @@ def map_cache(
     cos / sin: `src.rope.rope_cos_sin` of each model's rotary module at the cache positions ([B or 1, 1, T, r]).
     out_dtype: the target model's dtype (default: the source cache's). nonfinite: optional int32 [L_t], set to 1
     (0 otherwise) for every target layer with a non-finite mapped entry; beyond: optional int32 [L_t], set to 1 for
-    every target layer with a finite |mapped entry| above `bound` (None: no bound). backend: "auto" (Triton where supported, else the reference),
-    "triton" (raise if unsupported) or "torch". precision: tl.dot input precision for fp32 coefficients ("ieee",
-    "tf32", "tf32x3"; default: follow torch.backends.cuda.matmul.allow_tf32)."""
+    every target layer with a finite |mapped entry| above `bound` (None: no bound). backend: "auto" (Triton where
+    supported, else the reference), "triton" (raise if unsupported) or "torch". precision: tl.dot input precision
+    for fp32 coefficients ("ieee", "tf32", "tf32x3"; default: follow torch.backends.cuda.matmul.allow_tf32)."""
     if backend not in ("auto", "triton", "torch"):
         raise ValueError(f"backend must be auto, triton or torch, not {backend!r}")
     if nonfinite is not None and nonfinite.dtype != torch.int32:
@@ -450,8 +450,10 @@ def _check_out(
             or slots.dtype != torch.long
             or slots.device != keys.device
         ):
-            raise ValueError(f"slots: {tuple(slots.shape)} {slots.dtype} on {slots.device} for a batch of "
-                             f"{keys.shape[1]}; expected one conversation's [{seq}] long slots on {keys.device}")  # fmt: skip
+            raise ValueError(
+                f"slots: {tuple(slots.shape)} {slots.dtype} on {slots.device} for a batch of "
+                f"{keys.shape[1]}; expected [{seq}] long slots of one conversation on {keys.device}"
+            )
         shape = (target_layers, out[0].shape[1], target_heads, out[0].shape[3], d_t)
     for name, t in zip(("keys", "values"), out, strict=True):
         if tuple(t.shape) != shape or t.dtype != dtype or t.device != keys.device or t.stride(-1) != 1:

@@ -194,12 +194,10 @@ class KVTransfer:
         """As the call for one conversation (B = 1), without waiting for the device: the mapped K/V written into
         `out` — two [L_t, N_blocks, H_t, block_size, d_t] destinations (`Engine.blocks`) — at `slots` [T] (slot s:
         block s // block_size, row s % block_size; default: slot = position, a static cache's), and the `MapFlags`
-        (non-finite values; a finite |value| above `bound`, the magnitude guard) returned, to decide afterwards (`map_refusal`) before anything reads the slots. Raises TransferError for what
-        the host sees (types, shapes, positions, ids): a refusal leaves at most slots written that the receiver does
-        not hold yet."""
-        layers = cache_layers(source_cache)
-        _, flags = self._run(layers, positions, input_ids, out, slots, bound)
-        return flags
+        (non-finite values; a finite |value| above `bound`, the magnitude guard) returned, to decide afterwards
+        (`map_refusal`) before anything reads the slots. Raises TransferError for what the host sees (types, shapes,
+        positions, ids): a refusal leaves at most slots written that the receiver does not hold yet."""
+        return self._run(source_cache, positions, input_ids, out, slots, bound)[1]
 
     @torch.no_grad()
     def map_into(
@@ -217,9 +215,9 @@ class KVTransfer:
         and slots [T] (long, on the target's device; distinct; slot s = block · block_size + row) → the
         mapped target K/V stored into keys / values [L_t, N_blocks, H_t, block_size, d_t] (the target's dtype,
         channels contiguous) at those slots; returns the `MapFlags` — a source or mapped layer with NaN / Inf, a
-        mapped |value| above `bound` (the magnitude guard; None: none) — still on the device. Shapes, dtypes and devices
-        are checked (TransferError); the values of positions and slots are the caller's (reading them would sync).
-        A token-feature mapper needs the prefix ids: `into`."""
+        mapped |value| above `bound` (the magnitude guard; None: none) — still on the device. Shapes, dtypes and
+        devices are checked (TransferError); the values of positions and slots are the caller's (reading them would
+        sync). A token-feature mapper needs the prefix ids: `into`."""
         try:
             if self.token_features:
                 raise TransferError("a token-feature mapper reads the prefix ids (target layer 0): use into()")

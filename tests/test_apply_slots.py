@@ -25,10 +25,7 @@ from tests.test_session import _overflowing
 BACKENDS = ["torch", pytest.param("triton", marks=pytest.mark.skipif(not HAVE_TRITON, reason="needs triton"))]
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
-
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread(one_thread):
-    """Tiny models on a shared 2-core machine (conftest.one_thread)."""
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models on a shared 2-core machine
 
 
 @pytest.fixture(scope="module")

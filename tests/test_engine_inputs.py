@@ -12,10 +12,7 @@ from src.runtime.session import Session
 from tests.conftest import calibration_ids
 from tests.exact_pair import exact_pair
 
-
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread(one_thread):
-    """Tiny models on a shared 2-core machine (conftest.one_thread)."""
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models on a shared 2-core machine
 
 
 @pytest.fixture(scope="module")

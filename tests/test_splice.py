@@ -22,10 +22,7 @@ from tests.exact_pair import exact_pair, max_cache_diff
 
 PAGED = Capabilities("vLLM's paged blocks", forward=False, rules=frozenset())  # the connector's receiver
 
-
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread(one_thread):
-    """Tiny models on a shared 2-core machine (conftest.one_thread)."""
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models on a shared 2-core machine
 
 
 @pytest.fixture(scope="module")

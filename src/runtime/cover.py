@@ -78,7 +78,7 @@ def reprefill(switch: Switch, record: HandoffRecord, status: str, reason: str) -
 
 
 def cover(switch: Switch, record: HandoffRecord) -> HandoffRecord:
-    """Cover the receiver's unseen tokens record.hit..record.context − 1 (module docstring); the turn read after them."""
+    """Cover the receiver's unseen tokens record.hit..record.context − 1 (module docstring), then the turn."""
     policy, levers, model, turn, costs = switch.policy, switch.policy.levers, switch.receiver, switch.turn, switch.costs
     held, total = record.hit, record.context
     if policy.mode == "reprefill":

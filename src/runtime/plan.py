@@ -80,11 +80,16 @@ def check_splice(levers: Levers, token_features: bool, prefix_len: int, queries:
     the attention and turn rules' query tokens (hold-back + new turn)."""
     count, rule = levers.recomputed(prefix_len), levers.recompute_rule
     if not receiver.forward and (levers.native_sink or levers.native_depth(prefix_len) or count):
-        raise ValueError(f"{receiver.name} cannot run the target's forward inside the splice: a native sink past "
-                         "what it holds, native layers and recompute are refused (the hold-back is its own engine's)")  # fmt: skip
+        raise ValueError(
+            f"{receiver.name} cannot run the target's forward inside the splice: a native sink past "
+            "what it holds, native layers and recompute are refused (its engine reads the hold-back)"
+        )
     if count and (rule == "turn" and rule not in receiver.rules or levers.progressive < 1 and not receiver.progressive):
-        raise ValueError("progressive selection / the turn rule are built on the static engine (src/runtime/engine.py),"
-                         f" not on {receiver.name}: splice onto an Engine, or use progressive=1 and another rule")  # fmt: skip
+        raise ValueError(
+            "progressive selection / the turn rule are built on the static engine (src/runtime/"
+            f"engine.py), not on {receiver.name}: splice onto an Engine, or use progressive=1 and another "
+            "rule"
+        )
     if count and rule not in receiver.rules:
         raise ValueError(f"the {rule} rule is not built on {receiver.name} (its selection pass): use deviation")
     if count and rule == "deviation" and token_features and levers.recompute_layers < 2:

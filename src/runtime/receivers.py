@@ -64,7 +64,7 @@ class Receiver(Protocol):
                   attention mass at the last of them)
     layers        its own (keys, values) of its first `depth` layers, [B, H_kv, ≥ end, d] views: the deviation rule
                   reads them, and the splice writes the native K/V into their mapped slots
-    attention     the attention mass [B, end − start] that query ids [B, Q], read on top, put on its slots start..end − 1
+    attention     the attention mass [B, end − start] that query ids [B, Q], read on top, put on slots start..end − 1
     read_tail     the tail ids [B, n] read natively on top, the `Selected` mapped tokens recomputed first; the last
                   logits [B, V] (None when n = 0)
 
