@@ -29,7 +29,7 @@ from types import SimpleNamespace
 import torch
 
 from src.artifact import Mapper
-from src.maps import layer_groups, map_layers, shares_heads
+from src.maps import layer_flags, layer_groups, map_layers, shares_heads, store_slots
 from src.rope import apply_rope, remove_rope
 
 try:
@@ -121,10 +121,14 @@ def _map_kernel(
     bias_ptr,  # [L_t, H_t, d_t]
     layers_ptr,  # [L_t, K_SEL] int64 source layer of each selected block
     heads_ptr,  # [H_t, FAN_IN] int64 source heads of each target head
-    out_ptr,  # [L_t, B, H_t, T, d_t] out dtype, channels contiguous (strides sol … sot: slots of a static cache too)
+    out_ptr,  # [L_t, B, H_t, T, d_t], or with SLOTS [L_t, N_blocks, H_t, block_size, d_t]; channels contiguous
     cos_ptr,  # [B or 1, T, d_t] float32 (target RoPE; unused when not ROPE)
     sin_ptr,
     flag_ptr,  # [L_t] int32: set to 1 where a stored value is not finite (when CHECK)
+    beyond_ptr,  # [L_t] int32: set to 1 where a stored |value| is finite and above `bound` (when CHECK)
+    slot_ptr,  # [T] int64: token t's slot, block slot // block_size, row slot % block_size (when SLOTS)
+    bound,  # float: the magnitude guard (inf: none)
+    block_size,
     seq,
     batch,
     target_heads,
@@ -147,6 +151,7 @@ def _map_kernel(
     COS_HI: tl.constexpr,
     ROPE: tl.constexpr,
     CHECK: tl.constexpr,
+    SLOTS: tl.constexpr,
     PRECISION: tl.constexpr,
     UPCAST: tl.constexpr,  # interpreter only: its bf16 dot is wrong, so multiply in fp32
     BLOCK_M: tl.constexpr,
@@ -195,14 +200,22 @@ def _map_kernel(
         acc_lo = rotated_lo
     out_dtype = out_ptr.dtype.element_ty
     y_lo, y_hi = acc_lo.to(out_dtype), acc_hi.to(out_dtype)  # [BLOCK_M, BLOCK_HALF]
-    out_row = out_ptr + (layer.to(tl.int64) * sol + b * sob + h * soh) + t[:, None].to(tl.int64) * sot
+    if SLOTS:  # the epilogue's address only: token t → its slot's block and row (a static cache's or paged blocks)
+        slot = tl.load(slot_ptr + t, mask=t_mask, other=0)  # [BLOCK_M] int64
+        block, row = slot // block_size, slot % block_size
+    else:
+        block, row = (b + 0 * t).to(tl.int64), t.to(tl.int64)  # [BLOCK_M]
+    out_row = out_ptr + (layer.to(tl.int64) * sol + h * soh) + (block * sob + row * sot)[:, None]  # [BLOCK_M, 1]
     tl.store(out_row + col_lo[None, :], y_lo, mask=mask)
     tl.store(out_row + col_hi[None, :], y_hi, mask=mask)
-    if CHECK:  # instead of an isfinite pass over the output: an atomic per non-finite entry, none when all is well
-        z_lo, z_hi = y_lo.to(tl.float32), y_hi.to(tl.float32)
-        finite = (tl.abs(z_lo) < float("inf")) & (tl.abs(z_hi) < float("inf"))  # NaN compares false
-        flag = flag_ptr + layer + 0 * (t[:, None] + i[None, :])  # [BLOCK_M, BLOCK_HALF], all at flag[ℓ]
-        tl.atomic_max(flag, tl.full((BLOCK_M, BLOCK_HALF), 1, tl.int32), mask=mask & (finite == 0))
+    if CHECK:  # instead of an isfinite pass over the output: an atomic per non-finite (or too large) entry only
+        z_lo, z_hi = tl.abs(y_lo.to(tl.float32)), tl.abs(y_hi.to(tl.float32))
+        finite_lo, finite_hi = z_lo < float("inf"), z_hi < float("inf")  # NaN compares false
+        at_layer = 0 * (t[:, None] + i[None, :])  # [BLOCK_M, BLOCK_HALF], all at flag[ℓ]
+        ones = tl.full((BLOCK_M, BLOCK_HALF), 1, tl.int32)
+        tl.atomic_max(flag_ptr + layer + at_layer, ones, mask=mask & ((finite_lo & finite_hi) == 0))
+        large = (finite_lo & (z_lo > bound)) | (finite_hi & (z_hi > bound))
+        tl.atomic_max(beyond_ptr + layer + at_layer, ones, mask=mask & large)
 
 
 @functools.cache
@@ -289,11 +302,14 @@ def _map_component(
     mapper: Mapper,
     rope: tuple[torch.Tensor, torch.Tensor, str] | None,
     out: torch.Tensor,
-    nonfinite: torch.Tensor | None,
+    flags: tuple[torch.Tensor, torch.Tensor, float] | None,
+    slots: torch.Tensor | None,
     config: KernelConfig,
     precision: str,
 ) -> None:
-    """One launch of `_map_kernel`: x [L_s, B, H_s, T, d_s] → out [L_t, B, H_t, T, d_t] (RoPE'd when rope)."""
+    """One launch of `_map_kernel`: x [L_s, B, H_s, T, d_s] → out [L_t, B, H_t, T, d_t] (RoPE'd when rope), or with
+    slots [T] → out [L_t, N_blocks, H_t, block_size, d_t] at their slots; flags: (non-finite [L_t], beyond [L_t],
+    bound), the int32 flags set in the epilogue."""
     _, batch, _, seq, d_s = x.shape
     target_layers, target_heads, _, d_t = weight.shape
     weight, bias = weight.contiguous(), bias.contiguous()  # no copies for a loaded mapper
@@ -310,13 +326,15 @@ def _map_component(
         stride = 0
     block_k = min(config.block_k, d_s & -d_s)  # the largest power of two dividing d_s (≥ 16)
     grid = (target_heads, triton.cdiv(seq, config.block_m), target_layers * batch)
-    flags = nonfinite if nonfinite is not None else out
+    nonfinite, beyond, bound = flags if flags is not None else (out, out, 0.0)  # dummies: untouched without CHECK
+    block_size = out.shape[3] if slots is not None else seq
     interpret = _interpreting()
     _jit("map", interpret)[grid](
-        x, weight, bias, layers, heads, out, cos, sin, flags,
-        seq, batch, target_heads, *x.stride()[:4], stride, *out.stride()[:4],
+        x, weight, bias, layers, heads, out, cos, sin, nonfinite, beyond, slots if slots is not None else layers,
+        bound, block_size, seq, batch, target_heads, *x.stride()[:4], stride, *out.stride()[:4],
         K_SEL=layers.shape[1], FAN_IN=heads.shape[1], D_S=d_s, D_T=d_t, HALF=half,
-        **_pairs(layout, half), ROPE=rope is not None, CHECK=nonfinite is not None, PRECISION=precision,
+        **_pairs(layout, half), ROPE=rope is not None, CHECK=flags is not None, SLOTS=slots is not None,
+        PRECISION=precision,
         UPCAST=interpret and weight.dtype != torch.float32,
         BLOCK_M=config.block_m, BLOCK_K=block_k, BLOCK_HALF=_pow2(half),
         num_warps=config.num_warps, num_stages=config.num_stages,
@@ -344,36 +362,49 @@ def map_cache(
     config: KernelConfig | None = None,
     precision: str | None = None,
     out: tuple[torch.Tensor, torch.Tensor] | None = None,
+    slots: torch.Tensor | None = None,
+    beyond: torch.Tensor | None = None,
+    bound: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Source cache → target (keys, values), each [L_t, B, H_t, T, d_t] (`keys[ℓ]` is layer ℓ's cache): new contiguous
-    tensors, or `out` — two [L_t, B, H_t, T, d_t] views with contiguous channels (e.g. the slots of a static cache,
-    src/runtime/engine.py `Engine.slots`), written in place by the kernel (the reference copies into them).
+    tensors, or `out` — two [L_t, B, H_t, T, d_t] views with contiguous channels, or with `slots` [T] (long, on the
+    device; B = 1) two [L_t, N_blocks, H_t, block_size, d_t] destinations where token t lands in block
+    slots[t] // block_size, row slots[t] % block_size (a static cache's slots, `Engine.blocks`, or paged blocks) —
+    written in place by the kernel (the reference stores into them). Nothing here reads a value on the host.
 
     source_keys / source_values: stacked [L_s, B, H_s, T, d_s] or a sequence of L_s layers [B, H_s, T, d_s]
     (RoPE'd keys, as cached). mapper: already on the device in the compute dtype (`KVTransfer.mapper`).
     cos / sin: `src.rope.rope_cos_sin` of each model's rotary module at the cache positions ([B or 1, 1, T, r]).
-    out_dtype: the target model's dtype (default: the source cache's). nonfinite: optional int32 [L_t] zeros,
-    set to 1 for every target layer with a non-finite mapped entry. backend: "auto" (Triton where supported,
-    else the reference), "triton" (raise if unsupported) or "torch". precision: tl.dot input precision for fp32
-    coefficients ("ieee", "tf32", "tf32x3"; default: follow torch.backends.cuda.matmul.allow_tf32)."""
+    out_dtype: the target model's dtype (default: the source cache's). nonfinite: optional int32 [L_t], set to 1
+    (0 otherwise) for every target layer with a non-finite mapped entry; beyond: optional int32 [L_t], set to 1 for
+    every target layer with a finite |mapped entry| above `bound` (None: no bound). backend: "auto" (Triton where
+    supported, else the reference), "triton" (raise if unsupported) or "torch". precision: tl.dot input precision
+    for fp32 coefficients ("ieee", "tf32", "tf32x3"; default: follow torch.backends.cuda.matmul.allow_tf32)."""
     if backend not in ("auto", "triton", "torch"):
         raise ValueError(f"backend must be auto, triton or torch, not {backend!r}")
     if nonfinite is not None and nonfinite.dtype != torch.int32:
         raise ValueError(f"nonfinite must be an int32 [L_t] tensor, not {nonfinite.dtype}")
+    if beyond is not None and beyond.dtype != torch.int32:
+        raise ValueError(f"beyond must be an int32 [L_t] tensor, not {beyond.dtype}")
     keys = _stacked(source_keys)  # [L_s, B, H_s, T, d_s]
     out_dtype = out_dtype or keys.dtype
     if out is not None:
-        _check_out(out, keys, mapper, out_dtype)
+        _check_out(out, keys, mapper, out_dtype, slots)
+    elif slots is not None:
+        raise ValueError("slots address `out`: pass the destinations")
     reason = triton_unsupported(keys, mapper, source_cos, target_cos, (source_layout, target_layout))
     if backend == "triton" and reason is not None:
         raise ValueError(f"Triton path unavailable: {reason}")
     if backend == "torch" or reason is not None or keys.shape[3] == 0:
-        args = (source_cos, source_sin, target_cos, target_sin, source_layout, target_layout, out_dtype, nonfinite)
-        target_k, target_v = map_cache_ref(keys, source_values, mapper, *args)
+        args = (source_cos, source_sin, target_cos, target_sin, source_layout, target_layout, out_dtype)
+        target_k, target_v = map_cache_ref(keys, source_values, mapper, *args, nonfinite, beyond, bound)
         if out is None:
             return target_k, target_v
-        out[0].copy_(target_k)
-        out[1].copy_(target_v)
+        for destination, mapped in zip(out, (target_k, target_v), strict=True):
+            if slots is None:
+                destination.copy_(mapped)
+            else:
+                store_slots(destination, mapped[:, 0], slots)  # [L_t, H_t, T, d_t] at the slots
         return out
     values = _stacked(source_values)  # [L_s, B, H_s, T, d_s]
     _, batch, _, seq, _ = keys.shape
@@ -389,19 +420,41 @@ def map_cache(
     else:
         target_k, target_v = out
     rope = (target_cos, target_sin, target_layout)
-    if nonfinite is not None:
-        nonfinite.zero_()
-    _map_component(content, mapper.weight_k, mapper.bias_k, mapper, rope, target_k, nonfinite, config, precision)
-    _map_component(values, mapper.weight_v, mapper.bias_v, mapper, None, target_v, nonfinite, config, precision)
+    flags = None
+    if nonfinite is not None or beyond is not None:
+        nonfinite, beyond = (
+            given.zero_() if given is not None else torch.zeros(target_layers, dtype=torch.int32, device=keys.device)
+            for given in (nonfinite, beyond)
+        )  # [L_t] each
+        flags = (nonfinite, beyond, float("inf") if bound is None else float(bound))
+    common = (flags, slots, config, precision)
+    _map_component(content, mapper.weight_k, mapper.bias_k, mapper, rope, target_k, *common)
+    _map_component(values, mapper.weight_v, mapper.bias_v, mapper, None, target_v, *common)
     return target_k, target_v
 
 
 @torch.no_grad()
-def _check_out(out: tuple[torch.Tensor, torch.Tensor], keys: torch.Tensor, mapper: Mapper, dtype: torch.dtype) -> None:
-    """A ValueError unless `out` is two [L_t, B, H_t, T, d_t] tensors of the out dtype, on the keys' device, channels
-    contiguous."""
+def _check_out(
+    out: tuple[torch.Tensor, torch.Tensor], keys: torch.Tensor, mapper: Mapper, dtype: torch.dtype, slots
+) -> None:
+    """A ValueError unless `out` is two [L_t, B, H_t, T, d_t] tensors — with slots [T] (long, keys' device, B = 1):
+    [L_t, N_blocks, H_t, block_size, d_t] — of the out dtype, on the keys' device, channels contiguous."""
     target_layers, target_heads, _, d_t = mapper.weight_k.shape
-    shape = (target_layers, keys.shape[1], target_heads, keys.shape[3], d_t)
+    if slots is None:
+        shape = (target_layers, keys.shape[1], target_heads, keys.shape[3], d_t)
+    else:
+        seq = keys.shape[3]
+        if (
+            keys.shape[1] != 1
+            or tuple(slots.shape) != (seq,)
+            or slots.dtype != torch.long
+            or slots.device != keys.device
+        ):
+            raise ValueError(
+                f"slots: {tuple(slots.shape)} {slots.dtype} on {slots.device} for a batch of "
+                f"{keys.shape[1]}; expected [{seq}] long slots of one conversation on {keys.device}"
+            )
+        shape = (target_layers, out[0].shape[1], target_heads, out[0].shape[3], d_t)
     for name, t in zip(("keys", "values"), out, strict=True):
         if tuple(t.shape) != shape or t.dtype != dtype or t.device != keys.device or t.stride(-1) != 1:
             raise ValueError(
@@ -422,9 +475,11 @@ def map_cache_ref(
     target_layout: str = "half",
     out_dtype: torch.dtype | None = None,
     nonfinite: torch.Tensor | None = None,
+    beyond: torch.Tensor | None = None,
+    bound: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Pure torch, the computation of `src.apply.KVTransfer.__call__` (without its checks): same arguments and
-    result as `map_cache`."""
+    result as `map_cache` (new tensors only)."""
     keys = _stacked(source_keys)  # [L_s, B, H_s, T, d_s]
     values = _stacked(source_values)  # [L_s, B, H_s, T, d_s]
     out_dtype = out_dtype or keys.dtype
@@ -440,9 +495,12 @@ def map_cache_ref(
         mapped_k.append(apply_rope(to_cache(target_k), target_cos, target_sin, target_layout).to(out_dtype))
         mapped_v.append(to_cache(target_v).to(out_dtype))
     target_k, target_v = torch.cat(mapped_k), torch.cat(mapped_v)  # [L_t, B, H_t, T, d_t]
-    if nonfinite is not None:
-        finite = torch.isfinite(target_k).flatten(1).all(1) & torch.isfinite(target_v).flatten(1).all(1)  # [L_t]
-        nonfinite.copy_((~finite).to(nonfinite.dtype))
+    if nonfinite is not None or beyond is not None:
+        bad, peak = layer_flags(list(zip(target_k, target_v, strict=True)))  # [L_t, 2], [L_t]
+        if nonfinite is not None:
+            nonfinite.copy_(bad.any(1).to(nonfinite.dtype))
+        if beyond is not None:
+            beyond.copy_((peak > (float("inf") if bound is None else bound)).to(beyond.dtype))
     return target_k, target_v
 
 

@@ -22,13 +22,17 @@ from kernels.apply_map import map_cache
 from src.artifact import Mapper
 from src.forward import ids_problem, prefill_layers
 from src.maps import (
+    MapFlags,
     TransferError,
     cache_layers,
     check_mapper,
     dropped_tokens,
+    layer_flags,
     layer_groups,
     map_layers,
+    map_refusal,
     shares_heads,
+    store_slots,
 )
 from src.models import IncompatiblePairError, KVInterface, check_model, describe_kv, fingerprint
 from src.rope import apply_rope, remove_rope, rope_cos_sin
@@ -87,7 +91,7 @@ class KVTransfer:
 
     def _check(self, layers: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> tuple[int, int]:
         """(batch, seq) of a source cache whose every layer is a dense [B, H_s, T, d_s] tensor pair of the source
-        model's dtype and device, all finite; else TransferError."""
+        model's dtype and device; else TransferError. Host metadata only: the values are the flags' (`MapFlags`)."""
         kv = self.source_kv
         if len(layers) != kv.num_layers:
             raise TransferError(f"source cache has {len(layers)} layers, the source model {kv.num_layers}")
@@ -119,12 +123,6 @@ class KVTransfer:
                 shape = t.shape
         if shape[0] == 0 or shape[2] == 0:
             raise TransferError(f"source cache is empty: shape {tuple(shape)}")
-        peaks = torch._foreach_norm([t for pair in layers for t in pair], float("inf"))  # max |x|: NaN / inf stay so
-        finite = torch.isfinite(torch.stack(peaks).view(-1, 2)).all(1)  # [L_s]: one multi-tensor launch, few more
-        if not bool(finite.all()):  # one device sync; the slow path names the layer
-            index = int((~finite).nonzero()[0])
-            name = "keys" if not bool(torch.isfinite(layers[index][0]).all()) else "values"
-            raise TransferError(f"source cache layer {index} {name} contains NaN or Inf")
         return shape[0], shape[2]
 
     @staticmethod
@@ -176,8 +174,12 @@ class KVTransfer:
     ) -> DynamicCache:
         """source_cache: DynamicCache or [(keys, values)] with [B, H_s, T, d_s]; positions [T] (default 0..T−1;
         required for a sliding-window cache that has dropped tokens); input_ids [B, T] of those tokens (needed by a
-        token-feature mapper, checked against the cache otherwise). Raises TransferError and nothing else."""
-        return self._run(source_cache, positions, input_ids, None)
+        token-feature mapper, checked against the cache otherwise). Raises TransferError and nothing else, at once:
+        the synchronous path (its flags read once, before it returns)."""
+        cache, flags = self._run(source_cache, positions, input_ids)
+        if refusal := map_refusal([flags]):
+            raise TransferError(refusal)
+        return cache
 
     @torch.no_grad()
     def into(
@@ -186,35 +188,115 @@ class KVTransfer:
         source_cache,
         positions: torch.Tensor | None = None,
         input_ids: torch.Tensor | None = None,
-    ) -> None:
-        """As the call, the mapped K/V written into `out`: two [L_t, B, H_t, T, d_t] views (the slots of a static
-        cache, `Engine.slots`) — the fused kernel stores straight into them, the torch path copies. Raises
-        TransferError and nothing else; a refusal may leave the slots written (they are past what the receiver
-        holds, so its state is unchanged)."""
-        self._run(source_cache, positions, input_ids, out)
+        slots: torch.Tensor | None = None,
+        bound: float | None = None,
+    ) -> MapFlags:
+        """As the call for one conversation (B = 1), without waiting for the device: the mapped K/V written into
+        `out` — two [L_t, N_blocks, H_t, block_size, d_t] destinations (`Engine.blocks`) — at `slots` [T] (slot s:
+        block s // block_size, row s % block_size; default: slot = position, a static cache's), and the `MapFlags`
+        (non-finite values; a finite |value| above `bound`, the magnitude guard) returned, to decide afterwards
+        (`map_refusal`) before anything reads the slots. Raises TransferError for what the host sees (types, shapes,
+        positions, ids): a refusal leaves at most slots written that the receiver does not hold yet."""
+        return self._run(source_cache, positions, input_ids, out, slots, bound)[1]
 
-    def _run(self, source_cache, positions, input_ids, out) -> DynamicCache | None:
+    @torch.no_grad()
+    def map_into(
+        self,
+        source_keys: torch.Tensor,
+        source_values: torch.Tensor,
+        positions: torch.Tensor,
+        slots: torch.Tensor,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        bound: float | None = None,
+    ) -> MapFlags:
+        """The map of one span with no host sync (the connector's and the engine's fast path): source K/V
+        [L_s, H_s, T, d_s] each (RoPE'd, as cached; the source model's dtype, on the target's device), positions [T]
+        and slots [T] (long, on the target's device; distinct; slot s = block · block_size + row) → the
+        mapped target K/V stored into keys / values [L_t, N_blocks, H_t, block_size, d_t] (the target's dtype,
+        channels contiguous) at those slots; returns the `MapFlags` — a source or mapped layer with NaN / Inf, a
+        mapped |value| above `bound` (the magnitude guard; None: none) — still on the device. Shapes, dtypes and
+        devices are checked (TransferError); the values of positions and slots are the caller's (reading them would
+        sync). A token-feature mapper needs the prefix ids: `into`."""
         try:
-            layers = cache_layers(source_cache)
-            batch, seq = self._check(layers)
-            positions = self._positions(positions, seq, dropped_tokens(source_cache))
-            self._check_ids(input_ids, batch, seq)
-            if self.backend != "torch" and not self.token_features:
-                return self._fused(layers, positions, out)
-            cache = self._map(layers, positions, input_ids, batch, seq)
-            if out is None:
-                return cache
-            for component, target in enumerate(out):
-                target.copy_(torch.stack([pair[component] for pair in cache_layers(cache)]))
-            return None
+            if self.token_features:
+                raise TransferError("a token-feature mapper reads the prefix ids (target layer 0): use into()")
+            self._check_span(source_keys, source_values, positions, slots, keys, values)
+            layers = list(zip(source_keys[:, None], source_values[:, None], strict=True))  # [1, H_s, T, d_s] views
+            return self._mapped(layers, positions, None, (keys, values), slots, bound)[1]
         except TransferError:
             raise
         except Exception as error:  # no check foresaw it: still a refusal, so a handoff rolls back
             raise TransferError(f"{UNEXPECTED}: {type(error).__name__}: {error}") from error
 
+    def _check_span(self, source_keys, source_values, positions, slots, keys, values) -> None:
+        """TransferError unless `map_into`'s arguments have its shapes, dtypes and devices (metadata: no sync)."""
+        kv, target = self.source_kv, self.target_kv
+        source_dtype = next(self.source.parameters()).dtype
+        count = source_keys.shape[2] if isinstance(source_keys, torch.Tensor) and source_keys.dim() == 4 else -1
+        source = (kv.num_layers, kv.num_kv_heads, count, kv.head_dim)
+        for name, t, shape, dtype in (
+            ("source keys", source_keys, source, source_dtype),
+            ("source values", source_values, source, source_dtype),
+            ("positions", positions, (count,), torch.long),
+            ("slots", slots, (count,), torch.long),
+        ):
+            if (
+                not isinstance(t, torch.Tensor)
+                or tuple(t.shape) != shape
+                or t.dtype != dtype
+                or t.device != self.device
+            ):
+                raise TransferError(f"map_into {name}: expected a {dtype} tensor {shape} on {self.device}, got "
+                                    f"{_described(t)}")  # fmt: skip
+        for name, t in (("keys", keys), ("values", values)):
+            layout = (target.num_layers, target.num_kv_heads, target.head_dim)
+            if not isinstance(t, torch.Tensor) or t.dim() != 5 or (t.shape[0], t.shape[2], t.shape[4]) != layout:
+                raise TransferError(f"map_into {name}: expected [{layout[0]}, blocks, {layout[1]}, block_size, "
+                                    f"{layout[2]}], got {_described(t)}")  # fmt: skip
+            if t.dtype != self.dtype or t.device != self.device or t.stride(-1) != 1:
+                raise TransferError(f"map_into {name}: {_described(t)}, expected {self.dtype} on {self.device}, "
+                                    "channels contiguous")  # fmt: skip
+
+    def _run(
+        self, source_cache, positions, input_ids, out=None, slots=None, bound=None
+    ) -> tuple[DynamicCache | None, MapFlags]:
+        try:
+            layers = cache_layers(source_cache)
+            batch, seq = self._check(layers)
+            positions = self._positions(positions, seq, dropped_tokens(source_cache))
+            self._check_ids(input_ids, batch, seq)
+            if out is not None and batch != 1:
+                raise TransferError(f"a map into slots reads one conversation: the source cache holds {batch}")
+            positions = positions.to(self.device, non_blocking=True)  # host-side positions: no stream sync
+            slots = positions if out is not None and slots is None else slots
+            return self._mapped(layers, positions, input_ids, out, slots, bound)
+        except TransferError:
+            raise
+        except Exception as error:  # no check foresaw it: still a refusal, so a handoff rolls back
+            raise TransferError(f"{UNEXPECTED}: {type(error).__name__}: {error}") from error
+
+    def _mapped(self, layers, positions, input_ids, out, slots, bound) -> tuple[DynamicCache | None, MapFlags]:
+        """The map by the backend (`_fused`, or `_map` then stored at the slots), and its device flags."""
+        source, _ = layer_flags(layers)  # [L_s, 2]
+        if self.backend != "torch" and not self.token_features:
+            cache, target, beyond = self._fused(layers, positions, out, slots, bound)
+        else:
+            batch, seq = layers[0][0].shape[0], layers[0][0].shape[2]
+            cache, target, peak = self._map(layers, positions, input_ids, batch, seq)
+            beyond = peak > (float("inf") if bound is None else bound)  # [L_t]
+            if out is not None:
+                mapped = cache_layers(cache)
+                for component, destination in enumerate(out):
+                    store_slots(destination, torch.stack([pair[component][0] for pair in mapped]), slots)
+                cache = None
+        return cache, MapFlags(source, target, beyond, bound)
+
     def _map(
         self, layers: list[tuple[torch.Tensor, torch.Tensor]], positions: torch.Tensor, input_ids, batch: int, seq: int
-    ) -> DynamicCache:
+    ) -> tuple[DynamicCache, torch.Tensor, torch.Tensor]:
+        """The torch map: the target's DynamicCache, its non-finite flags [L_t] and the largest finite |K|, |V| of each
+        layer [L_t] (on the device)."""
         token_rows = layer0 = None
         if self.token_features:
             layer0 = self._layer0(input_ids)  # content K, V [B, H_t, T, d_t]
@@ -226,32 +308,30 @@ class KVTransfer:
         cos, sin = rope_cos_sin(self.target.model.rotary_emb, positions.to(self.device))
         to_cache = lambda t: t.unflatten(2, (batch, seq)).transpose(1, 2)  # [g, B, H_t, T, d_t]
         cache = DynamicCache(config=self.target.config)
-        finite = []
         for group in layer_groups(self.mapper, batch * seq, self.shared_heads):
             target_k, target_v = map_layers(self.mapper, group, source_k, source_v, self.shared_heads, token_rows)
             keys = apply_rope(to_cache(target_k), cos, sin, self.target_kv.rope_layout).to(self.dtype)
             values = to_cache(target_v).to(self.dtype)
-            finite.append(torch.isfinite(keys).flatten(1).all(1) & torch.isfinite(values).flatten(1).all(1))
             for offset, layer in enumerate(range(group.start, group.stop)):
                 cache.update(keys[offset], values[offset], layer)
-        finite = torch.cat(finite)  # [L_t]
-        if not bool(finite.all()):  # one device sync per handoff
-            layer = int((~finite).nonzero()[0])
-            raise TransferError(f"mapped target layer {layer} is not finite (corrupt coefficients?)")
         if layer0 is not None:  # computed anyway for the features: target layer 0 is exact
             keys = apply_rope(layer0[0], cos, sin, self.target_kv.rope_layout).to(self.dtype)
             cache.layers[0].keys, cache.layers[0].values = keys, layer0[1].to(self.dtype)
-        return cache
+        nonfinite, peak = layer_flags(cache_layers(cache))  # [L_t, 2], [L_t]
+        return cache, nonfinite.any(1), peak
 
     def _fused(
-        self, layers: list[tuple[torch.Tensor, torch.Tensor]], positions: torch.Tensor, out=None
-    ) -> DynamicCache | None:
+        self, layers: list[tuple[torch.Tensor, torch.Tensor]], positions: torch.Tensor, out, slots, bound
+    ) -> tuple[DynamicCache | None, torch.Tensor, torch.Tensor]:
         """The same map through `kernels.apply_map.map_cache` (Triton on CUDA where supported, else its torch
-        reference; `backend="triton"` refuses to fall back): one launch per component, finiteness flags."""
-        positions = positions.to(self.device)
+        reference; `backend="triton"` refuses to fall back): one launch per component, its flags in the epilogue —
+        a new DynamicCache, or None with `out` written at `slots`; the non-finite flags [L_t] and the flags [L_t] of
+        a |value| above `bound`."""
         source_cos, source_sin = rope_cos_sin(self.source.model.rotary_emb, positions)
         target_cos, target_sin = rope_cos_sin(self.target.model.rotary_emb, positions)
-        flags = torch.zeros(self.target_kv.num_layers, dtype=torch.int32, device=self.device)  # [L_t]
+        layers_t = self.target_kv.num_layers
+        nonfinite = torch.zeros(layers_t, dtype=torch.int32, device=self.device)  # [L_t]
+        beyond = torch.zeros(layers_t, dtype=torch.int32, device=self.device)  # [L_t]
         try:
             keys, values = map_cache(
                 [k.to(self.device) for k, _ in layers],
@@ -264,17 +344,25 @@ class KVTransfer:
                 self.source_kv.rope_layout,
                 self.target_kv.rope_layout,
                 self.dtype,
-                nonfinite=flags,
+                nonfinite=nonfinite,
+                beyond=beyond,
+                bound=bound,
                 backend=self.backend,
                 out=out,
-            )  # [L_t, B, H_t, T, d_t] each
+                slots=slots,
+            )  # [L_t, B, H_t, T, d_t] each, or `out`
         except ValueError as refusal:  # map_cache refuses inputs its backend cannot run (e.g. Triton on CPU)
             raise TransferError(str(refusal)) from refusal
-        if bool(flags.any()):  # one device sync per handoff
-            raise TransferError(f"mapped target layer {int(flags.nonzero()[0])} is not finite (corrupt coefficients?)")
         if out is not None:
-            return None
+            return None, nonfinite.bool(), beyond.bool()
         cache = DynamicCache(config=self.target.config)
         for layer in range(keys.shape[0]):
             cache.update(keys[layer], values[layer], layer)
-        return cache
+        return cache, nonfinite.bool(), beyond.bool()
+
+
+def _described(t: object) -> str:
+    """A tensor's shape, dtype and device (or the type of what is not one), for a refusal."""
+    if not isinstance(t, torch.Tensor):
+        return f"a {type(t).__name__}"
+    return f"{tuple(t.shape)} {t.dtype} on {t.device}"

@@ -6,6 +6,9 @@ and `kernels/`, so neither imports the other's internals.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import NamedTuple
+
 import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
@@ -17,6 +20,53 @@ from src.support import gather_features, token_width, with_token_kv
 
 class TransferError(ValueError):
     """This source cache cannot be mapped safely; the message names why. Callers roll back to prefill."""
+
+
+class MapFlags(NamedTuple):
+    """What one map found in its values, left on the device so that mapping never waits for the host; decided
+    afterwards, every map of a handoff at once, by `map_refusal`."""
+
+    source: torch.Tensor  # [L_s, 2] bool: source layer ℓ's keys / values hold NaN or Inf
+    target: torch.Tensor  # [L_t] bool: mapped target layer ℓ holds NaN or Inf
+    beyond: torch.Tensor  # [L_t] bool: mapped target layer ℓ holds a finite |K| or |V| above `bound`
+    bound: float | None = None  # the magnitude guard (`Policy.guard_max_abs`; None: no guard)
+
+
+def map_refusal(flags: Sequence[MapFlags]) -> str | None:
+    """Why these maps must be refused — NaN or Inf in a source layer or a mapped layer, or a mapped value past the
+    magnitude guard — or None; one host read of every flag."""
+    if not flags:
+        return None
+    rows = [torch.cat([f.source.flatten(), f.target, f.beyond]) for f in flags]
+    host = torch.cat([row.to(rows[0].device) for row in rows]).cpu()  # the one device sync
+    if not host.any():
+        return None
+    for f, row in zip(flags, host.split([len(r) for r in rows]), strict=True):
+        source, target, beyond = row.split([f.source.numel(), f.target.numel(), f.beyond.numel()])
+        if source.any():
+            layer, component = divmod(int(source.nonzero()[0]), 2)
+            return f"source cache layer {layer} {('keys', 'values')[component]} contains NaN or Inf"
+        if target.any():
+            return f"mapped target layer {int(target.nonzero()[0])} is not finite (corrupt coefficients?)"
+        if beyond.any():
+            return f"guard: mapped |K|, |V| of target layer {int(beyond.nonzero()[0])} exceed {f.bound:g}"
+    return None
+
+
+def store_slots(destination: torch.Tensor, mapped: torch.Tensor, slots: torch.Tensor) -> None:
+    """mapped [L, H, T, d] into destination [L, N_blocks, H, block_size, d] at slots [T] (slot s: block
+    s // block_size, row s % block_size) — the torch path's store; device index ops, no host sync."""
+    block_size = destination.shape[3]
+    destination[:, slots // block_size, :, slots % block_size] = mapped.permute(2, 0, 1, 3).to(destination.dtype)
+
+
+def layer_flags(layers: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Non-finite flags [L, 2] (keys, values) and the largest finite |entry| [L] of each layer's (keys, values), on
+    the device, in a few multi-tensor launches."""
+    tensors = [t for pair in layers for t in pair]
+    peaks = torch.stack(torch._foreach_norm(tensors, float("inf"))).float().view(-1, 2)  # [L, 2] max |x|, NaN stays
+    finite = torch.isfinite(peaks)  # [L, 2]
+    return ~finite, torch.where(finite, peaks, 0.0).amax(1)  # [L, 2], [L]
 
 
 MAPPABLE_LAYERS = (DynamicLayer, DynamicSlidingWindowLayer)  # cache layer types whose (keys, values) are the cache

@@ -84,6 +84,7 @@ class Run:
     costs: CostModel = field(default_factory=CostModel)
     engines: dict[str, dict[str, Engine]] = field(default_factory=dict)  # kind → model → Engine, kept across items
     read_error: bool = False  # each scored item's receiver read error, spliced vs native (src/eval/read_error.py)
+    open: dict[str, Session] = field(default_factory=dict)  # kind → its session now on its engines (`session`)
     seconds: dict[str, float] = field(default_factory=lambda: {"routed": 0.0, "reprefill": 0.0})
     tokens: int = 0
     items: int = 0
@@ -101,11 +102,16 @@ class Run:
 
     def session(self, kind: str) -> Session:
         """`routed`: the workload's policy; `reprefill`: a session that never tries a transfer. With engines, each
-        kind's session holds its models on that kind's engines (emptied first: one session of a kind at a time)."""
+        kind's session holds its models on that kind's engines (emptied first: one session of a kind at a time, the
+        previous one closed)."""
         engines = self.engines.get(kind)
+        if kind in self.open:
+            self.open.pop(kind).close()
         if kind == "routed":
-            return Session(self.models, self.routes, self.policy, self.costs, engines=engines)
-        return Session(self.models, {}, Policy(mode="reprefill"), self.costs, engines=engines)
+            self.open[kind] = Session(self.models, self.routes, self.policy, self.costs, engines=engines)
+        else:
+            self.open[kind] = Session(self.models, {}, Policy(mode="reprefill"), self.costs, engines=engines)
+        return self.open[kind]
 
     def warmed(self) -> None:
         """The warm-up turns are over: forget their clock (throughput) and their costs (the `auto` policy's line must
@@ -181,7 +187,10 @@ def _same_work(
     began = time.perf_counter()
     twin = session.fork(engines)  # caches copied; policy and cost model replaced on the copy alone
     twin.policy, twin.costs = replace(session.policy, mode="reprefill"), CostModel()
-    _, ms, _ = _first_token(twin, receiver, turn)
+    try:
+        _, ms, _ = _first_token(twin, receiver, turn)
+    finally:
+        twin.close()  # its warm engines go to the next check
     return ms, time.perf_counter() - began
 
 
@@ -443,7 +452,10 @@ def rollback(
         held, refused, tokens_equal, diff = [], [], [], 0.0
         for history, turn in replays:
             outputs = []
+            if "routed" in run.open:  # the routed kind's engines go to this attempt
+                run.open.pop("routed").close()
             attempt = Session(run.models, route, replace(run.policy, **overrides), engines=run.engines.get("routed"))
+            run.open["routed"] = attempt
             for session in (attempt, run.session("reprefill")):
                 session.append("source", history)
                 if poison:

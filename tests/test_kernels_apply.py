@@ -331,7 +331,7 @@ def test_cuda_graph_replays_map_cache():
 @pytest.mark.parametrize("backend", ["triton", "torch"])
 def test_map_writes_into_the_slots_of_a_static_cache(backend, interpreted):
     """`out`: the mapped K/V land in slots 7..7 + T − 1 of a [L_t, 1, H_t, N, d_t] buffer (strided views, as
-    `Engine.slots` gives), equal to the contiguous result; every other slot keeps its contents."""
+    `Engine.blocks` holds), equal to the contiguous result; every other slot keeps its contents."""
     shape = dict(L_s=3, L_t=4, H_s=2, H_t=2, d_s=16, d_t=32, batch=1, seq=21)
     keys, values, tables = _case(shape)
     mapper = _random_mapper(3, 4, 2, 2, 16, 32)

@@ -3,7 +3,7 @@
 Floors, bottom to top (a module may import its own floor and the floors below it):
 models, rope, task data, tracking, model fetching → corpus, traces, statistics, support, weighting, artifact → selection, map
 arithmetic, forward passes, Fused-Fit kernel → fit, probe, synthetic, apply kernel → apply → runtime room (levers, recompute,
-the receiver engine → the one splice → routing → a model's reader → generation, a handoff's pieces → router session) → eval → pipeline (cfg → objects), workloads → jobs (bench, routed, sweep, gate,
+the splice plan → the receiver engine → the receivers → the one splice → routing → a model's reader → generation, a handoff's pieces → a handoff's cover → router session) → eval → pipeline (cfg → objects), workloads → jobs (bench, routed, sweep, gate,
 distributed) → routed_merge (a run's item shards joined) → report (tables from records) → choose, length evidence → run (dispatch). A new module must be given a floor here before it can land.
 """
 
@@ -27,11 +27,15 @@ FLOORS = [
         "kernels.rope_write",
     },
     {"src.apply"},
-    {"src.runtime.levers", "src.runtime.recompute", "src.runtime.engine"},
+    {"src.runtime.levers", "src.runtime.recompute"},
+    {"src.runtime.plan"},  # the splice decided once per handoff (its receiver's capabilities, its recomputed set)
+    {"src.runtime.engine"},
+    {"src.runtime.receivers"},  # the Receiver protocol: the DynamicCache reference, the static engine
     {"src.runtime.splice"},
     {"src.runtime.routing"},
     {"src.runtime.reader"},  # what one model of a session holds: cache or engine slots, provenance, logits
     {"src.runtime.generation", "src.runtime.pieces"},  # generate on a reader; the handoff's pieces and their map
+    {"src.runtime.cover"},  # one handoff: re-prefill or plan, map and splice; its record
     {"src.runtime.session"},
     {"src.eval"},  # the package: every src.eval.* module
     {"src.pipeline", "src.workloads"},
@@ -105,18 +109,27 @@ def test_the_contract_sees_the_known_edges():
     assert "src.pipeline" in GRAPH["src.bench"] and "src.bench" in GRAPH["src.run"]
 
 
-SPLICE_STEPS = ("recompute_in_place", "deviation_scores", "attention_scores", "select_tokens")
+SPLICE_STEPS = {  # step → the modules that call it: the splice selects, the DynamicCache receiver carries out
+    "deviation_scores": {"src.runtime.splice"},
+    "select_tokens": {"src.runtime.splice"},
+    "recompute_in_place": {"src.runtime.receivers"},
+    "attention_scores": {"src.runtime.receivers"},
+    "splice": {"src.runtime.splice", "src.runtime.cover"},  # a session's handoff and the offline entry points
+}
 
 
 def test_one_splice():
-    """The splice steps are called from one place (src/runtime/splice.py): a second copy of the splice — in the
-    session, offline scoring, NLL or latency — fails here."""
-    callers = {}
+    """Each splice step is called from one place (src/runtime/splice.py selects; the DynamicCache receiver,
+    src/runtime/receivers.py, recomputes and reads attention), and there is one splice body: a second copy of the
+    splice — in the session, offline scoring, NLL or latency, or a second body per receiver — fails here."""
+    callers, bodies = {}, []
     for path in MODULES:
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.Call):
                 name = getattr(node.func, "id", None) or getattr(node.func, "attr", None)
                 if name in SPLICE_STEPS:
                     callers.setdefault(name, set()).add(module_name(path))
-    assert set(callers) == set(SPLICE_STEPS), callers
-    assert all(modules == {"src.runtime.splice"} for modules in callers.values()), callers
+            elif isinstance(node, ast.FunctionDef) and node.name.lstrip("_").startswith("splice"):
+                bodies.append((module_name(path), node.name))
+    assert callers == SPLICE_STEPS, callers
+    assert sorted(bodies) == [("src.runtime.splice", "splice"), ("src.runtime.splice", "spliced_cache")], bodies

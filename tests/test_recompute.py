@@ -6,7 +6,7 @@ from functools import cache
 import pytest
 import torch
 
-import src.runtime.splice
+import src.runtime.receivers
 from src.apply import KVTransfer
 from src.eval.nll import horizon_nll
 from src.forward import prefill, prefill_layers
@@ -53,7 +53,7 @@ def chosen(monkeypatch):
         calls.append(positions.clone())
         return recompute_in_place(model, cache, input_ids, positions)
 
-    monkeypatch.setattr(src.runtime.splice, "recompute_in_place", spy)
+    monkeypatch.setattr(src.runtime.receivers, "recompute_in_place", spy)
     return calls
 
 

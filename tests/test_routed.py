@@ -163,17 +163,17 @@ def test_rollback_replay_verifies_every_kind(pair, dtype):
 def test_rollback_replay_says_what_broke(pair, monkeypatch):
     """A fallback that is not plain prefill (a mark left in the target's cache) fails the replay, and the record
     says it was the cache, not the refusal nor the tokens."""
-    from src.runtime.session import Session
+    import src.runtime.cover
 
-    honest = Session._reprefill
+    honest = src.runtime.cover.reprefill
 
-    def marked(self, model, record, turn, status, reason):
-        found = honest(self, model, record, turn, status, reason)
+    def marked(switch, record, status, reason):
+        found = honest(switch, record, status, reason)
         if status == "fallback_reprefill":
-            self._reader(model).cache.layers[0].keys[..., 0, 0] += 0.5
+            switch.readers[switch.receiver].cache.layers[0].keys[..., 0, 0] += 0.5
         return found
 
-    monkeypatch.setattr(Session, "_reprefill", marked)
+    monkeypatch.setattr(src.runtime.cover, "reprefill", marked)
     run = run_of(pair)
     replays = [(run.encode(ex.history), run.groups(ex.item)[0][0]) for ex in EXAMPLES[:1]]
     checks = rollback(run, pair.exact, replays, 3, (pair.tokenizer_hash,))

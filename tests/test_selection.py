@@ -1,5 +1,5 @@
-"""Selection that needs less recompute, on the static engine (src/runtime/splice.py `_splice_static`,
-src/runtime/engine.py `Recompute`): progressive selection (the set shrinks with depth, CacheBlend-style) and the turn
+"""Selection that needs less recompute, on the static engine (src/runtime/splice.py on `EngineReceiver`,
+src/runtime/plan.py `Recompute`): progressive selection (the set shrinks with depth, CacheBlend-style) and the turn
 rule (the new turn's attention at the last native layer picks the set, which is recomputed from there on, with the
 turn, in one forward). On the exact non-identity pair with its perturbed (wrong) map, 5 layers: progressive 1 is
 today's fused forward bit for bit; a plain layer-by-layer torch reference equals the engine (every cache layer and
@@ -17,7 +17,9 @@ from src.forward import prefill
 from src.maps import cache_layers
 from src.runtime.engine import Engine, Recompute
 from src.runtime.levers import Levers
-from src.runtime.splice import check_splice, engine_handoff, spliced_cache
+from src.runtime.plan import check_splice
+from src.runtime.receivers import EngineReceiver
+from src.runtime.splice import engine_handoff, spliced_cache
 from tests.conftest import calibration_ids
 from tests.exact_pair import exact_pair
 
@@ -264,10 +266,12 @@ def test_the_dynamic_cache_path_refuses_the_engine_only_selection(pair, wrong, c
 
 def test_the_turn_rule_and_progressive_selection_need_a_tail(wrong):
     with pytest.raises(ValueError, match="the turn rule needs the new turn"):
-        check_splice(Levers(recompute=0.5, recompute_rule="turn"), False, 20, 0, static=True)
+        check_splice(Levers(recompute=0.5, recompute_rule="turn"), False, 20, 0, EngineReceiver.capabilities)
     with pytest.raises(ValueError, match="progressive selection reads the turn"):
-        check_splice(Levers(recompute=0.5, progressive=0.5), False, 20, 0, static=True)
-    check_splice(Levers(recompute=0.5, recompute_rule="turn", progressive=0.5), False, 20, 1, static=True)
+        check_splice(Levers(recompute=0.5, progressive=0.5), False, 20, 0, EngineReceiver.capabilities)
+    check_splice(
+        Levers(recompute=0.5, recompute_rule="turn", progressive=0.5), False, 20, 1, EngineReceiver.capabilities
+    )
 
 
 def test_the_engine_refuses_a_recompute_it_cannot_run_before_writing(pair):

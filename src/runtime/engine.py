@@ -5,7 +5,9 @@ weights shared, nothing copied).
     engine = Engine(model, capacity=16384)       # keys / values [L, H_kv, capacity + 1, d]: slot s holds position s
     logits = engine.forward(ids, positions)      # [R, V]: each query writes its K/V into its slot, then attends to
                                                  # every slot ≤ its own position
-    engine.write(keys, values, start)            # mapped K/V straight into slots start.. (src/runtime/splice.py)
+    engine.write(keys, values, start)            # mapped K/V straight into slots start.. (start = its length)
+    keys, values = engine.blocks()               # [L, 1, H_kv, capacity + 1, d]: a map writes there at slots
+    engine.commit(start, end)                    # (`engine.slot_mapping(start, end)`), then commits them
 
 One forward covers every path a server runs: a prefill (positions 0..n−1), the new turn or a prefix hit (n..n+T−1),
 a decode step (T = 1), and fused recompute — selected mapped positions + hold-back + turn in one forward: a recomputed
@@ -18,20 +20,13 @@ history length up to the capacity. Manual `torch.cuda.graph` capture rather than
 and the bucket logic is ours to read. Long contiguous prefills run eagerly on sdpa's causal flash path (compute-bound,
 as a server's prefill), unless `forward(..., graph=True)` asks for the replayed kernel path.
 On CPU everything is eager, with the kernel's torch reference.
-
-A fused recompute may also shrink with depth or start at a layer (`Recompute`, CacheBlend's progressive selection and
-the turn rule, src/runtime/splice.py): the forward starts at layer `start` from given hidden states, and after a layer
-where the set shrinks keeps only the set rows `keep` picks (from the K/V the layer wrote over the mapped ones) and
-every tail row. Such a forward runs eagerly: its per-layer row counts are fixed by (R, progressive, depth) and the
-pick is fixed-shape (top-k, gathers), so a graph per count tuple and tail bucket could be captured — but R = round(r·T)
-changes with every history length (one capture per length unless the set is padded to buckets with pad rows that never
-win the pick), and the turn rule's hidden-state input would need a static buffer of its own.
+A fused recompute (`Recompute`, src/runtime/plan.py) runs eagerly.
 """
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
@@ -44,41 +39,11 @@ from kernels.rope_write import rope_write
 from kernels.turn_attention import turn_attention, turn_attention_weights
 from src.models import describe_kv
 from src.rope import rope_cos_sin
+from src.runtime.plan import Recompute, check_recompute, picked
 
 GRAPH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 192, 256, 384, 512, 768, 1024, 1536, 2048, 3072, 4096)  # token counts
 # captured as CUDA graphs (each on first use; ≤ 1.5× padding above 128); longer forwards run eagerly
 FLASH_MIN_TOKENS = 256  # a contiguous forward at least this long uses sdpa's causal flash path (eager)
-
-
-KV = tuple[torch.Tensor, torch.Tensor]  # one layer's (keys, values) of some slots: [H_kv, s, d] each
-
-
-@dataclass(frozen=True)
-class Recompute:
-    """Mapped tokens a forward reads again, first, with the tail (fused recompute; `Engine.forward`).
-
-    positions [R]: their slots, ascending. start: the first layer the forward runs — the layers below hold native K/V
-    in every slot it reads — and hidden [R + N, hidden]: each row's hidden state entering it (None: the embeddings,
-    start 0). sizes: the set's rows in layers start..L − 1 (sizes[0] = R, non-increasing; () keeps all R). After a
-    layer whose next size is smaller, keep(mapped, fresh, size) gets the set's K/V in its slots before (mapped)
-    and after (fresh) the layer wrote them and returns the `size` set rows that go on (ascending indices into 0..s − 1);
-    the others keep their fresh K/V up to that layer and the mapped K/V above. Every tail row runs every layer run."""
-
-    positions: torch.Tensor
-    start: int = 0
-    hidden: torch.Tensor | None = None
-    sizes: tuple[int, ...] = ()
-    keep: Callable[[KV, KV, int], torch.Tensor] | None = None
-
-    @property
-    def plain(self) -> bool:
-        """Every row through every layer from the embeddings: the forward a graph replays."""
-        return self.start == 0 and self.hidden is None and all(size == self.sizes[0] for size in self.sizes)
-
-    def work(self, tail: int, layers: int) -> float:
-        """Token-equivalents of the forward (rows × layers run / L): (Σ sizes + tail · (L − start)) / L."""
-        sizes = self.sizes or (self.positions.numel(),) * (layers - self.start)
-        return (sum(sizes) + tail * (layers - self.start)) / layers
 
 
 class Native(NamedTuple):
@@ -130,6 +95,8 @@ class Engine:
         cos, sin = rope_cos_sin(model.model.rotary_emb, torch.arange(capacity + 1))  # [1, 1, N + 1, d] float32
         self.cos, self.sin = cos[0, 0].to(self.device, self.dtype), sin[0, 0].to(self.device, self.dtype)  # [N + 1, d]
         self.length = 0  # slots 0..length − 1 hold the conversation
+        self.vocab = model.get_input_embeddings().num_embeddings
+        self._owner: weakref.ref | None = None  # the session whose conversation it holds (`claim`)
         self.backend = backend
         self.graphs_enabled = self.device.type == "cuda" if graphs is None else graphs
         if self.graphs_enabled and self.device.type != "cuda":
@@ -194,19 +161,32 @@ class Engine:
         decoder = self.model.model
         start, size = (0, 0) if plan is None else (plan.start, plan.positions.numel())
         hidden = decoder.embed_tokens(ids) if plan is None or plan.hidden is None else plan.hidden  # [T, hidden]
-        for index in range(start, len(decoder.layers)):
-            keys, values = self.keys[index], self.values[index]  # [H_kv, N + 1, d]
-            after = index - start + 1
-            kept = plan.sizes[after] if plan is not None and after < len(plan.sizes) else size
-            if kept < size:  # the set's mapped K/V, read before the layer overwrites them
-                mapped = keys[:, slots[:size]], values[:, slots[:size]]  # [H_kv, s, d] copies
-            attend = lambda q, index=index, positions=positions: self._attend(q, index, positions, flash)
-            hidden = self._layer(decoder.layers[index], hidden, positions, slots, keys, values, attend)
-            if kept < size:  # only the set rows `keep` picks, and the tail, go on
-                fresh = keys[:, slots[:size]], values[:, slots[:size]]  # [H_kv, s, d]
-                chosen = plan.keep(mapped, fresh, kept).to(self.device)  # [kept]
-                go_on = torch.cat([chosen, torch.arange(size, hidden.shape[0], device=self.device)])  # [T']
-                hidden, positions, slots, size = hidden[go_on], positions[go_on], slots[go_on], kept  # [T', …]
+        shrinks = plan is not None and plan.keep is not None
+        if shrinks:  # the set's held slots as they were: put back if the forward fails (a pick `keep` got wrong)
+            held = slots[:size]  # [R]
+            backup = self.keys[start:, :, held], self.values[start:, :, held]  # [L − start, H_kv, R, d] copies
+            wrong = torch.zeros((), dtype=torch.bool, device=self.device)  # a pick out of range, decided at the end
+        try:
+            for index in range(start, len(decoder.layers)):
+                keys, values = self.keys[index], self.values[index]  # [H_kv, N + 1, d]
+                after = index - start + 1
+                kept = plan.sizes[after] if plan is not None and after < len(plan.sizes) else size
+                if kept < size:  # the set's mapped K/V, read before the layer overwrites them
+                    mapped = keys[:, slots[:size]], values[:, slots[:size]]  # [H_kv, s, d] copies
+                attend = lambda q, index=index, positions=positions: self._attend(q, index, positions, flash)
+                hidden = self._layer(decoder.layers[index], hidden, positions, slots, keys, values, attend)
+                if kept < size:  # only the set rows `keep` picks, and the tail, go on
+                    fresh = keys[:, slots[:size]], values[:, slots[:size]]  # [H_kv, s, d]
+                    chosen, bad = picked(plan.keep(mapped, fresh, kept), kept, size, self.device)  # [kept], []
+                    wrong |= bad
+                    go_on = torch.cat([chosen, torch.arange(size, hidden.shape[0], device=self.device)])  # [T']
+                    hidden, positions, slots, size = hidden[go_on], positions[go_on], slots[go_on], kept  # [T', …]
+            if shrinks and bool(wrong):  # the one host read of the pick's range
+                raise ValueError("a recompute's `keep` picked rows outside its set, or not distinct and ascending")
+        except BaseException:
+            if shrinks:
+                self.keys[start:, :, held], self.values[start:, :, held] = backup
+            raise
         return self.model.lm_head(self._norm(decoder.norm, hidden[rows]))  # [R, V]
 
     @torch.inference_mode()
@@ -225,28 +205,17 @@ class Engine:
         forward fits a bucket; None: unless it is a long contiguous prefill, which takes sdpa's flash path eagerly).
         recompute: the set the first rows are (`Recompute`); one that starts at a layer or shrinks runs eagerly and
         returns the last row's logits."""
-        ids, positions = torch.as_tensor(ids).reshape(-1), torch.as_tensor(positions).reshape(-1)
+        ids, positions, host = self._inputs(ids, positions)
         count = ids.numel()
-        if count == 0 or positions.numel() != count:
-            raise ValueError(f"engine forward needs ≥ 1 id and one position per id, got {count} ids, "
-                             f"{positions.numel()} positions")  # fmt: skip
         plan = None if recompute is None or recompute.plain else recompute
         if plan is not None:
-            self._check_plan(plan, positions, rows)
-        last = int(positions.max())
-        if int(positions.min()) < 0 or last >= self.capacity:
-            raise ValueError(f"positions {int(positions.min())}..{last} outside the engine's capacity {self.capacity}")
-        fresh = positions[positions >= self.length]  # slots past the cache: they must be exactly length..last
-        if not torch.equal(fresh.cpu(), torch.arange(self.length, last + 1)):
-            raise ValueError(
-                f"positions past the {self.length} cached tokens must be {self.length}..{last} in order, "
-                f"got {fresh.tolist()[:8]}…"
-            )
+            check_recompute(plan, host, rows, self.keys.shape[0])
+        last = int(host[-1])
         single_row = rows is None
         last_row = -1 if plan is not None else count - 1  # a shrinking forward ends with fewer rows
         rows = torch.tensor([last_row]) if rows is None else torch.as_tensor(rows).reshape(-1)
-        first = int(positions[0])
-        contiguous = bool((positions == torch.arange(first, first + count, device=positions.device)).all())
+        first = int(host[0])
+        contiguous = last - first + 1 == count  # distinct and ascending: contiguous exactly when the span fits
         replay = single_row and self.graphs_enabled and count <= GRAPH_BUCKETS[-1] and graph is not False
         replay, long = replay and plan is None, contiguous and count >= FLASH_MIN_TOKENS and plan is None  # plan: eager
         flash = first + count if long and not (replay and graph) else None
@@ -258,24 +227,41 @@ class Engine:
         self.length = max(self.length, last + 1)
         return logits
 
-    def _check_plan(self, plan: Recompute, positions: torch.Tensor, rows: torch.Tensor | None) -> None:
-        """A ValueError for a `Recompute` the forward of `positions` [T] cannot run, before any slot is written."""
-        layers, size = self.keys.shape[0], plan.positions.numel()
-        sizes = plan.sizes or (size,) * (layers - plan.start)
-        if rows is not None or size >= positions.numel():
-            raise ValueError("a recompute that starts at a layer or shrinks returns the last tail row's logits: "
-                             f"rows must be None and a tail must follow the {size} recomputed rows")  # fmt: skip
-        if not torch.equal(positions[:size].cpu(), plan.positions.reshape(-1).cpu()):
-            raise ValueError("the forward's first positions must be the recompute set's")
-        if not 0 <= plan.start <= layers or len(sizes) != layers - plan.start or (sizes and sizes[0] != size):
-            raise ValueError(f"recompute sizes {sizes} must give the set's rows in layers {plan.start}..{layers - 1}, "
-                             f"starting at its {size} rows")  # fmt: skip
-        if any(b > a for a, b in zip(sizes, sizes[1:], strict=False)) or (plan.keep is None and len(set(sizes)) > 1):
-            raise ValueError(f"recompute sizes {sizes} must not grow, and shrinking needs `keep`")
-        if (plan.start > 0) != (plan.hidden is not None) or (
-            plan.hidden is not None and plan.hidden.shape[0] != positions.numel()
-        ):
-            raise ValueError("a recompute that starts past layer 0 needs the hidden states of every row, and only it")
+    def _inputs(self, ids: object, positions: object) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(ids, positions, positions on the host) of a forward, or a ValueError before anything is written: ids a
+        dense [T ≥ 1] integer tensor of one sequence, inside the vocabulary (values checked where they are on the host:
+        ids from the device are the caller's, as reading them would wait for it); positions [T] integers, distinct and
+        ascending, < capacity, those past the cache exactly length..last (a gap would read stale slots)."""
+        ids, positions = torch.as_tensor(ids), torch.as_tensor(positions)
+        for name, t in (("ids", ids), ("positions", positions)):
+            if t.dtype.is_floating_point or t.dtype.is_complex or t.dtype == torch.bool:
+                raise ValueError(f"engine forward {name} are {t.dtype}: integers only (nothing is truncated)")
+            if t.is_nested or t.layout != torch.strided or t.device.type == "meta":
+                raise ValueError(
+                    f"engine forward {name} must be a dense tensor with data, not {t.layout} on {t.device}"
+                )
+            if t.dim() != 1:
+                raise ValueError(f"engine forward reads one sequence: {name} [T], got shape {tuple(t.shape)}")
+        count = ids.numel()
+        if count == 0 or positions.numel() != count:
+            raise ValueError(f"engine forward needs ≥ 1 id and one position per id, got {count} ids, "
+                             f"{positions.numel()} positions")  # fmt: skip
+        if ids.device.type == "cpu" and (int(ids.min()) < 0 or int(ids.max()) >= self.vocab):
+            raise ValueError(f"engine forward ids {int(ids.min())}..{int(ids.max())} outside the vocabulary "
+                             f"[0, {self.vocab})")  # fmt: skip
+        host = positions.cpu()  # [T] (free for host positions, which every caller here passes)
+        low, last = int(host.min()), int(host.max())
+        if low < 0 or last >= self.capacity:
+            raise ValueError(f"positions {low}..{last} outside the engine's capacity {self.capacity}")
+        if count > 1 and not bool((host[1:] > host[:-1]).all()):
+            raise ValueError(f"engine forward positions must be distinct and ascending, got {host.tolist()[:8]}…")
+        fresh = host[host >= self.length]  # slots past the cache: they must be exactly length..last
+        if not torch.equal(fresh, torch.arange(self.length, max(self.length, last + 1))):
+            raise ValueError(
+                f"positions past the {self.length} cached tokens must be {self.length}..{last} in order, "
+                f"got {fresh.tolist()[:8]}…"
+            )
+        return ids, positions, host
 
     # --- CUDA graphs, one per token-count bucket --------------------------------------------------------------------
 
@@ -317,27 +303,65 @@ class Engine:
     # --- what the splice needs -------------------------------------------------------------------------------------
 
     def write(self, keys: torch.Tensor, values: torch.Tensor, start: int) -> None:
-        """Mapped K/V [L, H_kv, T, d] (or [L, 1, H_kv, T, d]) into slots start..start + T − 1."""
-        shape = (self.keys.shape[0], self.kv_heads, -1, self.head_dim)
-        keys, values = keys.reshape(shape), values.reshape(shape)  # [L, H_kv, T, d]
-        end = start + keys.shape[2]
-        if start < 0 or end > self.capacity:
-            raise ValueError(f"slots {start}..{end - 1} outside the engine's capacity {self.capacity}")
-        self.keys[:, :, start:end].copy_(keys)
-        self.values[:, :, start:end].copy_(values)
-        self.length = max(self.length, end)
+        """Mapped K/V [L, H_kv, T, d] (or [L, 1, H_kv, T, d]) into slots start..start + T − 1, where start is the
+        length it holds (a write past it would leave unwritten slots the conversation reads); a ValueError before any
+        slot is written for other shapes, a gap or a write past the capacity."""
+        shape = (self.keys.shape[0], self.kv_heads, self.head_dim)
+        for name, t in (("keys", keys), ("values", values)):
+            if not isinstance(t, torch.Tensor) or t.dim() not in (4, 5) or (t.dim() == 5 and t.shape[1] != 1):
+                raise ValueError(f"engine write {name}: expected [L, H_kv, T, d] or [L, 1, H_kv, T, d], got "
+                                 f"{tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__}")  # fmt: skip
+            if (t.shape[0], t.shape[-3], t.shape[-1]) != shape:
+                raise ValueError(f"engine write {name} {tuple(t.shape)}: the engine holds {shape[0]} layers of "
+                                 f"{shape[1]} KV heads × {shape[2]} channels")  # fmt: skip
+        if keys.shape != values.shape:
+            raise ValueError(f"engine write: keys {tuple(keys.shape)} and values {tuple(values.shape)} differ")
+        count = keys.shape[-2]
+        if start != self.length:
+            raise ValueError(f"engine write at slot {start}: it holds {self.length} tokens, a write continues there")
+        if start + count > self.capacity:
+            raise ValueError(f"slots {start}..{start + count - 1} outside the engine's capacity {self.capacity}")
+        self.keys[:, :, start : start + count].copy_(keys.reshape(*shape[:2], count, shape[2]))
+        self.values[:, :, start : start + count].copy_(values.reshape(*shape[:2], count, shape[2]))
+        self.length = start + count
 
-    def commit(self, end: int) -> None:
-        """Slots length..end − 1 now hold the conversation (written in place through `slots`, e.g. by the map)."""
-        if not self.length <= end <= self.capacity:
-            raise ValueError(f"cannot commit slots up to {end}: the engine holds {self.length} of {self.capacity}")
+    def commit(self, start: int, end: int) -> None:
+        """Slots start..end − 1, written in place through `blocks` (e.g. by the map), now hold the conversation;
+        start must be the length it holds (no gap of unwritten slots)."""
+        if start != self.length or not start <= end <= self.capacity:
+            raise ValueError(f"cannot commit slots {start}..{end - 1}: the engine holds {self.length} of "
+                             f"{self.capacity} (a commit continues at slot {self.length})")  # fmt: skip
         self.length = end
 
-    def slots(self, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Views [L, 1, H_kv, end − start, d] of slots start..end − 1, for a kernel that writes mapped K/V in place."""
+    def blocks(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every slot as one block, [L, 1, H_kv, capacity + 1, d] views (a map's destination: `KVTransfer.into`)."""
+        return self.keys[:, None], self.values[:, None]
+
+    def slot_mapping(self, start: int, end: int) -> torch.Tensor:
+        """The slots [end − start] of positions start..end − 1 (slot = position), made on the device (no copy)."""
         if start < 0 or end > self.capacity or end < start:
             raise ValueError(f"slots {start}..{end - 1} outside the engine's capacity {self.capacity}")
-        return self.keys[:, None, :, start:end], self.values[:, None, :, start:end]
+        return torch.arange(start, end, device=self.device)
+
+    # --- who holds it ------------------------------------------------------------------------------------------
+
+    @property
+    def owner(self) -> object | None:
+        """The session whose conversation the engine holds (None: free, or that session is gone)."""
+        return None if self._owner is None else self._owner()
+
+    def claim(self, owner: object) -> None:
+        """`owner` takes the engine; a ValueError while another owner holds it (two sessions on one engine would each
+        change the other's cache: `release` it first)."""
+        held = self.owner
+        if held is not None and held is not owner:
+            raise ValueError("this engine already holds another session's conversation: close that session first")
+        self._owner = weakref.ref(owner)
+
+    def release(self, owner: object) -> None:
+        """`owner` gives the engine back (nothing if it does not hold it)."""
+        if self.owner is owner:
+            self._owner = None
 
     @torch.inference_mode()
     def native_prefix(self, ids: torch.Tensor, depth: int, queries: int = 0) -> Native:

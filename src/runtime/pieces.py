@@ -7,10 +7,10 @@ receiver's slots (`map_pieces`), under the length guard and the magnitude guard 
 from __future__ import annotations
 
 import torch
-from transformers import DynamicCache
 
-from src.maps import TransferError, cache_layers
+from src.maps import MapFlags, TransferError, cache_layers, layer_flags
 from src.runtime.reader import Reader
+from src.runtime.receivers import Piece
 from src.runtime.routing import Policy, Route, length_refusal
 
 
@@ -67,10 +67,13 @@ def map_pieces(
     conversation: torch.Tensor,
     receiver: str,
     pieces: list[tuple[int, int, str]],
-) -> tuple[list[DynamicCache | tuple[int, int]], int]:
-    """Each piece of `conversation` [T] mapped at its own positions — a cache, or on an engine receiver (low, high):
-    its slots, written in place — and the bytes read; raises TransferError on any refusal (nothing is changed)."""
-    mapped, read = [], 0
+) -> tuple[list[Piece], int]:
+    """Each piece of `conversation` [T] mapped at its own positions — its K/V, or on an engine receiver straight into
+    the slots past what it holds (no host sync: `KVTransfer.into`) — and the bytes read. What the host sees (the
+    length guard, shapes, ids, on a DynamicCache receiver every flag) raises TransferError now, nothing changed; on an
+    engine, non-finite values and the magnitude guard (`Policy.guard_max_abs`) stay device flags in the `Piece`,
+    decided by the splice before the tail is read."""
+    mapped, read, bound = [], 0, policy.guard_max_abs
     for start, end, sender in pieces:
         route = routes[(sender, receiver)]
         if refusal := length_refusal(policy, route, conversation.numel(), end):
@@ -80,15 +83,13 @@ def map_pieces(
         positions, ids = torch.arange(start, end), conversation[None, start:end]
         engine = readers[receiver].engine
         if engine is None:
-            cache = route.transfer(layers, positions=positions, input_ids=ids)
-            result = cache_layers(cache)
-        else:  # straight into the slots past what the receiver holds: a refusal leaves its state unchanged
-            route.transfer.into(engine.slots(start, end), layers, positions=positions, input_ids=ids)
-            cache, result = (start, end), [(engine.keys[:, :, start:end], engine.values[:, :, start:end])]
-        bound = policy.guard_max_abs
-        if bound is not None:
-            peak = float(torch.stack([t.abs().amax() for pair in result for t in pair]).max())
-            if peak > bound:
-                raise TransferError(f"guard: mapped |K|, |V| reach {peak:.3g} > {bound:g}")
-        mapped.append(cache)
+            cache = cache_layers(route.transfer(layers, positions=positions, input_ids=ids))  # checked finite
+            nonfinite, peak = layer_flags(cache)  # [L_t, 2], [L_t]
+            beyond = peak > (float("inf") if bound is None else bound)  # [L_t]
+            flags = MapFlags(nonfinite[:0], nonfinite.any(1), beyond, bound)
+        else:
+            slots = engine.slot_mapping(start, end)  # [n] on the device
+            into = dict(positions=positions, input_ids=ids, slots=slots, bound=bound)
+            cache, flags = None, route.transfer.into(engine.blocks(), layers, **into)
+        mapped.append(Piece(start, end, cache, flags))
     return mapped, read

@@ -19,7 +19,8 @@ import torch
 from transformers import DynamicCache, PreTrainedModel
 
 from src.maps import cache_layers
-from src.runtime.engine import Engine, Recompute
+from src.runtime.engine import Engine
+from src.runtime.receivers import CacheReceiver, EngineReceiver, Receiver
 
 # what `Reader.restore` puts back: its cache object, every cache layer's state, segments, logits, engine length
 State = tuple[DynamicCache | None, list[dict] | None, list["Segment"], torch.Tensor | None, int | None]
@@ -125,27 +126,20 @@ class Reader:
                 engine.write(own.keys[:, :, : own.length], own.values[:, :, : own.length], 0)
         return Reader(self.model, copy.deepcopy(self.cache), list(self.segments), logits, engine)
 
-    def read(
-        self, ids: torch.Tensor, recompute: Recompute | None = None, conversation: torch.Tensor | None = None
-    ) -> torch.Tensor:
-        """The model reads ids [N] natively on its cache; returns the last logits [1, V]. recompute: held (mapped)
-        conversation tokens an engine reads again in the same forward, first — fused recompute (`Recompute`) — their
-        ids taken from `conversation` [T]."""
-        start = self.length
+    def receiver(self) -> Receiver:
+        """Its cache as the splice's `Receiver` (src/runtime/receivers.py): the engine, or the DynamicCache (made on
+        first use)."""
         if self.engine is not None:
-            chosen = torch.zeros(0, dtype=torch.long) if recompute is None else recompute.positions  # [R]
-            positions = torch.cat([chosen, torch.arange(start, start + ids.numel())])  # [R + N]
-            held = chosen if recompute is None else conversation[chosen]  # [R]
-            logits = self.engine.forward(torch.cat([held, ids]), positions, recompute=recompute)  # [1, V]
-        else:
-            if self.cache is None:
-                self.cache = DynamicCache(config=self.model.config)
-            out = self.model(
-                ids[None].to(model_device(self.model)), past_key_values=self.cache, use_cache=True, logits_to_keep=1
-            )
-            logits = out.logits[:, -1]  # [1, V]
+            return EngineReceiver(self.engine)
+        if self.cache is None:
+            self.cache = DynamicCache(config=self.model.config)
+        return CacheReceiver(self.model, self.cache)
+
+    def read(self, ids: torch.Tensor) -> torch.Tensor:
+        """The model reads ids [N] natively on its cache; returns the last logits [1, V]."""
+        start = self.length
+        self.logits = self.receiver().read(ids[None])  # [1, V]
         self.add(Segment(start, start + ids.numel(), "native", self.exact))
-        self.logits = logits
         return self.logits
 
     def score(self, row: torch.Tensor) -> Score:

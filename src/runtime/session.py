@@ -36,7 +36,10 @@ greedy decoding by one-token forwards (src/runtime/generation.py). The semantics
 same records, provenance, rollback and all-or-nothing calls — within float tolerance, and `cache` / `exact_prefix`
 hand out DynamicCache copies of its slots. What it refuses: the attention recompute rule (the splice's own refusal, before
 anything changes), generate's keyword arguments and generation-config settings a greedy argmax does not reproduce,
-and a conversation longer than the smallest engine's capacity (every model may come to read it).
+and a conversation longer than the smallest engine's capacity (every model may come to read it). An engine serves one
+session at a time: a session holds the engines it is given or builds (`Engine.claim`) until `close()`; another
+session, a fork or `engine_handoff` is refused an engine a live session holds, and a closed session refuses to read
+the engines it gave back. One handoff's cover — re-prefill, or plan, map and splice — is src/runtime/cover.py.
 """
 
 from __future__ import annotations
@@ -50,46 +53,12 @@ from numbers import Integral
 import torch
 from transformers import DynamicCache, PreTrainedModel
 
-from src.apply import KVTransfer
 from src.forward import ids_problem
-from src.maps import TransferError
-from src.runtime.engine import Engine, Recompute
+from src.runtime.cover import HandoffRecord, Switch, cover
+from src.runtime.engine import Engine
 from src.runtime.generation import check_engine_generation, check_generation, engine_decode, hf_generate
-from src.runtime.levers import Levers, spent
-from src.runtime.pieces import map_pieces, owners
 from src.runtime.reader import Reader, Score, Segment, State, clock, model_device
 from src.runtime.routing import CostModel, Policy, Route, check_route
-from src.runtime.splice import check_splice, splice
-
-PATHS = ("hit", "map", "reprefill")
-STATUSES = ("applied", "fallback_reprefill", "unsupported")
-
-
-@dataclass
-class HandoffRecord:
-    """One `switch_to`: what the receiver reused, mapped and prefilled, at what cost, and why.
-
-    prefill_fraction is the share of a full prefill of the unseen tokens that the receiver spent: 1.0 whenever it
-    re-prefilled them (the policy, a refusal, or levers that cover every token: `levers_cover_all`), the levers'
-    share on a map (`Levers.prefill_fraction`, plus the native layers over the held prefix), 0.0 on a hit (nothing
-    unseen: nothing spent). The new turn, always read natively, is not part of it."""
-
-    sender: str | None
-    receiver: str
-    path: str  # PATHS: how the unseen tokens were covered (hit: there were none)
-    status: str  # STATUSES
-    reason: str
-    context: int  # conversation tokens before the new turn
-    hit: int  # tokens reused from the receiver's own cache
-    mapped: int  # tokens mapped from another model's cache
-    prefilled: int  # unseen tokens the receiver read natively (sink, hold-back, or all of them)
-    turn: int  # new-turn tokens read natively after them
-    prefill_fraction: float  # see the class docstring
-    ms: float  # the whole switch: reuse + map / prefill + the new turn's logits
-    ms_map: float  # the mapper calls within it
-    bytes: int  # K/V bytes read from the senders' caches for the mapped tokens
-    recomputed: int = 0  # mapped tokens recomputed in place (Levers.recompute)
-    levers_cover_all: bool = False  # path reprefill because the levers' sink and hold-back left no token to map
 
 
 @dataclass
@@ -146,6 +115,12 @@ class Session:
         self.readers = {name: Reader(model) for name, model in models.items()}
         if not isinstance(engines, dict | None):
             raise ValueError(f"engines maps model names to a capacity or an Engine, not a {type(engines).__name__}")
+        given = [engine for engine in (engines or {}).values() if isinstance(engine, Engine)]
+        if len({id(engine) for engine in given}) < len(given):
+            raise ValueError("one engine given for two models: each already holds another model's conversation")
+        for engine in given:
+            if engine.owner is not None:
+                raise ValueError("an engine given already holds another session's conversation: close() it first")
         for name, engine in (engines or {}).items():
             self.readers[name].engine = self._engine(name, engine)
         capacities = [r.engine.capacity for r in self.readers.values() if r.engine is not None]
@@ -167,6 +142,19 @@ class Session:
         self._ids = torch.zeros(0, dtype=torch.long)  # [T] the conversation
         self.active: str | None = None
         self._records: list[HandoffRecord] = []
+        self._claim()
+
+    def _claim(self) -> None:
+        """This session holds its engines (`Engine.claim`): no other session may take one until `close`."""
+        for reader in self.readers.values():
+            if reader.engine is not None:
+                reader.engine.claim(self)
+
+    def close(self) -> None:
+        """Give the engines back (another session may take them; this one then refuses to read them)."""
+        for reader in self.readers.values():
+            if reader.engine is not None:
+                reader.engine.release(self)
 
     def _engine(self, name: str, engine: object) -> Engine:
         """The reader's engine from a capacity or an Engine of the session's model; a ValueError otherwise."""
@@ -174,8 +162,6 @@ class Session:
         if isinstance(engine, Engine):
             if engine.model is not model:
                 raise ValueError(f"the engine given for {name!r} runs another model than the session's {name!r}")
-            if any(reader.engine is engine for reader in self.readers.values()):
-                raise ValueError(f"the engine given for {name!r} already holds another model's conversation")
             engine.truncate(0)
             return engine
         if isinstance(engine, bool) or not isinstance(engine, Integral):
@@ -214,7 +200,10 @@ class Session:
     def _reader(self, model: str) -> Reader:
         if not isinstance(model, str) or model not in self.readers:
             raise ValueError(f"no model {model!r} in this session; it holds {sorted(self.readers)}")
-        return self.readers[model]
+        reader = self.readers[model]
+        if reader.engine is not None and reader.engine.owner is not self:
+            raise ValueError(f"{model!r}'s engine no longer holds this session's conversation (the session was closed)")
+        return reader
 
     def holds(self, model: str) -> int:
         """Conversation tokens in the model's cache (a prefix of the conversation)."""
@@ -256,8 +245,11 @@ class Session:
         engines = engines or {}
         if set(engines) - {name for name, reader in self.readers.items() if reader.engine is not None}:
             raise ValueError(f"fork engines {sorted(engines)} name models that are not on an engine in this session")
+        if any(engine.owner is not None for engine in engines.values()):
+            raise ValueError("a fork's engine already holds a session's conversation: close() that session first")
         twin = copy.copy(self)
         twin.readers = {name: reader.copy(engines.get(name)) for name, reader in self.readers.items()}
+        twin._claim()
         twin.routes = dict(self.routes)
         twin._ids = self._ids.clone()
         twin._records = self.records
@@ -381,7 +373,8 @@ class Session:
                 0, 0, turn.numel(), 0.0, 0.0, 0.0, 0,
             )  # fmt: skip
             if total > held:
-                record = self._cover(model, record, turn)
+                switch = Switch(self.readers, self.routes, self.policy, self.costs, self._ids, self.active, model, turn)
+                record = cover(switch, record)
             elif turn.numel():
                 reader.read(turn)
             record.ms = (clock(device) - began) * 1e3
@@ -389,118 +382,3 @@ class Session:
             self.active = model
             self._records.append(record)
             return replace(record)
-
-    def _reprefill(
-        self, model: str, record: HandoffRecord, turn: torch.Tensor, status: str, reason: str
-    ) -> HandoffRecord:
-        """The receiver reads the unseen tokens and the turn in one forward: what a session without transfers does."""
-        reader = self._reader(model)
-        began = clock(model_device(reader.model))
-        native = torch.cat([self._ids[record.hit :], turn])
-        reader.read(native)
-        self.costs.observe(model, "prefill", native.numel(), (clock(model_device(reader.model)) - began) * 1e3)
-        unseen = record.context - record.hit
-        return replace(record, path="reprefill", status=status, reason=reason, prefilled=unseen, prefill_fraction=1.0)
-
-    def _cover(self, model: str, record: HandoffRecord, turn: torch.Tensor) -> HandoffRecord:
-        policy, levers = self.policy, self.policy.levers
-        held, total = record.hit, record.context
-        if policy.mode == "reprefill":
-            return self._reprefill(model, record, turn, "applied", "policy: reprefill")
-        sink_end = min(max(levers.native_sink, held), total)  # conversation positions < native_sink stay native
-        hold = min(max(levers.hold_back, 0 if turn.numel() else 1), total - sink_end)  # no turn: the last is read
-        end = total - hold
-        if end <= sink_end:
-            covered = replace(record, levers_cover_all=True)
-            return self._reprefill(model, covered, turn, "applied", "the levers leave no token to map")
-        pieces = owners(self.readers, self.routes, self.active, model, sink_end, end)
-        if isinstance(pieces, str):
-            return self._reprefill(model, record, turn, "unsupported", pieces)
-        unseen = total - held
-        span = replace(levers, native_sink=sink_end - held, hold_back=hold)  # the levers on this span
-        layers = self._reader(model).model.config.get_text_config().num_hidden_layers
-        transfer = self.routes[(pieces[0][2], model)].transfer
-        charged = spent(transfer, span)
-        depth = min(span.native_depth(unseen), layers)
-        spend = charged.prefill_fraction(unseen, layers, turn.numel()) * unseen + held * depth / layers
-        if policy.mode == "auto":
-            costs = self.costs
-            native = round(spend) + turn.numel()
-            estimate_map = [costs.estimate(model, "map", end - sink_end), costs.estimate(model, "prefill", native)]
-            estimate_prefill = costs.estimate(model, "prefill", unseen + turn.numel())
-            if None in estimate_map or estimate_prefill is None:
-                reason = "auto: no cost measurements yet for this receiver, map by default"
-            elif sum(estimate_map) >= estimate_prefill:
-                reason = f"auto: re-prefill ≈ {estimate_prefill:.2f} ms ≤ map ≈ {sum(estimate_map):.2f} ms"
-                return self._reprefill(model, record, turn, "applied", reason)
-            else:
-                reason = f"auto: map ≈ {sum(estimate_map):.2f} ms < re-prefill ≈ {estimate_prefill:.2f} ms"
-        else:
-            reason = "policy: map"
-        static = self._reader(model).engine is not None
-        check_splice(span, transfer.token_features, unseen, hold + turn.numel(), static)  # the splice's, first
-        device = model_device(self._reader(model).model)
-        began = clock(device)
-        try:
-            mapped, read = map_pieces(self.readers, self.routes, self.policy, self._ids, model, pieces)
-        except TransferError as refusal:
-            return self._reprefill(model, record, turn, "fallback_reprefill", str(refusal))
-        ms_map = (clock(device) - began) * 1e3
-        self.costs.observe(model, "map", end - sink_end, ms_map)
-        recomputed = self._splice(model, pieces, mapped, sink_end, end, span, transfer, turn)
-        return replace(
-            record,
-            path="map",
-            reason=reason,
-            mapped=end - sink_end,
-            prefilled=unseen - (end - sink_end),
-            prefill_fraction=spend / unseen,
-            ms_map=ms_map,
-            bytes=read,
-            recomputed=recomputed,
-        )
-
-    def _splice(
-        self,
-        model: str,
-        pieces: list[tuple[int, int, str]],
-        mapped: list[DynamicCache | tuple[int, int]],
-        start: int,
-        end: int,
-        span: Levers,
-        transfer: KVTransfer,
-        turn: torch.Tensor,
-    ) -> int:
-        """Commit a map that passed every check through the one splice (src/runtime/splice.py): sink tokens read
-        natively, the mapped pieces appended (on an engine: committed, `map_pieces` wrote their slots), the levers' native
-        layers and recomputed tokens (on an engine: read again in the tail's forward), then the hold-back tokens and
-        the turn read natively in one forward (at least one token: `_cover`). Returns how many mapped tokens were
-        recomputed."""
-        reader = self._reader(model)
-        target = reader.model
-        held, total = reader.length, self._ids.numel()
-        if reader.cache is None and reader.engine is None:
-            reader.cache = DynamicCache(config=target.config)
-        native = torch.cat([self._ids[end:total], turn])[None]  # [1, hold-back + turn]
-        mapped_segments = [
-            Segment(low, high, "mapped", False, sender, self.routes[(sender, model)].mapper_id)
-            for low, high, sender in pieces
-        ]
-
-        def read(ids: torch.Tensor, part: str, recompute: Recompute | None = None) -> None:
-            if part == "sink":
-                reader.read(ids[0])
-                return
-            for segment in mapped_segments:  # the span precedes the tail in the provenance
-                reader.add(segment)
-            began = clock(model_device(target))
-            reader.read(ids[0], recompute, self._ids)  # an engine's recomputed tokens first, in the same forward
-            layers = target.config.get_text_config().num_hidden_layers
-            count = ids.shape[1] if recompute is None else round(recompute.work(ids.shape[1], layers))  # tokens
-            self.costs.observe(model, "prefill", count, (clock(model_device(target)) - began) * 1e3)
-
-        receiver = reader.cache if reader.engine is None else reader.engine
-        return splice(
-            target, receiver, self._ids[None, :end], start, mapped, span, total - held, transfer.token_features,
-            native, native, read,
-        )  # fmt: skip
