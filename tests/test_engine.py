@@ -160,8 +160,13 @@ def test_graph_replay_equals_eager(dtype):
     tolerance = 1e-4 if dtype == torch.float32 else 5e-2  # a padded bucket runs other GEMM shapes than eager
     for start, count in ((270, 5), (275, 16), (291, 1), (292, 8)):  # buckets 8, 16, 1, 8: one graph, two lengths
         chunk, positions = ids[start : start + count], torch.arange(start, start + count)
+        own = count in (16, 1, 8)  # the bucket's own size: the same kernels on the same shapes
+        if own:  # ... on the same cache: the padded bucket before wrote K/V of other GEMM shapes, so in fp32 its slots
+            # differ in the last bit and every later read shows it (H100, 2026-12-06: 1.5e-7 at (275, 16); GEMMs alone
+            # are bit-equal captured and eager, results/gate-h100-2026-12-06/graph-probe.txt)
+            graphed.keys.copy_(eager.keys), graphed.values.copy_(eager.values)
         a, b = eager.forward(chunk, positions), graphed.forward(chunk, positions)
-        if count in (16, 1, 8):  # the bucket's own size: the same kernels on the same shapes
+        if own:
             assert torch.equal(a, b), (start, count, float((a - b).abs().max()))
         assert (a.float() - b.float()).abs().max() < tolerance, (start, count)
     assert (_engine_cache(eager, 300).float() - _engine_cache(graphed, 300).float()).abs().max() < tolerance
