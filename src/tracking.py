@@ -381,6 +381,21 @@ def items_of(document: object, where: str | Path) -> list[dict]:
     return items
 
 
+def rows_with(rows: object, keys: tuple[str, ...], where: str | Path) -> list[dict]:
+    """`rows` (a list of a record's rows: items, handoff records), each checked to be an object holding every key a
+    reader needs; else a RecordError naming `where`, the row and the key — never a bare KeyError later."""
+    if not isinstance(rows, list):
+        raise RecordError(f"{where}: a {type(rows).__name__}, not a list of rows")
+    for n, row in enumerate(rows):
+        if not isinstance(row, dict):
+            raise RecordError(f"{where}[{n}]: a {type(row).__name__}, not a row object")
+        if missing := [key for key in keys if key not in row]:
+            raise RecordError(
+                f"{where}[{n}]: no {', '.join(map(repr, missing))} (the row lacks what this reader needs)"
+            )
+    return rows
+
+
 def read_items(run: str | Path) -> list[dict]:
     """The per-item rows of the routed run whose record folder is `run` (its artifacts/routed/items.json)."""
     path = Path(run) / ITEMS
