@@ -15,7 +15,9 @@ It checks what the jobs would refuse later, with the checks they use (called her
   length; the check takes a long prefix (`LONG_PREFIX`: any recompute share > 0 recomputes a token there) and a
   one-token turn (every job reads at least one), so it refuses what no history of the run could splice;
 - the routed workload (src/routed.py `check_workload`): its name, and the engine, shards and read-error diagnosis
-  only where it supports them.
+  only where it supports them;
+- the data: `paths.data` is a folder for the jobs that read corpora or task items (`DATA_JOBS`; the construction job
+  on a synthetic budget reads none, the gate reads records).
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from __future__ import annotations
 import difflib
 from collections.abc import Iterable, Mapping
 from dataclasses import fields
+from pathlib import Path
 
 from omegaconf import DictConfig
 from omegaconf.errors import OmegaConfBaseException
@@ -35,6 +38,7 @@ from src.runtime.splice import check_splice
 
 LONG_PREFIX = 1 << 20  # tokens the lever check assumes (module docstring)
 SPLICING_JOBS = ("fit_eval", "optuna", "routed")  # the jobs whose sessions or offline scoring splice with the levers
+DATA_JOBS = ("fit_eval", "optuna", "routed", "probe", "latency", "handoff")  # they read paths.data
 
 
 class ConfigError(ValueError):
@@ -55,6 +59,11 @@ def _check(cfg: DictConfig, jobs: list[str]) -> None:
     if cfg.job not in jobs:
         raise ConfigError(f"job {cfg.job!r} is not a job{closest(str(cfg.job), jobs)}")
     policy = check_policy(cfg.policy)
+    data = Path(str(cfg.paths.data))
+    if cfg.job in DATA_JOBS and not data.is_dir():
+        raise ConfigError(f"paths.data {str(data)!r} is not a folder (from {Path.cwd()}): the {cfg.job} job reads corpora "
+                          "and task items there — put the shared data at ../shared/data beside the clone, or set "
+                          "KVRELAY_DATA=/path/to/shared/data")  # fmt: skip
     if cfg.job not in SPLICING_JOBS:
         return
     static, receiver = False, "Hugging Face's DynamicCache (fit_eval scores offline there)"

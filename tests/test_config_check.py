@@ -26,9 +26,10 @@ ATTENTION = ("policy.levers.recompute=0.25", "policy.levers.recompute_rule=atten
 PASSAGE = ("+experiment=routed", "+workload=passage")
 
 
-def composed(*overrides: str):
+def composed(*overrides: str, data: Path = REPO / "tests"):
+    """The job config; `paths.data` a folder that exists (the check asks no more of it) unless `data` says else."""
     with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
-        return compose("run", overrides=list(overrides))
+        return compose("run", overrides=[f"paths.data={data}", *overrides])
 
 
 def refusal(*overrides: str) -> str:
@@ -93,6 +94,12 @@ def test_the_jobs_own_checks_are_called():
     assert refusal("+experiment=routed").startswith("the routed job needs a workload: +workload=NAME")
 
 
+def test_a_data_folder_that_is_not_there_is_refused(tmp_path):
+    with pytest.raises(ConfigError, match=r"paths.data '\S+/nowhere' is not a folder \(from .*\): the fit_eval job "):
+        check_config(composed(data=tmp_path / "nowhere"), JOBS)
+    check_config(composed("+experiment=gate", data=tmp_path / "nowhere"), JOBS)  # the gate reads records only
+
+
 class Loaded(AssertionError):
     pass
 
@@ -115,7 +122,7 @@ def test_the_job_refuses_before_any_model_loads_or_run_opens(monkeypatch):
 
 def test_the_command_prints_one_line_and_exits_non_zero(tmp_path):
     """`python -m src.run` with a misspelt lever: exit code ≠ 0, one line on stderr, no traceback, nothing tracked."""
-    env = dict(os.environ, KVRELAY_HOME=str(tmp_path / "home"))
+    env = dict(os.environ, KVRELAY_HOME=str(tmp_path / "home"), KVRELAY_DATA=str(REPO / "tests"))
     command = [sys.executable, "-m", "src.run", "+policy.levers.hold_bak=2", f"tracking.uri=sqlite:///{tmp_path}/m.db",
                f"hydra.run.dir={tmp_path / 'out'}"]  # fmt: skip
     done = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
