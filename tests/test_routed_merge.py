@@ -14,7 +14,7 @@ from src.gate import is_shard
 from src.routed_merge import _joined, interleave, main, merge, write
 from src.routed_workloads import check_shard, shard
 from src.tasks import Item
-from src.tracking import RecordError
+from src.tracking import ITEMS, RecordError
 from src.workloads import Example
 from tests.test_routed import DATA, compose
 
@@ -103,13 +103,14 @@ def test_joined_shards_score_what_the_unsharded_run_scores(records, tmp_path):
     )
 
 
-def _copy(folder: Path, into: Path, edit) -> Path:
+def _copy(folder: Path, into: Path, edit, file: str = "record.json") -> Path:
+    """A copy of the shard at `folder` whose `file` (its record, or its items artifact) `edit` changed."""
     target = into / folder.name
     shutil.copytree(folder, target)
-    path = target / "record.json"
-    record = json.loads(path.read_text())
-    edit(record)
-    path.write_text(json.dumps(record))
+    path = target / file
+    document = json.loads(path.read_text())
+    edit(document)
+    path.write_text(json.dumps(document))
     return target
 
 
@@ -150,38 +151,28 @@ def test_the_join_refuses_what_is_not_one_runs_shards(records, tmp_path, capsys)
     assert not any((tmp_path / "g").iterdir())  # the staging folder went with the failure
 
 
-def _edit_items(folder: Path, into: Path, edit) -> Path:
-    """A copy of the shard at `folder` whose items artifact `edit` changed."""
-    target = _copy(folder, into, lambda r: None)
-    path = target / "artifacts/routed/items.json"
-    document = json.loads(path.read_text())
-    edit(document)
-    path.write_text(json.dumps(document))
-    return target
-
-
 def test_a_shard_whose_rows_disagree_with_its_record_or_lack_a_key_is_refused(records, tmp_path, capsys):
     """Issue 32 item 5: a shard that lost an item row or a handoff record (its counts disagree with its own record's)
     is refused, naming the shard and both counts; a row without a key the join reads is refused naming the file, the
     row and the key — never a bare KeyError; nothing is written."""
     zero, one = records["0"], records["1"]
-    lost = _edit_items(one, tmp_path / "lost", lambda d: d["items"].pop())
+    lost = _copy(one, tmp_path / "lost", lambda d: d["items"].pop(), ITEMS)
     rows = json.loads((one / "artifacts/routed/items.json").read_text())["items"]
     task = rows[-1]["task"]
     count = sum(row["task"] == task for row in rows)
     message = rf"shard 1/2 holds {count - 1} item rows of {task}, its record logged task\.{task}\.items = {count}"
     with pytest.raises(ValueError, match=message):
         merge([zero, lost])
-    added = _edit_items(one, tmp_path / "added", lambda d: d["items"].append(d["items"][0] | {"index": 99}))
+    added = _copy(one, tmp_path / "added", lambda d: d["items"].append(d["items"][0] | {"index": 99}), ITEMS)
     with pytest.raises(ValueError, match="a row was lost or added"):
         merge([zero, added])
-    dropped = _edit_items(one, tmp_path / "dropped", lambda d: d["handoffs"].pop())
+    dropped = _copy(one, tmp_path / "dropped", lambda d: d["handoffs"].pop(), ITEMS)
     with pytest.raises(ValueError, match=r"shard 1/2's handoff records count handoffs\.\S+ \d+ \(logged \d+\)"):
         merge([zero, dropped])
-    keyless = _edit_items(one, tmp_path / "keyless", lambda d: d["items"][0].pop("task"))
+    keyless = _copy(one, tmp_path / "keyless", lambda d: d["items"][0].pop("task"), ITEMS)
     with pytest.raises(RecordError, match=r"items\.json items\[0\]: no 'task'"):
         merge([zero, keyless])
-    moves = _edit_items(one, tmp_path / "moves", lambda d: d["handoffs"][0].pop("status"))
+    moves = _copy(one, tmp_path / "moves", lambda d: d["handoffs"][0].pop("status"), ITEMS)
     with pytest.raises(RecordError, match=r"items\.json handoffs\[0\]: no 'status'"):
         merge([zero, moves])
     assert main([str(tmp_path / "out"), str(zero), str(keyless)]) == 2
