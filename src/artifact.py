@@ -20,8 +20,11 @@ message that names it. A directory of the older flat layout (the two files only)
 
 The manifest may carry measured length evidence (`length_evidence`; `python -m src.length_evidence` publishes the same
 tensor bytes under the amended manifest: a new version), so the version id verifies it with the rest — one integrity
-check, no side file to keep in step. A load checks that its `max_verified_length` is what its measurements show and
-refuses evidence in a manifest no version id verifies (the flat layout): never silently used.
+check, no side file to keep in step. The version id proves the manifest was not edited, not that its evidence was
+measured on these coefficients: the evidence names the coefficients it was measured on (their `tensor_sha256`), a
+save whose tensor bytes differ (another coefficient dtype, a refit) drops it with a warning, and a load refuses
+evidence bound to other coefficients. A load also checks that its `max_verified_length` is what its measurements show
+and refuses evidence in a manifest no version id verifies (the flat layout): never silently used.
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ import platform
 import shutil
 import socket
 import tempfile
+import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -53,12 +57,16 @@ STAGING = ".staging-"  # + host-pid-random: a save in progress (or killed: swept
 LOAD_ATTEMPTS = 20  # a load retries while concurrent saves replace the version it was reading
 COEFFICIENT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 EVIDENCE = "length_evidence"  # the manifest key of the measured length evidence (module docstring)
-EVIDENCE_KEYS = ("margin_points", "min_items", "measurements", "max_verified_length", "verified_by")
+EVIDENCE_KEYS = ("margin_points", "min_items", "measurements", "max_verified_length", "verified_by", "tensor_sha256")
 MEASUREMENT_KEYS = ("bin", "length", "items", "loss_points_high", "split", "run_id", "record")
 
 
 class ArtifactError(ValueError):
     """A mapper artifact that is corrupt, incomplete, or belongs to another model pair."""
+
+
+class EvidenceDroppedWarning(UserWarning):
+    """A save dropped the manifest's length evidence: it was measured on other coefficients (module docstring)."""
 
 
 @dataclass
@@ -120,12 +128,20 @@ def save_mapper(mapper: Mapper, directory: str | Path, coefficient_dtype: str = 
     dtype = lambda name: COEFFICIENT_DTYPES[coefficient_dtype] if name in COEFFICIENTS else torch.int64
     tensors = {name: t.detach().cpu().contiguous().to(dtype(name)) for name, t in mapper.tensors().items()}
     data = safetensors.torch.save(tensors)
+    digest = hashlib.sha256(data).hexdigest()
+    kept, block = dict(mapper.manifest), mapper.manifest.get(EVIDENCE)
+    measured_on = block.get("tensor_sha256") if isinstance(block, dict) else None
+    if block is not None and measured_on != digest:  # the evidence was measured on other coefficients
+        warnings.warn(f"{directory}: the length evidence was measured on other coefficients than these "
+                      f"({coefficient_dtype}, sha256 {digest[:12]}): dropped — measure again with "
+                      "python -m src.length_evidence", EvidenceDroppedWarning, stacklevel=2)  # fmt: skip
+        del kept[EVIDENCE]
     manifest = dict(
-        mapper.manifest,
+        kept,
         schema_version=SCHEMA_VERSION,
         coefficient_dtype=coefficient_dtype,
         shapes={name: list(t.shape) for name, t in tensors.items()},
-        tensor_sha256=hashlib.sha256(data).hexdigest(),
+        tensor_sha256=digest,
         tensor_bytes=len(data),
         libraries=library_versions(),
     )
@@ -308,6 +324,11 @@ def length_evidence(manifest: dict) -> tuple[int, str | None] | None:
         if n and row["split"] != "valid":
             raise ArtifactError(f"length evidence {where} ({row['run_id']}) read {row['split']!r} items: a length "
                                 "threshold is chosen on validation items only")  # fmt: skip
+    if evidence["tensor_sha256"] != manifest.get("tensor_sha256"):
+        raise ArtifactError(
+            f"length evidence was measured on other coefficients: sha256 {str(evidence['tensor_sha256'])[:12]} ≠ "
+            f"this mapper's {str(manifest.get('tensor_sha256'))[:12]} — measure again with python -m src.length_evidence"
+        )
     try:
         length, shown = verified_length(rows, evidence["margin_points"], evidence["min_items"])
     except TypeError as error:  # a count or a bound that is not a number

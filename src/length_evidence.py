@@ -5,16 +5,18 @@
 Each RECORD is a routed run (a record folder or its record.json, src/tracking.py) of a single-turn workload
 (fewshot, fewshot_long, passage) on VALIDATION items (tag split=valid: a run on test items is refused — test items
 never choose a threshold) with real weights, the pair and the very coefficients of the mapper (tags: fingerprints,
-tokenizer hash, mapper_tensor_sha256). Its items (artifacts/routed/items.json) are binned by history length
-(`--edges`, default conf/gate/default.yaml length_edges: bins (0, e₁], (e₁, e₂], …, and past the last edge), and per
-run × bin the loss in points of the routed session against the native receiver on the items it MAPPED (a refused
-handoff re-prefilled: counted, left out) is measured with the run's paired bootstrap CI (src/routed.py
-`mean_difference_ci`: mean over tasks, items resampled within each task; the run's own n_boot and seed). The mapper's
-`max_verified_length` follows from them by src/artifact.py `verified_length` (a non-inferiority reading: ≥ min_items
-mapped items and the CI's upper bound ≤ the margin, from the shortest bin up, no gap). The evidence replaces any the
-manifest had; the artifact is published again atomically (a new version whose id verifies the evidence with the rest
-of the manifest), and the table is printed. The session's length guard (`Policy.length_guard=evidence`) then refuses
-to map a history past `max_verified_length`.
+tokenizer hash, mapper_tensor_sha256). Its items (artifacts/routed/items.json: each row readable and each item
+once, `checked_items`, or the run is refused) are binned by history length (`--edges`, default conf/gate/default.yaml
+length_edges: bins (0, e₁], (e₁, e₂], …, and past the last edge), and per run × bin the loss in points of the routed
+session against the native receiver on the items it MAPPED (a refused handoff re-prefilled: counted, left out) is
+measured with the run's paired bootstrap CI (src/routed.py `mean_difference_ci`: mean over tasks, items resampled
+within each task; the run's own n_boot and seed). The mapper's `max_verified_length` follows from them by
+src/artifact.py `verified_length` (a non-inferiority reading: ≥ min_items mapped items and the CI's upper bound ≤ the
+margin, from the shortest bin up, no gap). The evidence replaces any the manifest had and names the coefficients it
+was measured on (their tensor_sha256: a save with other coefficients drops it, a load refuses it on others); the
+artifact is published again atomically (a new version whose id verifies the evidence with the rest of the manifest),
+and the table is printed. The session's length guard (`Policy.length_guard=evidence`) then refuses to map a history
+past `max_verified_length`.
 """
 
 from __future__ import annotations
@@ -30,9 +32,10 @@ from src.routed import mean_difference_ci
 from src.routed_runs import task_scores
 from src.routed_workloads import WORKLOADS, play_single_turn
 from src.tasks import METRICS
-from src.tracking import read_items, read_record, require
+from src.tracking import ITEMS, RecordError, read_items, read_record, require, rows_with
 
 LEVERS = "policy.levers."
+ITEM_KEYS = ("task", "index", "label", "lengths", "history_tokens", "turn_tokens", "scores", "handoff")  # what it reads
 
 
 def bins(edges: list[int]) -> list[tuple[int, int | None]]:
@@ -42,6 +45,45 @@ def bins(edges: list[int]) -> list[tuple[int, int | None]]:
     if any(b <= a for a, b in zip(edges, edges[1:], strict=False)):
         raise ValueError(f"length edges must increase strictly, not {edges!r}")
     return [*zip([0, *edges[:-1]], edges, strict=True), (edges[-1], None)]
+
+
+def checked_items(items: list[dict], where: Path) -> list[dict]:
+    """The run's item rows, each holding what a measurement reads — a known task, whole numbers where it counts
+    (index, label, history and turn tokens), numeric choice lengths and scores, a handoff's path and status — and each
+    item (task, index) once; else a RecordError naming the file, the row and the value. An item listed twice is
+    refused, not deduplicated: the routed job writes each item once, so a second row means a damaged or hand-made
+    record, and no rule says which copy is the measurement (counting both would pass the min_items bar on fewer
+    items)."""
+    first: dict[tuple[str, int], int] = {}
+    for n, row in enumerate(rows_with(items, ITEM_KEYS, f"{where} items")):
+        at = f"{where} items[{n}]"
+        if not isinstance(row["task"], str) or row["task"] not in METRICS:
+            raise RecordError(f"{at}: task {row['task']!r} is not one of the tasks (src/tasks.py METRICS)")
+        for key in ("index", "label", "history_tokens", "turn_tokens"):
+            if isinstance(row[key], bool) or not isinstance(row[key], int) or row[key] < 0:
+                raise RecordError(f"{at}: {key} {row[key]!r} is not a whole number ≥ 0")
+        scores = row["scores"]
+        pairs = [scores.get(mode) for mode in ("native_target", "routed")] if isinstance(scores, dict) else [None]
+        numbers = [row["lengths"], *(value for pair in pairs for value in (pair or [None]))]
+        if not all(isinstance(v, list) and v and all(_number(x) for x in v) for v in numbers):
+            raise RecordError(f"{at}: lengths {row['lengths']!r} or the scores of native_target / routed are not "
+                              "lists of numbers")  # fmt: skip
+        handoff = row["handoff"]
+        if not isinstance(handoff, dict) or not {"path", "status"} <= handoff.keys():
+            raise RecordError(f"{at}: handoff {handoff!r} is not a handoff record with its path and status")
+        key = (row["task"], row["index"])
+        if key in first:
+            raise RecordError(f"{at}: item {key} is listed twice (first at items[{first[key]}]): each item counts once "
+                              "toward min_items; a record that lists one twice is damaged (refused, not deduplicated)")  # fmt: skip
+        first[key] = n
+    return items
+
+
+def _number(value: object) -> bool:
+    """A JSON number (a greedy flag may be a bool), or a [log p, greedy] pair of them."""
+    if isinstance(value, list):
+        return len(value) == 2 and all(_number(x) for x in value)
+    return isinstance(value, int | float) and not math.isnan(value)
 
 
 def _checked(path: Path, manifest: dict) -> tuple[Path, dict]:
@@ -89,10 +131,7 @@ def measure(path: Path, manifest: dict, edges: list[int]) -> list[dict]:
     params, tags = record["params"], record["tags"]
     where = folder / "record.json"
     n_boot, seed = int(require(params, "eval.tasks.n_boot", where)), int(require(params, "seed", where))
-    items = read_items(folder)
-    for n, item in enumerate(items):
-        for key in ("task", "history_tokens", "handoff", "scores"):
-            require(item, key, f"{folder / 'artifacts/routed/items.json'} items[{n}]")
+    items = checked_items(read_items(folder), folder / ITEMS)
     rows = []
     for low, high in bins(edges):
         inside = [i for i in items if low < i["history_tokens"] and (high is None or i["history_tokens"] <= high)]
@@ -129,8 +168,9 @@ def measure(path: Path, manifest: dict, edges: list[int]) -> list[dict]:
     return rows
 
 
-def evidence(measurements: list[dict], edges: list[int], margin: float, min_items: int) -> dict:
-    """The manifest's length evidence block: the rule's settings, the measurements and what they verify."""
+def evidence(measurements: list[dict], edges: list[int], margin: float, min_items: int, tensor_sha256: str) -> dict:
+    """The manifest's length evidence block: the rule's settings, the measurements, what they verify, and the
+    coefficients they were measured on (`tensor_sha256`: a mapper saved with other coefficients loses it)."""
     if not (isinstance(margin, int | float) and math.isfinite(margin) and margin >= 0):
         raise ValueError(f"the margin must be a finite number of points ≥ 0, not {margin!r}")
     if isinstance(min_items, bool) or not isinstance(min_items, int) or min_items < 1:
@@ -146,6 +186,7 @@ def evidence(measurements: list[dict], edges: list[int], margin: float, min_item
         "measurements": sorted(measurements, key=lambda r: (r["bin"][0], r["run_id"])),
         "max_verified_length": length,
         "verified_by": None if shown is None else f"{shown['run_id']} ({shown['record']})",
+        "tensor_sha256": tensor_sha256,
     }
 
 
@@ -159,7 +200,7 @@ def add_evidence(directory: Path, records: list[Path], edges: list[int], margin:
     measurements = [row for path in records for row in measure(Path(path), manifest, edges)]
     if not measurements:
         raise ValueError("the records hold no scored item: nothing was measured")
-    block = evidence(measurements, edges, margin, min_items)
+    block = evidence(measurements, edges, margin, min_items, manifest["tensor_sha256"])
     return amend_manifest(directory, {EVIDENCE: block}).manifest[EVIDENCE]
 
 

@@ -34,7 +34,7 @@ from src.eval.read_error import read_error_metrics
 from src.models import Pair
 from src.pipeline import build_mapper, calibration, load, tags, vocab_size
 from src.routed_runs import LENGTH_EDGES, Run, bucket, rollback, task_scores
-from src.routed_workloads import WORKLOADS, check_shard
+from src.routed_workloads import WORKLOADS, Workload, check_shard
 from src.runtime.engine import Engine
 from src.runtime.routing import Route, bind, policy_from
 from src.tasks import METRICS
@@ -263,9 +263,9 @@ def _plots(items: list[dict], curve: dict[int, dict[str, float]]) -> dict[str, p
 ENGINE_KINDS = ("routed", "reprefill", "twin")  # a session kind each; twins are the same-work forks
 
 
-def routed(cfg: DictConfig) -> float:
-    """Run the configured workload through the router session; returns the routed task-mean accuracy."""
-    torch.manual_seed(cfg.seed)
+def check_workload(cfg: DictConfig) -> Workload:
+    """The configured workload, once what it is asked to do is what it supports (the engine, item shards, the read
+    error); a ValueError naming the key otherwise. Needs no model: src/config_check.py calls it before any job."""
     w = cfg.workload
     if w.name not in WORKLOADS:
         raise ValueError(f"unknown workload {w.name!r}: one of {sorted(WORKLOADS)} (src/routed_workloads.py WORKLOADS)")
@@ -278,11 +278,19 @@ def routed(cfg: DictConfig) -> float:
     if w.shards != 1 and not workload.shards:
         raise ValueError(f"workload.shards: the {w.name} workload's items are not sharded (only {having('shards')}); "
                          "set it to 1")  # fmt: skip
-    policy = policy_from(cfg.policy)  # a policy that cannot hold is refused before any model loads
     if cfg.eval.diagnose.read_error and not workload.read_error:
         raise ValueError(f"eval.diagnose.read_error: the {w.name} workload's routed and native conversations may "
                          f"differ (each reads its own answers), so no shared history to compare; only "
                          f"{having('read_error')}")  # fmt: skip
+    return workload
+
+
+def routed(cfg: DictConfig) -> float:
+    """Run the configured workload through the router session; returns the routed task-mean accuracy."""
+    torch.manual_seed(cfg.seed)
+    w = cfg.workload
+    workload = check_workload(cfg)
+    policy = policy_from(cfg.policy)  # a policy that cannot hold is refused before any model loads
     pair = load(cfg)
     bound, mappers = routes(cfg, pair, workload.reverse)
     tokenizer = pair.tokenizer if pair.tokenizer is not None else Bytes(vocab_size(pair))

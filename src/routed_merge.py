@@ -4,7 +4,9 @@ A device call lasts at most 10 minutes, fewer than the items a ±2-point CI need
 `workload.shard` of `workload.shards` per call (src/routed_workloads.py `shard`: per task, the items ≡ shard mod
 shards) and each call writes its own record (tag `shard` = "i/n"), which the gate never judges alone. This joins
 them: every shard present once, each finished, the same code, models, mapper and config but the shard index, no
-item scored twice; the per-item rows and handoff records concatenated; every metric the run's items carry recomputed
+item scored twice, each shard's rows whole (every key the join reads, and as many items per task and handoffs per
+status as the shard's own record logged: a lost or added row is refused, naming the shard and both counts); the
+per-item rows and handoff records concatenated; every metric the run's items carry recomputed
 from them as the routed job computes it (quality with paired CIs, TTFT and the speedup's CI, the harness check,
 handoffs); the rest joined by what it means — rollback holds only where it held in every shard (the largest cache
 difference), throughput from the summed counts and seconds, fidelity the mean over shards (each on its own first
@@ -20,15 +22,29 @@ import json
 import shutil
 import sys
 import tempfile
+from collections import Counter
 from pathlib import Path
 
 from src.eval.read_error import read_error_metrics
 from src.routed import handoffs, quality, timing
-from src.tracking import ITEMS, RecordError, metric_values, read_json, read_record, record_digest, record_dir, require
+from src.tracking import (
+    ITEMS,
+    RecordError,
+    items_of,
+    metric_values,
+    read_json,
+    read_record,
+    record_digest,
+    record_dir,
+    require,
+    rows_with,
+)
 
 SHARD_PARAMS = ("workload.shard", "tracking.json_dir")  # the only params shards of one run may differ in
 RECOMPUTED = ("task.", "ttft.", "ttft_speedup", "gpu_peak_mb.", "handoffs.", "refusals.", "handoff_frequency",
               "prefill_fraction", "mapped_bytes_per_handoff", "read_error.")  # fmt: skip  # from the items and handoff records
+ITEM_KEYS = ("task", "index", "label", "lengths", "history_tokens", "turn_tokens", "scores", "nll", "ttft", "handoff")
+HANDOFF_KEYS = ("sender", "receiver", "status", "path", "context", "hit", "prefill_fraction", "bytes")  # what it reads
 
 
 def _shard(tags: dict[str, str], where: Path) -> tuple[int, int]:
@@ -61,6 +77,33 @@ def _check_parts(records: list[dict], paths: list[Path]) -> int:
         if differ := sorted(k for k in params.keys() | expected.keys() if params.get(k) != expected.get(k)):
             raise ValueError(f"{path} and {where} differ in params {differ}: not shards of one run")
     return count
+
+
+def _rows(document: object, logged: dict[str, float], path: Path, shard: str) -> tuple[list[dict], list[dict]]:
+    """The shard's item rows and handoff records, each holding the keys the join reads, and as many as the shard's
+    own record logged (`task.<task>.items` per task; `handoffs.*` recomputed from its handoff records); a RecordError
+    naming the file and row, or a ValueError naming the shard and both counts."""
+    where = path / ITEMS
+    items = rows_with(items_of(document, where), ITEM_KEYS, f"{where} items")
+    moves = rows_with(require(document, "handoffs", where), HANDOFF_KEYS, f"{where} handoffs")
+    for n, row in enumerate(items):
+        if not isinstance(row["task"], str) or isinstance(row["index"], bool) or not isinstance(row["index"], int):
+            raise RecordError(f"{where} items[{n}]: task {row['task']!r} and index {row['index']!r} are not a name and "
+                              "an item number")  # fmt: skip
+    rows = Counter(row["task"] for row in items)
+    counts = {key[len("task.") : -len(".items")]: value for key, value in logged.items()
+              if key.startswith("task.") and key.endswith(".items") and not key.startswith("task.mean.")}  # fmt: skip
+    for task in sorted(rows.keys() | counts.keys(), key=str):
+        if rows.get(task, 0) != counts.get(task, 0):
+            raise ValueError(f"{path}: shard {shard} holds {rows.get(task, 0)} item rows of {task}, its record logged "
+                             f"task.{task}.items = {counts.get(task, 0):g}: a row was lost or added (rerun the shard)")  # fmt: skip
+    recounted = {k: v for k, v in handoffs(moves, 1).items() if k.startswith("handoffs.")}
+    own = {k: v for k, v in logged.items() if k.startswith("handoffs.")}
+    if differ := sorted(k for k in recounted.keys() | own.keys() if recounted.get(k, 0) != own.get(k, 0)):
+        shown = ", ".join(f"{k} {recounted.get(k, 0):g} (logged {own.get(k, 0):g})" for k in differ)
+        raise ValueError(f"{path}: shard {shard}'s handoff records count {shown}: a record was lost or added (rerun the "
+                         "shard)")  # fmt: skip
+    return items, moves
 
 
 def _joined(key: str, values: list[float], shards: int) -> float:
@@ -101,12 +144,14 @@ def merge(paths: list[Path]) -> tuple[dict, dict]:
     order = sorted(range(len(paths)), key=lambda n: _shard(records[n]["tags"], paths[n]))
     records, paths = [records[n] for n in order], [paths[n] for n in order]  # shard 0 first
     documents = [read_json(p / ITEMS) for p in paths]
-    items = interleave([require(document, "items", p) for document, p in zip(documents, paths, strict=True)])
-    moves = [row for document, p in zip(documents, paths, strict=True) for row in require(document, "handoffs", p)]
+    values = [metric_values(r, p) for r, p in zip(records, paths, strict=True)]
+    parts = [_rows(document, logged, p, r["tags"]["shard"])
+             for document, logged, p, r in zip(documents, values, paths, records, strict=True)]  # fmt: skip
+    items = interleave([rows for rows, _ in parts])
+    moves = [move for _, rows in parts for move in rows]
     keys = [(row["task"], row["index"]) for row in items]
     if len(set(keys)) != len(keys):
         raise ValueError(f"shards overlap: {len(keys) - len(set(keys))} items scored twice")
-    values = [metric_values(r, p) for r, p in zip(records, paths, strict=True)]
     params = records[0]["params"]
     n_boot, seed = int(params["eval.tasks.n_boot"]), int(params["seed"])
     everywhere = set.intersection(*(set(v) for v in values))

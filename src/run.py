@@ -20,6 +20,7 @@ from omegaconf import DictConfig
 
 from src import bench, tracking
 from src.apply import KVTransfer
+from src.config_check import ConfigError, check_config
 from src.corpus import VALIDATION, heldout_sequences
 from src.eval.accuracy import by_length, compare, score_task, summarize
 from src.eval.diagnose import cache_fidelity, swap_nll
@@ -262,8 +263,10 @@ JOBS: dict[str, Callable[[DictConfig], float | None]] = {
 
 @hydra.main(version_base="1.3", config_path="../conf", config_name="run")
 def main(cfg: DictConfig) -> float | None:
-    if cfg.job not in JOBS:
-        raise ValueError(f"unknown job {cfg.job!r}; choose one of {sorted(JOBS)}")
+    try:  # first: nothing loads and no MLflow run opens before the config holds (src/config_check.py)
+        check_config(cfg, JOBS)
+    except ConfigError as error:
+        sys.exit(f"config: {error}")
     return JOBS[cfg.job](cfg)
 
 

@@ -381,6 +381,21 @@ def items_of(document: object, where: str | Path) -> list[dict]:
     return items
 
 
+def rows_with(rows: object, keys: tuple[str, ...], where: str | Path) -> list[dict]:
+    """`rows` (a list of a record's rows: items, handoff records), each checked to be an object holding every key a
+    reader needs; else a RecordError naming `where`, the row and the key — never a bare KeyError later."""
+    if not isinstance(rows, list):
+        raise RecordError(f"{where}: a {type(rows).__name__}, not a list of rows")
+    for n, row in enumerate(rows):
+        if not isinstance(row, dict):
+            raise RecordError(f"{where}[{n}]: a {type(row).__name__}, not a row object")
+        if missing := [key for key in keys if key not in row]:
+            raise RecordError(
+                f"{where}[{n}]: no {', '.join(map(repr, missing))} (the row lacks what this reader needs)"
+            )
+    return rows
+
+
 def read_items(run: str | Path) -> list[dict]:
     """The per-item rows of the routed run whose record folder is `run` (its artifacts/routed/items.json)."""
     path = Path(run) / ITEMS
@@ -389,19 +404,24 @@ def read_items(run: str | Path) -> list[dict]:
 
 def import_records(directory: str | Path, uri: str, artifacts: str) -> int:
     """Replay every JSON record under `directory` as an MLflow run (times and status kept, params under today's names:
-    `read_record`); returns how many. A truncated record, or one without a key the replay needs, is a RecordError
-    naming it, before anything is replayed."""
+    `read_record`); returns how many. A record already imported into its experiment (tag `imported_digest`: the
+    sha256 of its record.json) is skipped, so importing a folder twice adds nothing. A truncated record, or one without
+    a key the replay needs, is a RecordError naming it, before anything is replayed."""
     from mlflow import MlflowClient
     from mlflow.entities import Metric, Param
 
     records = [(path, read_record(path)) for path in sorted(Path(directory).glob("**/record.json"))]
     for path, record in records:  # every record checked before any is imported: a bad one imports nothing
         require(record, "experiment", path)
-    client = MlflowClient(uri)
+    client, imported = MlflowClient(uri), 0
     for path, record in records:
         experiment_id = configure(uri, record["experiment"], artifacts)
+        digest = hashlib.sha256(path.read_bytes()).hexdigest()[:16]
+        if client.search_runs([experiment_id], f"tags.imported_digest = '{digest}'", max_results=1):
+            continue
+        imported += 1
         start = record.get("start_time") or _now_ms()  # records from before issue 15 have no times
-        tags = record["tags"] | {"imported_from": str(path.parent)}
+        tags = record["tags"] | {"imported_from": str(path.parent), "imported_digest": digest}
         run_id = client.create_run(experiment_id, start_time=start, tags=tags, run_name=record["name"]).info.run_id
         metrics = [Metric(m["key"], m["value"], m.get("timestamp") or start, m["step"] or 0) for m in record["metrics"]]
         client.log_batch(run_id, metrics=metrics, params=[Param(k, v) for k, v in record["params"].items()])
@@ -411,7 +431,7 @@ def import_records(directory: str | Path, uri: str, artifacts: str) -> int:
                 client.log_artifact(run_id, str(file), None if str(relative) == "." else str(relative))
         status = record.get("status", "FINISHED")
         client.set_terminated(run_id, "FAILED" if status == "RUNNING" else status, record.get("end_time") or start)
-    return len(records)
+    return imported
 
 
 def export_records(experiment: str, directory: str | Path, uri: str) -> int:
@@ -506,7 +526,9 @@ def main() -> None:
             sys.exit(f"digest: {error}")
     elif args.command == "import":
         try:
-            print(f"imported {import_records(args.directory, args.uri, args.artifacts)} run(s) into {args.uri}")
+            found = len(list(Path(args.directory).glob("**/record.json")))
+            imported = import_records(args.directory, args.uri, args.artifacts)
+            print(f"imported {imported} run(s) into {args.uri} ({found - imported} of {found} were there already)")
         except RecordError as error:
             sys.exit(f"import: {error}")
     else:

@@ -4,7 +4,7 @@ Floors, bottom to top (a module may import its own floor and the floors below it
 models, rope, task data, tracking, model fetching → corpus, traces, statistics, support, weighting, artifact → selection, map
 arithmetic, forward passes, Fused-Fit kernel → fit, probe, synthetic, apply kernel → apply → runtime room (levers, recompute,
 the splice plan → the receiver engine → the receivers → the one splice → routing → a model's reader → generation, a handoff's pieces → a handoff's cover → router session) → eval → pipeline (cfg → objects), workloads → jobs (bench, routed, sweep, gate,
-distributed) → routed_merge (a run's item shards joined) → report (tables from records) → choose, length evidence → run (dispatch). A new module must be given a floor here before it can land.
+distributed) → routed_merge (a run's item shards joined) → report (tables from records) → choose, length evidence → config check → run (dispatch). A new module must be given a floor here before it can land.
 """
 
 import ast
@@ -43,6 +43,7 @@ FLOORS = [
     {"src.routed_merge"},  # joins a routed run's item shards (reads the routed job's metrics)
     {"src.report"},  # the package: every src.report.* module
     {"src.choose", "src.length_evidence"},  # validation records → a choice (levers; the mapper's verified length)
+    {"src.config_check"},  # the composed config checked before any job starts (the jobs' own checks, called)
     {"src.run"},
 ]
 

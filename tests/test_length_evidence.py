@@ -23,6 +23,7 @@ from src.artifact import (
     POINTER,
     TENSOR_FILE,
     ArtifactError,
+    EvidenceDroppedWarning,
     load_mapper,
     publish,
     save_mapper,
@@ -31,11 +32,13 @@ from src.artifact import (
 from src.length_evidence import add_evidence, bins, evidence, main, table
 from src.runtime.routing import Policy, bind
 from src.runtime.session import Session
+from src.tracking import RecordError
 from tests.exact_pair import exact_pair
 
 REPO = Path(__file__).resolve().parents[1]
 DATA = REPO.parent / "shared/data"
 EDGES = [16, 32, 64]
+UNSAVED = None  # the tensor_sha256 of the exact pair's mapper, never saved: its evidence binds to no coefficients
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -183,6 +186,56 @@ def test_a_record_given_twice_or_unfinished_and_bad_settings_are_refused(mapper_
     assert "--edges takes comma-separated token counts" in str(exited.value)
 
 
+def test_an_item_listed_twice_is_refused_not_counted_twice_toward_min_items(mapper_dir, tmp_path):
+    """Issue 32 item 5: 150 items each listed twice would make 300 rows and pass min_items = 300 on half the items.
+    Refused (not deduplicated: the routed job writes each item once, and no rule says which copy counts)."""
+    manifest = load_mapper(mapper_dir).manifest
+    version = (mapper_dir / POINTER).resolve()
+    once = [item(n, 10) for n in range(150)]
+    run = record(tmp_path / "runs/twice", manifest, once + once)
+    with pytest.raises(RecordError, match=r"items\[150\]: item \('boolq', 0\) is listed twice \(first at items\[0\]\)"):
+        add_evidence(mapper_dir, [run], EDGES, 1.0, 300)
+    assert (mapper_dir / POINTER).resolve() == version and EVIDENCE not in load_mapper(mapper_dir).manifest
+    other_task = record(tmp_path / "runs/two-tasks", manifest, once + [item(n, 10, task="piqa") for n in range(150)])
+    assert add_evidence(mapper_dir, [other_task], EDGES, 1.0, 300)["max_verified_length"] == 10  # same index, two tasks
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"history_tokens": "12"}, "history_tokens '12' is not a whole number ≥ 0"),
+        ({"history_tokens": None}, "history_tokens None is not a whole number ≥ 0"),
+        ({"history_tokens": 12.5}, "history_tokens 12.5 is not a whole number ≥ 0"),
+        ({"turn_tokens": -1}, "turn_tokens -1 is not a whole number ≥ 0"),
+        ({"index": True}, "index True is not a whole number ≥ 0"),
+        ({"lengths": ["3", "3"]}, "lengths \\['3', '3'\\] or the scores"),
+        (
+            {"scores": {"native_target": [["a", 1], [0, 0]], "routed": [[0, 1], [0, 0]]}},
+            r"lengths \[3, 3\] or the scores",
+        ),
+        ({"scores": {"routed": [[0, 1], [0, 0]]}}, r"lengths \[3, 3\] or the scores of native_target / routed"),
+        ({"handoff": None}, "handoff None is not a handoff record"),
+        ({"task": "nope"}, "task 'nope' is not one of the tasks"),
+        ({"task": None}, "task None is not one of the tasks"),
+        ("scores", "no 'scores'"),
+    ],
+)
+def test_a_row_with_a_missing_or_non_numeric_field_gets_a_clear_error(mapper_dir, tmp_path, change, message):
+    """Issue 32 item 5: a row the measurement cannot read is a RecordError naming the file, the row and the value,
+    before anything is written — never a TypeError from inside the binning or the scores; the command prints it."""
+    manifest = load_mapper(mapper_dir).manifest
+    rows = [item(n, 10) for n in range(3)]
+    rows[1] = {k: v for k, v in rows[1].items() if k != change} if isinstance(change, str) else rows[1] | change
+    run = record(tmp_path / "runs/bad", manifest, rows)
+    with pytest.raises(RecordError, match=r"items\.json items\[1\]: " + message):
+        add_evidence(mapper_dir, [run], EDGES, 1.0, 300)
+    assert EVIDENCE not in load_mapper(mapper_dir).manifest
+    with pytest.MonkeyPatch.context() as patch, pytest.raises(SystemExit) as exited:
+        patch.setattr("sys.argv", ["src.length_evidence", str(mapper_dir), str(run)])
+        main()
+    assert str(exited.value).startswith("length_evidence: ") and "items[1]" in str(exited.value)
+
+
 # ---------------------------------------------------------------- tampering
 
 
@@ -233,8 +286,33 @@ def test_evidence_no_version_id_verifies_is_refused_and_a_copy_that_kept_it_load
     assert load_mapper(copied).manifest[EVIDENCE] == manifest[EVIDENCE]
 
 
+def test_a_mapper_saved_with_other_coefficients_loses_its_evidence(mapper_dir, tmp_path):
+    """Issue 32 item 5: the evidence names the coefficients it was measured on (tensor_sha256). Saved again at
+    another dtype, the mapper's evidence is dropped with a warning (the length guard falls back to the factor rule);
+    saved with the very same bytes it is kept; a manifest whose evidence names other coefficients — what a save kept
+    before this check — is refused at load, as is evidence that names none."""
+    manifest = _with_evidence(mapper_dir, tmp_path)
+    assert manifest[EVIDENCE]["tensor_sha256"] == manifest["tensor_sha256"]
+    mapper = load_mapper(mapper_dir)
+    save_mapper(mapper, tmp_path / "same", "float32")  # the very bytes: the evidence holds
+    assert load_mapper(tmp_path / "same").manifest[EVIDENCE] == manifest[EVIDENCE]
+    with pytest.warns(EvidenceDroppedWarning, match="measured on other coefficients than these \\(bfloat16"):
+        save_mapper(load_mapper(mapper_dir), tmp_path / "bf16", "bfloat16")
+    resaved = load_mapper(tmp_path / "bf16")
+    assert EVIDENCE not in resaved.manifest and resaved.manifest["tensor_sha256"] != manifest["tensor_sha256"]
+    tensors = (tmp_path / "bf16" / TENSOR_FILE).read_bytes()
+    kept = resaved.manifest | {EVIDENCE: manifest[EVIDENCE]}  # the other coefficients' evidence, kept
+    publish(tmp_path / "bf16", json.dumps(kept).encode(), tensors)
+    with pytest.raises(ArtifactError, match="length evidence was measured on other coefficients: sha256 "):
+        load_mapper(tmp_path / "bf16")
+    unbound = resaved.manifest | {EVIDENCE: {k: v for k, v in manifest[EVIDENCE].items() if k != "tensor_sha256"}}
+    publish(tmp_path / "bf16", json.dumps(unbound).encode(), tensors)  # evidence from before it named them
+    with pytest.raises(ArtifactError, match=r"length evidence block lacks \['tensor_sha256'\]"):
+        load_mapper(tmp_path / "bf16")
+
+
 def test_a_bound_mapper_whose_evidence_does_not_hold_is_refused(pair):
-    block = evidence([measured(0, 32, 20)], [32], 1.0, 300) | {"max_verified_length": 4096}
+    block = evidence([measured(0, 32, 20)], [32], 1.0, 300, UNSAVED) | {"max_verified_length": 4096}
     route = bind(pair.source, pair.target, with_evidence(pair, block), pair.tokenizer_hash)
     assert route.transfer is None and "length evidence does not hold" in route.refusal
 
@@ -256,7 +334,7 @@ def switch(pair, mapper, history: int, **policy):
 
 
 def test_the_session_maps_at_the_verified_length_and_refuses_one_token_more(pair):
-    block = evidence([measured(0, 32, 20)], [32], 1.0, 300)  # verified: 20 tokens, shown by run-32
+    block = evidence([measured(0, 32, 20)], [32], 1.0, 300, UNSAVED)  # verified: 20 tokens, shown by run-32
     mapper = with_evidence(pair, block)
     assert bind(pair.source, pair.target, mapper, pair.tokenizer_hash).verified_length == 20
     at, beyond = switch(pair, mapper, 20), switch(pair, mapper, 21)
@@ -267,7 +345,7 @@ def test_the_session_maps_at_the_verified_length_and_refuses_one_token_more(pair
         "(shown by run-32 (results/x/run-32/record.json))"
     )
     assert switch(pair, mapper, 21, length_guard="off").path == "map"  # a measurement run maps every length
-    nothing = with_evidence(pair, evidence([measured(0, 32, 20, high_ci=5.0)], [32], 1.0, 300))
+    nothing = with_evidence(pair, evidence([measured(0, 32, 20, high_ci=5.0)], [32], 1.0, 300, UNSAVED))
     refused = switch(pair, nothing, 3)
     assert refused.status == "fallback_reprefill" and "verified length 0 (no measured length passed)" in refused.reason
 
@@ -277,7 +355,7 @@ def test_without_evidence_the_factor_rule_guards_and_evidence_supersedes_it(pair
     assert switch(pair, short, 16).path == "map"
     beyond = switch(pair, short, 17)
     assert beyond.status == "fallback_reprefill" and "beyond 8 × the mapper's calibration length 2" in beyond.reason
-    measured_long = with_evidence(pair, evidence([measured(0, 32, 20)], [32], 1.0, 300), calibrated=2)
+    measured_long = with_evidence(pair, evidence([measured(0, 32, 20)], [32], 1.0, 300, UNSAVED), calibrated=2)
     assert switch(pair, measured_long, 20).path == "map"  # the evidence reaches past 8 × 2
     factor = switch(pair, measured_long, 20, length_guard="factor")
     assert factor.status == "fallback_reprefill" and "calibration length 2" in factor.reason

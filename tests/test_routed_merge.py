@@ -4,6 +4,7 @@ the same order, so the same accuracies and bootstrap CIs —, the join refuses w
 gate never judges a shard alone."""
 
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -13,6 +14,7 @@ from src.gate import is_shard
 from src.routed_merge import _joined, interleave, main, merge, write
 from src.routed_workloads import check_shard, shard
 from src.tasks import Item
+from src.tracking import ITEMS, RecordError
 from src.workloads import Example
 from tests.test_routed import DATA, compose
 
@@ -101,13 +103,14 @@ def test_joined_shards_score_what_the_unsharded_run_scores(records, tmp_path):
     )
 
 
-def _copy(folder: Path, into: Path, edit) -> Path:
+def _copy(folder: Path, into: Path, edit, file: str = "record.json") -> Path:
+    """A copy of the shard at `folder` whose `file` (its record, or its items artifact) `edit` changed."""
     target = into / folder.name
     shutil.copytree(folder, target)
-    path = target / "record.json"
-    record = json.loads(path.read_text())
-    edit(record)
-    path.write_text(json.dumps(record))
+    path = target / file
+    document = json.loads(path.read_text())
+    edit(document)
+    path.write_text(json.dumps(document))
     return target
 
 
@@ -135,7 +138,8 @@ def test_the_join_refuses_what_is_not_one_runs_shards(records, tmp_path, capsys)
     both = [_copy(f, tmp_path / "e", lambda r: r["metrics"].append(extra)) for f in (zero, one)]
     with pytest.raises(ValueError, match="no rule"):
         merge(both)
-    overlapping = _copy(one, tmp_path / "f", lambda r: None)
+    counts = json.loads((zero / "record.json").read_text())["metrics"]  # its record agrees with its rows
+    overlapping = _copy(one, tmp_path / "f", lambda r: r.update({"metrics": counts}))
     shutil.copy(zero / "artifacts/routed/items.json", overlapping / "artifacts/routed/items.json")
     with pytest.raises(ValueError, match="overlap"):
         merge([zero, overlapping])
@@ -145,3 +149,33 @@ def test_the_join_refuses_what_is_not_one_runs_shards(records, tmp_path, capsys)
     with pytest.raises(FileNotFoundError):
         write(tmp_path / "g", record, document, tmp_path / "no-config.yaml")
     assert not any((tmp_path / "g").iterdir())  # the staging folder went with the failure
+
+
+def test_a_shard_whose_rows_disagree_with_its_record_or_lack_a_key_is_refused(records, tmp_path, capsys):
+    """Issue 32 item 5: a shard that lost an item row or a handoff record (its counts disagree with its own record's)
+    is refused, naming the shard and both counts; a row without a key the join reads is refused naming the file, the
+    row and the key — never a bare KeyError; nothing is written."""
+    zero, one = records["0"], records["1"]
+    lost = _copy(one, tmp_path / "lost", lambda d: d["items"].pop(), ITEMS)
+    rows = json.loads((one / "artifacts/routed/items.json").read_text())["items"]
+    task = rows[-1]["task"]
+    count = sum(row["task"] == task for row in rows)
+    message = rf"shard 1/2 holds {count - 1} item rows of {task}, its record logged task\.{task}\.items = {count}"
+    with pytest.raises(ValueError, match=message):
+        merge([zero, lost])
+    added = _copy(one, tmp_path / "added", lambda d: d["items"].append(d["items"][0] | {"index": 99}), ITEMS)
+    with pytest.raises(ValueError, match="a row was lost or added"):
+        merge([zero, added])
+    dropped = _copy(one, tmp_path / "dropped", lambda d: d["handoffs"].pop(), ITEMS)
+    with pytest.raises(ValueError, match=r"shard 1/2's handoff records count handoffs\.\S+ \d+ \(logged \d+\)"):
+        merge([zero, dropped])
+    keyless = _copy(one, tmp_path / "keyless", lambda d: d["items"][0].pop("task"), ITEMS)
+    with pytest.raises(RecordError, match=r"items\.json items\[0\]: no 'task'"):
+        merge([zero, keyless])
+    moves = _copy(one, tmp_path / "moves", lambda d: d["handoffs"][0].pop("status"), ITEMS)
+    with pytest.raises(RecordError, match=r"items\.json handoffs\[0\]: no 'status'"):
+        merge([zero, moves])
+    assert main([str(tmp_path / "out"), str(zero), str(keyless)]) == 2
+    assert re.fullmatch(r"routed_merge: \S+items\.json items\[0\]: no 'task' \(.*\)\n", capsys.readouterr().err)
+    assert main([str(tmp_path / "out"), str(zero), str(lost)]) == 2 and "rerun the shard" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()  # refused before anything was written

@@ -244,7 +244,8 @@ def verified_to_12(mapper):
     """The mapper with length evidence (src/length_evidence.py) that verifies histories of up to 12 tokens."""
     row = {"bin": [0, 16], "length": 12, "items": 300, "loss_points_high": 0.0, "split": "valid", "run_id": "r",
            "record": "r/record.json"}  # fmt: skip
-    return replace(mapper, manifest=mapper.manifest | {EVIDENCE: evidence([row], [16], 1.0, 300)})
+    block = evidence([row], [16], 1.0, 300, mapper.manifest.get("tensor_sha256"))  # bound to its coefficients
+    return replace(mapper, manifest=mapper.manifest | {EVIDENCE: block})
 
 
 @pytest.mark.parametrize("kind", sorted(REFUSALS))
