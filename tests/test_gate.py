@@ -73,10 +73,11 @@ def test_a_ci_of_zero_with_no_disagreement_is_underpowered():
     assert "arc_easy +0.00 [-16.11, +16.11] on 20 items (0 differ) (below the 30-unit minimum;" in quality
 
 
-@pytest.mark.parametrize("lost", [0, 3])
-def test_three_items_per_task_never_decide(lost):
-    """Not a PASS on 3 agreeing items, and not a FAIL on 3 lost ones either: below min_task_units, UNDERPOWERED."""
-    items = task_rows("arc_easy", 3, lost=lost) + task_rows("boolq", 3, lost=lost)
+@pytest.mark.parametrize(("n", "lost"), [(3, 0), (3, 3), (25, 25)])
+def test_few_items_per_task_never_decide(n, lost):
+    """Not a PASS on 3 agreeing items, and not a FAIL on 3 — or 25 — lost ones either (the exact test alone would
+    FAIL 25 of 25 lost): below min_task_units, UNDERPOWERED."""
+    items = task_rows("arc_easy", n, lost=lost) + task_rows("boolq", n, lost=lost)
     assert verdict(run(items), "quality").status == "UNDERPOWERED"
     assert decide_task(Paired(lost=30, gained=0, rows=30, units=30), LIMITS).status == "FAIL"  # at the minimum
 

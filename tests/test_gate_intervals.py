@@ -85,8 +85,8 @@ def test_the_exact_regions_are_monotone_and_are_what_the_gate_decides():
             assert passes[lost - 1, gained] or not passes[lost, gained]
             assert fails[lost, gained] or not fails[lost - 1, gained]
     limits = thresholds(max_loss_points=1.0)
-    for lost, gained in ((0, 0), (0, 5), (3, 0), (12, 0), (20, 1)):
-        status = decide_task(Paired(lost, gained, n, n), limits).status
+    for lost, gained in ((0, 0), (0, 5), (3, 0), (12, 0), (20, 1), (1, 5), (10, 2)):  # the last two: where the
+        status = decide_task(Paired(lost, gained, n, n), limits).status  # asymptotic test decides otherwise
         assert status == ("PASS" if passes[lost, gained] else "FAIL" if fails[lost, gained] else "UNDERPOWERED")
 
 
