@@ -120,23 +120,33 @@ class TaskVerdict:
     high: float
 
 
-def decide_task(counts: Paired, limits: Thresholds) -> TaskVerdict:
+def task_status(counts: Paired, limits: Thresholds) -> str:
     """One task's non-inferiority verdict: PASS when the test rejects a loss ≥ the margin at 2.5 %, FAIL when it
     rejects a loss ≤ the margin, else UNDERPOWERED — UNDERPOWERED too below min_task_units units. Independent items:
     the exact unconditional test; turns of a conversation: Tango's score on the counts over the design effect."""
+    if counts.units < limits.min_task_units:
+        return "UNDERPOWERED"
     margin = limits.max_loss_points / 100
     if counts.clustered:
         lost, gained, n = (x / counts.design_effect for x in (counts.lost, counts.gained, counts.rows))
         score, z = float(tango_score(lost, gained, n, margin)), float(norm.ppf(1 - ALPHA))
         below, above = score <= -z, score >= z
     else:
-        lost, gained, n = counts.lost, counts.gained, counts.rows
-        below = bool(exact_rejections(n, margin, ALPHA, True)[lost, gained])
-        above = bool(exact_rejections(n, margin, ALPHA, False)[lost, gained])
+        below = bool(exact_rejections(counts.rows, margin, ALPHA, True)[counts.lost, counts.gained])
+        above = bool(exact_rejections(counts.rows, margin, ALPHA, False)[counts.lost, counts.gained])
+    return "PASS" if below else "FAIL" if above else "UNDERPOWERED"
+
+
+def decide_task(counts: Paired, limits: Thresholds) -> TaskVerdict:
+    """`task_status` with the loss and Tango's 95 % interval (on the deflated counts where turns cluster), points."""
+    lost, gained, n = (x / counts.design_effect for x in (counts.lost, counts.gained, counts.rows))
     low, high = tango_interval(lost, gained, n, 1 - 2 * ALPHA)
-    decided = "PASS" if below else "FAIL" if above else "UNDERPOWERED"
-    status = "UNDERPOWERED" if counts.units < limits.min_task_units else decided
-    return TaskVerdict(status, 100 * (lost - gained) / n, 100 * low, 100 * high)
+    return TaskVerdict(task_status(counts, limits), 100 * (lost - gained) / n, 100 * low, 100 * high)
+
+
+def run_status(statuses: list[str]) -> str:
+    """A run's quality from its tasks': FAIL if one fails, else UNDERPOWERED if one is, else PASS — every task must."""
+    return next(s for s in ("FAIL", "UNDERPOWERED", "PASS") if s in statuses)
 
 
 def still_needed(counts: Paired, limits: Thresholds) -> int:
@@ -208,8 +218,7 @@ def _quality(run: Evidence, limits: Thresholds) -> Verdict:
         lines.append(line)
     if len(found) > 1:  # shown, not judged: every task is
         lines.append("mean {:+.2f} [{:+.2f}, {:+.2f}]".format(*mean_loss(found)))
-    status = next(s for s in ("FAIL", "UNDERPOWERED", "PASS") if s in {v.status for _, _, v in found})
-    return Verdict(criterion, "; ".join(lines), threshold, status)
+    return Verdict(criterion, "; ".join(lines), threshold, run_status([v.status for _, _, v in found]))
 
 
 # --- medians: the speedup and the harness ---------------------------------------------------------------------------
