@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -234,31 +235,41 @@ def _median(values: list[float], units: list[str]) -> tuple[float, float, float,
     return (*median_interval(values, 1 - 2 * ALPHA), count)
 
 
-def median_of(run: Evidence, pairs: list[tuple[dict, float]]) -> tuple[float, float, float, int, str] | str:
-    """The median of (item, ratio) pairs with its interval and unit count and noun, or why it cannot be judged."""
+@dataclass(frozen=True)
+class Median:
+    """A median the gate judges, with its 95 % interval over `units` sampling units (`noun`)."""
+
+    value: float
+    low: float
+    high: float
+    units: int
+    noun: str
+
+
+def median_of(run: Evidence, ratios: Callable[[list[dict]], list[tuple[dict, float]]], absent: str) -> Median:
+    """The median of the (item, ratio) pairs `ratios` finds in the run's items, with its interval (`_median`); a
+    ValueError says why there is none to judge (no items, `absent`, a ratio that is not finite, rows refused)."""
+    if run.items is None:
+        raise ValueError("no per-item rows: judged from items only")
+    pairs = ratios(run.items)
+    if not pairs:
+        raise ValueError(absent)
     values = [ratio for _, ratio in pairs]
     if not all(math.isfinite(value) for value in values):
-        return "a TTFT of 0 or NaN: not every ratio is finite"
-    try:
-        units = _units_of(run, [item for item, _ in pairs])
-    except ValueError as error:
-        return f"refused: {error}"
-    median, low, high, count = _median(values, units)
-    return median, low, high, count, "conversations" if count < len(values) else "handoffs"
+        raise ValueError("a TTFT of 0 or NaN: not every ratio is finite")
+    median, low, high, count = _median(values, _units_of(run, [item for item, _ in pairs]))
+    return Median(median, low, high, count, "conversations" if count < len(values) else "handoffs")
 
 
 def _latency(run: Evidence, found: dict[str, float], limits: Thresholds) -> Verdict:
     criterion = "latency: end-to-end TTFT speedup"
     threshold = f"95% CI low ≥ {limits.min_speedup:g}×, prefill ≤ {limits.max_prefill_fraction:g}"
-    if run.items is None:
-        return Verdict(criterion, "no per-item rows: the speedup is judged from items only", threshold, "MISSING")
-    pairs = speedup_ratios(run.items)
-    timed = median_of(run, pairs) if pairs else "no handoff timed on both paths"
-    if isinstance(timed, str):
-        return Verdict(criterion, timed, threshold, "MISSING")
-    median, low, high, count, noun = timed
+    try:
+        m = median_of(run, speedup_ratios, "no handoff timed on both paths")
+    except ValueError as error:
+        return Verdict(criterion, str(error), threshold, "MISSING")
     p50 = found.get("ttft.routed_ms_p50", math.nan)
-    measured = f"{median:.2f}× [{low:.2f}, {high:.2f}] on {count} {noun} (p50 {p50:.1f} ms)"
+    measured = f"{m.value:.2f}× [{m.low:.2f}, {m.high:.2f}] on {m.units} {m.noun} (p50 {p50:.1f} ms)"
     fraction = found.get("prefill_fraction")
     if not _finite(fraction):
         return Verdict(criterion, measured + ", prefill fraction: not measured", threshold, "MISSING")
@@ -266,29 +277,24 @@ def _latency(run: Evidence, found: dict[str, float], limits: Thresholds) -> Verd
         return Verdict(
             criterion, measured + f", but {fraction:.2f} of the prefill spent: not a transfer", threshold, "FAIL"
         )
-    if count < limits.min_timed_units:
+    if m.units < limits.min_timed_units:
         return Verdict(criterion, measured + f": fewer than {limits.min_timed_units}", threshold, "UNDERPOWERED")
-    status = "PASS" if low >= limits.min_speedup else "FAIL" if high < limits.min_speedup else "UNDERPOWERED"
+    status = "PASS" if m.low >= limits.min_speedup else "FAIL" if m.high < limits.min_speedup else "UNDERPOWERED"
     return Verdict(criterion, measured, threshold, status)
 
 
 def _harness(run: Evidence, limits: Thresholds) -> Verdict:
     skew = limits.max_harness_skew
-    criterion, threshold = (
-        "latency harness: same work alike",
-        f"95% CI of re-prefill / routed within [{1 / skew:.2f}, {skew}]×",
-    )
-    if run.items is None:
-        return Verdict(criterion, "no per-item rows: the harness is judged from items only", threshold, "MISSING")
-    pairs = same_work_ratios(run.items)
-    timed = median_of(run, pairs) if pairs else "no same-work re-prefill timed in the routed session"
-    if isinstance(timed, str):
-        return Verdict(criterion, timed, threshold, "MISSING")
-    median, low, high, count, noun = timed
-    measured = f"{median:.2f}× [{low:.2f}, {high:.2f}] on {count} re-prefilled {noun}"
-    if count < limits.min_timed_units:
+    criterion = "latency harness: same work alike"
+    threshold = f"95% CI of re-prefill / routed within [{1 / skew:.2f}, {skew}]×"
+    try:
+        m = median_of(run, same_work_ratios, "no same-work re-prefill timed in the routed session")
+    except ValueError as error:
+        return Verdict(criterion, str(error), threshold, "MISSING")
+    measured = f"{m.value:.2f}× [{m.low:.2f}, {m.high:.2f}] on {m.units} re-prefilled {m.noun}"
+    if m.units < limits.min_timed_units:
         return Verdict(criterion, measured + f": fewer than {limits.min_timed_units}", threshold, "UNDERPOWERED")
-    inside, outside = 1 / skew <= low and high <= skew, high < 1 / skew or low > skew
+    inside, outside = 1 / skew <= m.low and m.high <= skew, m.high < 1 / skew or m.low > skew
     return Verdict(criterion, measured, threshold, "PASS" if inside else "FAIL" if outside else "UNDERPOWERED")
 
 

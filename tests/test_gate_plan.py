@@ -16,7 +16,7 @@ from mlflow import MlflowClient
 from mlflow.entities import Metric, Param
 
 from src.gate import check, decide, summary_table
-from src.gate_plan import Plans, load_plans, operating_point
+from src.gate_plan import Plans, load_plans, operating_point, registered
 from tests.gate_records import PARAMS, REAL, passing, run
 from tests.test_gate import LIMITS
 
@@ -117,9 +117,25 @@ def test_a_bad_plans_file_is_refused_naming_the_problem(tmp_path, text, error):
         load_plans(path)
 
 
-def test_the_committed_plans_load_and_predate_no_committed_run():
+def test_the_committed_plans_name_the_device_stage_gate_and_no_committed_run():
+    """results/gate_plans.yaml registers the joined record of `scripts/device_quality.sh gate` (params as
+    src/routed_merge.py writes them), and no committed record is any entry's run."""
+    from src.report.benchmarks import RESULTS
+    from src.report.routed_tables import run_of
+    from src.report.rows import record_rows
+
     plans = load_plans(REPO / "results/gate_plans.yaml")
-    assert {p.id for p in plans.entries} >= {"gate-fewshot200-bf16-graph-up", "gate-fewshot200-bf16-graph-down"}
+    joined = PARAMS | {
+        "pair.dtype": "bfloat16",
+        "workload.shots.arc_easy": "200",
+        "workload.shots.arc_challenge": "200",
+    }
+    joined |= {"workload.limit": "400", "workload.shards": "4", "workload.shard": "all", "policy.mode": "map"}
+    tags = REAL | {"direction": "qwen25coder_0.5b_to_1.5b", "engine": "graph"}
+    device = run(passing(), params=joined, tags=tags)  # started after the registration
+    assert registered([device], plans)[device.run_id].id == "gate-fewshot200-bf16-graph-up"
+    committed = [run_of(row) for folder in RESULTS.glob("routed*") for row in record_rows(folder)]
+    assert len(committed) == 25 and registered(committed, plans) == {}
 
 
 def test_a_de_tagged_shard_is_never_judged_alone():

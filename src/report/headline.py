@@ -78,10 +78,9 @@ def _loss(row: Row, status: bool = True) -> str:
 
 
 def _median(row: Row, ratios) -> str:
-    """'m× [low, high]' of a median the gate judges (src/gate_criteria.py median_of), on its units."""
-    run = run_of(row)
-    median, low, high, count, noun = median_of(run, ratios(run.items))
-    return f"{fmt(median, 2)}× [{fmt(low, 2)}, {fmt(high, 2)}] on {count} {noun}"
+    """'m× [low, high] on N units' of a median the gate judges (src/gate_criteria.py median_of)."""
+    m = median_of(run_of(row), ratios, "none timed")
+    return f"{fmt(m.value, 2)}× [{fmt(m.low, 2)}, {fmt(m.high, 2)}] on {m.units} {m.noun}"
 
 
 def _speedup(row: Row) -> str:
