@@ -113,8 +113,10 @@ def headline(rows: list[Row], fused: Document) -> str:
     failed = sum(1 for d in points if not all(v.passed for v in d.verdicts))
     add(
         "**Promote the mapping layer?** (the gate)",
-        f"**no**: none of {len(points)} workload × direction × operating points passes — {planned} pre-registered "
-        f"(the runs so far predate plans), and {failed} of {len(points)} fail on their criteria",
+        f"**{'yes' if all(d.passed for d in points) else 'no'}**: {sum(d.passed for d in points)} of {len(points)} "
+        f"workload × direction × operating points pass — {planned} pre-registered"
+        + (" (the runs so far predate plans)" if all("predates plans" in d.outcome for d in points) else "")
+        + f", and {failed} of {len(points)} fail on their criteria",
         _span([row for row in rows if row.get("tags.job") == "routed"]),
         _link("the-decision", "the decision"),
     )
