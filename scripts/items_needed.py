@@ -1,10 +1,11 @@
-"""How many items per task a routed run's quality verdict needs: the share of items whose routed and all-native
-answers differ (a paired difference's variance comes only from them), the run's loss with its non-inferiority verdict
-against the gate's margin (conf/gate/default.yaml max_loss_points), and, where it is UNDERPOWERED, the items at which
-the paired 95 % CI would clear the margin if the observed loss held (src/gate.py `items_to_decide`) — a plan for the
-next run, read off a run's per-item scores.
+"""How many items per task a routed run's quality verdict still needs, as the gate judges it (src/gate_criteria.py):
+per task the items (or conversations, where turns cluster), how many differ between the routed and the all-native
+answer, the loss with Tango's 95 % interval, the verdict against the margin (conf/gate/default.yaml max_loss_points),
+and, where it is UNDERPOWERED, the items still to score for 80 % power at the planned true loss (planned_loss_points:
+a stated effect, 0 — never the run's noisy observed loss) at the run's share of differing items — a plan for the next
+run, read off a run's per-item scores.
 
-    python scripts/items_needed.py results/routed3-h200-2026-12-04/qwen25coder_0p5b_to_1p5b_routed_fewshot_*
+    python scripts/items_needed.py results/routed4-h200-2026-12-04/qwen25coder_0p5b_to_1p5b_routed_fewshot_*
 """
 
 from __future__ import annotations
@@ -13,23 +14,11 @@ import argparse
 import sys
 from pathlib import Path
 
-import numpy as np
-
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from src.gate import items_to_decide, thresholds  # noqa: E402
-from src.routed import loss_spread  # noqa: E402
-from src.routed_runs import task_scores  # noqa: E402
-from src.tasks import METRICS  # noqa: E402
-from src.tracking import RecordError, read_items  # noqa: E402
-
-
-def plan(loss: float, sd: float, margin: float) -> str:
-    """'≈ N items would show PASS|FAIL' at this loss, or why no number of items decides it."""
-    needed = items_to_decide(loss, sd, margin)
-    if needed is None:
-        return "no item count decides it (the loss sits on the margin, or one item gives no spread)"
-    return f"≈ {needed} items would show {'PASS' if loss < margin else 'FAIL'} at this loss"
+from src.gate_criteria import still_needed, task_verdicts, thresholds  # noqa: E402
+from src.gate_evidence import evidence  # noqa: E402
+from src.tracking import ITEMS, RecordError, metric_values, read_json, read_record  # noqa: E402
 
 
 def main() -> None:
@@ -37,20 +26,24 @@ def main() -> None:
     parser.add_argument("runs", nargs="+", type=Path, help="run folders (record.json + artifacts/routed/items.json)")
     parser.add_argument("--margin", type=float, help="non-inferiority margin in points (default: the gate's)")
     args = parser.parse_args()
-    margin = thresholds(max_loss_points=args.margin).max_loss_points
-    for run in args.runs:
+    limits = thresholds(max_loss_points=args.margin)
+    for folder in args.runs:
         try:
-            items = read_items(run)
-        except RecordError as error:
-            sys.exit(f"items_needed: {error}")
-        spread = loss_spread(items)
-        for task in sorted({item["task"] for item in items}):
-            rows = [item for item in items if item["task"] == task]
-            routed, native = (task_scores(rows, mode).correct(METRICS[task][0]) for mode in ("routed", "native_target"))
-            loss = 100 * float(np.mean(native.astype(np.float64) - routed.astype(np.float64)))
+            record = read_record(folder / "record.json")
+            metrics = metric_values(record, folder)
+            run = evidence(record["name"], folder.name, 0, metrics, record["params"], record["tags"],
+                           read_json(folder / ITEMS), str(folder / ITEMS))  # fmt: skip
+            found = task_verdicts(run, limits)
+        except (RecordError, ValueError) as error:
+            sys.exit(f"items_needed: {folder}: {error}")
+        for task, counts, verdict in found:
+            units = "conversations" if counts.clustered else "items"
+            more = still_needed(counts, limits) if verdict.status == "UNDERPOWERED" else 0
+            plan = f"; ≈ {more} more {units} for {limits.power:.0%} power at a true loss of 0" if more > 0 else ""
             print(
-                f"{run.name} {task}: {len(rows)} items, {np.mean(routed != native):.1%} flip, loss {loss:+.2f} pt "
-                f"vs margin {margin:g}: {plan(loss, spread[f'task.{task}.loss_points_sd'], margin)}"
+                f"{folder.name} {task}: {counts.units} {units}, {counts.lost + counts.gained} differ, loss "
+                f"{verdict.loss:+.2f} [{verdict.low:+.2f}, {verdict.high:+.2f}] pt vs margin "
+                f"{limits.max_loss_points:g}: {verdict.status}{plan}"
             )
 
 

@@ -159,9 +159,12 @@ def timing(items: list[dict], n_boot: int, seed: int) -> dict[str, float]:
     return metrics | same_work(timed)
 
 
-def median_ci(values: list[float], n_boot: int, seed: int, level: float = 0.95) -> Interval:
-    """The median of `values` with a seeded percentile-bootstrap CI (resamples of the values with replacement).
-    No values, a non-finite one, or n_boot < 1 is a ValueError, never a NaN or silently wide interval."""
+def median_ci(
+    values: list[float], n_boot: int, seed: int, level: float = 0.95, clusters: list | None = None
+) -> Interval:
+    """The median of `values` with a seeded percentile-bootstrap CI (resamples of the values with replacement; with
+    `clusters`, one label per value, of whole clusters: turns of one conversation travel together). No values, a
+    non-finite one, or n_boot < 1 is a ValueError, never a NaN or silently wide interval."""
     x = np.asarray(values, dtype=np.float64)
     if x.ndim != 1 or x.size == 0:
         raise ValueError(f"a median's CI needs values, got shape {x.shape}")
@@ -170,10 +173,19 @@ def median_ci(values: list[float], n_boot: int, seed: int, level: float = 0.95) 
     if n_boot < 1:
         raise ValueError(f"a median's CI needs n_boot ≥ 1 resamples, got {n_boot}")
     rng = np.random.default_rng(seed)
-    chunk = max(1, (1 << 22) // x.size)  # resamples per draw: memory bounded at [chunk, N]
-    boot = np.concatenate(
-        [np.median(x[rng.integers(0, x.size, (min(chunk, n_boot - at), x.size))], 1) for at in range(0, n_boot, chunk)]
-    )
+    if clusters is None:
+        chunk = max(1, (1 << 22) // x.size)  # resamples per draw: memory bounded at [chunk, N]
+        boot = np.concatenate(
+            [
+                np.median(x[rng.integers(0, x.size, (min(chunk, n_boot - at), x.size))], 1)
+                for at in range(0, n_boot, chunk)
+            ]
+        )
+    else:
+        _, label = np.unique(np.asarray(clusters), return_inverse=True)
+        members = [x[label == k] for k in range(int(label.max()) + 1)]  # per cluster [m_k]
+        picks = rng.integers(0, len(members), (n_boot, len(members)))  # [n_boot, K]
+        boot = np.array([np.median(np.concatenate([members[k] for k in pick])) for pick in picks])
     low, high = np.quantile(boot, [(1 - level) / 2, (1 + level) / 2])
     return Interval(float(np.median(x)), float(low), float(high))
 
@@ -182,11 +194,7 @@ def speedup_ci(items: list[dict], n_boot: int, seed: int) -> dict[str, float]:
     """`ttft_speedup` [`_low`, `_high`]: the median over handoffs of re-prefill / routed TTFT (paired, the same
     handoff), with its seeded bootstrap 95 % CI over handoffs (what src/gate.py judges); {} without a paired handoff.
     A ratio that is not finite (a TTFT of 0 or NaN) is logged as NaN, which the gate reads as MISSING."""
-    paired = [
-        i["ttft"]["reprefill"] / i["ttft"]["routed"] if i["ttft"]["routed"] > 0 else math.inf
-        for i in items
-        if {"routed", "reprefill"} <= set(i["ttft"] or {})
-    ]
+    paired = [ratio for _, ratio in speedup_ratios(items)]
     if not paired:
         return {}
     if not all(math.isfinite(ratio) for ratio in paired):
@@ -195,16 +203,32 @@ def speedup_ci(items: list[dict], n_boot: int, seed: int) -> dict[str, float]:
     return {"ttft_speedup": found.estimate, "ttft_speedup_low": found.low, "ttft_speedup_high": found.high}
 
 
-def same_work(items: list[dict]) -> dict[str, float]:
-    """Median baseline re-prefill / the same re-prefill timed in the routed session: over the sampled items
-    (`ttft.same_work`, src/routed_runs.py `_same_work`) and the turns the routed session re-prefilled by policy —
-    ≈ 1 when the harness times the same work alike (src/gate.py checks it); {} when none."""
+def speedup_ratios(items: list[dict]) -> list[tuple[dict, float]]:
+    """(item, re-prefill TTFT / routed TTFT) for every item that timed both paths on its handoff (inf where the routed
+    TTFT is 0)."""
+    return [
+        (i, i["ttft"]["reprefill"] / i["ttft"]["routed"] if i["ttft"]["routed"] > 0 else math.inf)
+        for i in items
+        if {"routed", "reprefill"} <= set(i["ttft"] or {})
+    ]
+
+
+def same_work_ratios(items: list[dict]) -> list[tuple[dict, float]]:
+    """(item, baseline re-prefill / the same re-prefill timed in the routed session) over the sampled items
+    (`ttft.same_work`, src/routed_runs.py `_same_work`) and the turns the routed session re-prefilled by policy."""
     same = []
     for i in items:
         ttft, path = i["ttft"] or {}, (i.get("handoff") or {}).get("path")
         inside = ttft.get("same_work", ttft.get("routed") if path == "reprefill" else None)
         if inside is not None and "reprefill" in ttft:
-            same.append(ttft["reprefill"] / inside)
+            same.append((i, ttft["reprefill"] / inside))
+    return same
+
+
+def same_work(items: list[dict]) -> dict[str, float]:
+    """The median of `same_work_ratios` and their count — ≈ 1 when the harness times the same work alike (src/gate.py
+    checks it); {} when none."""
+    same = [ratio for _, ratio in same_work_ratios(items)]
     return {"ttft.same_work_ratio": float(np.median(same)), "ttft.same_work_items": float(len(same))} if same else {}
 
 

@@ -39,7 +39,18 @@ FLOORS = [
     {"src.runtime.session"},
     {"src.eval"},  # the package: every src.eval.* module
     {"src.pipeline", "src.workloads"},
-    {"src.bench", "src.routed", "src.routed_runs", "src.routed_workloads", "src.sweep", "src.gate", "src.distributed"},
+    {
+        "src.bench",
+        "src.routed",
+        "src.routed_runs",
+        "src.routed_workloads",
+        "src.sweep",
+        "src.gate",
+        "src.gate_evidence",  # a run as the gate reads it, judged from its items
+        "src.gate_plan",  # operating points and the pre-registered run of each
+        "src.gate_criteria",  # the criteria on one run
+        "src.distributed",
+    },
     {"src.routed_merge"},  # joins a routed run's item shards (reads the routed job's metrics)
     {"src.report"},  # the package: every src.report.* module
     {"src.choose", "src.length_evidence"},  # validation records → a choice (levers; the mapper's verified length)

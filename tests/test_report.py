@@ -166,28 +166,25 @@ def test_old_and_new_records_name_the_policy_alike(old, tmp_path):
 
 
 def test_the_decision_table_judges_as_the_gate_groups(tmp_path):
-    """One row per workload × direction × operating point: the latest test run of a group wins, a run on other items
-    never shadows a group that has test runs, and a run on the engine is a row of its own."""
+    """One row per workload × direction × operating point, judged from each record's items: the latest test run of an
+    unregistered point is shown (UNREGISTERED), a run on other items never shadows a point with test runs, and a run
+    on the engine is a row of its own."""
     from src.report.routed_tables import decision
+    from src.report.rows import record_rows
+    from tests.gate_records import REAL, run, task_rows, write_record
 
-    def row(start: int, speedup: float, **tags) -> dict:
-        tags = {"job": "routed", "workload": "fewshot", "direction": "a_to_b", "split": "test"} | tags
-        metrics = {"ttft_speedup": speedup, "ttft_speedup_low": speedup, "ttft_speedup_high": speedup}
-        items = tmp_path / str(start) / "artifacts/routed/items.json"
-        items.parent.mkdir(parents=True)
-        items.write_text(json.dumps({"items": []}))
-        return (
-            {"start_time": start, "record": str(tmp_path / str(start) / "record.json")}
-            | {f"tags.{k}": v for k, v in tags.items()}
-            | {f"metrics.{k}": v for k, v in metrics.items()}
-        )
+    def planted(speedup: float, **tags):
+        items = task_rows("arc_easy", 40, speedup=speedup) + task_rows("boolq", 40, speedup=speedup)
+        write_record(tmp_path, run(items, tags=REAL | tags))
 
-    rows = [row(1, 1.5), row(2, 2.5), row(3, 9.0, split="valid"), row(4, 7.0, engine="graph")]
-    lines = decision(rows).splitlines()[2:]
+    for speedup, tags in ((1.5, {}), (2.5, {}), (9.0, {"split": "valid"}), (7.0, {"engine": "graph"})):
+        planted(speedup, **tags)
+    lines = decision(record_rows(tmp_path)).splitlines()[2:]
     assert len(lines) == 2, lines
     hf, graph = sorted(lines, key=lambda line: "engine graph" in line)
-    assert "2.50×" in hf and "1.50×" not in hf and "9.00×" not in hf  # the latest test run, not validation items
-    assert "engine graph" in graph and "7.00×" in graph
+    assert "2.50× [" in hf and "1.50×" not in hf and "9.00×" not in hf  # the latest test run, not validation items
+    assert "| latest of 2 |" in hf and hf.endswith("| UNREGISTERED (no plan entry; criteria FAIL) |")
+    assert "engine graph" in graph and "6.99× [" in graph  # 70 ms / ≈ 10.03 ms
 
 
 def test_readme_tables_equal_their_rebuild_and_belong_to_it():
@@ -220,8 +217,9 @@ def test_headline_numbers_are_the_benchmarks_tables_numbers():
     from src.report.headline import _pick
 
     headline = benchmarks.build("headline")
-    bf16 = [line for line in benchmarks.build("routed_bf16").splitlines() if "| pure transfer | 240 |" in line]
-    loss = bf16[0].split(" | ")[5]  # the 120-item 200-shot run: mean loss pt [95 % CI]
+    brief = benchmarks.build("decision_brief").splitlines()
+    (bf16,) = [line for line in brief if "| ≤ 8192 tokens, bf16, 200 shots, pure transfer |" in line]
+    loss = bf16.split(" | ")[7].removeprefix("UNDERPOWERED ")  # the 120-item 200-shot run: the gate's mean loss
     assert f"| {loss} pt, UNDERPOWERED |" in headline
     paired = benchmarks.build("routed_levers_paired")
     gain = next(line for line in paired.splitlines() if "recompute=0.4" in line and "pure transfer" in line)

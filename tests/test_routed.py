@@ -275,7 +275,8 @@ def compose(*overrides: str):
 def test_routed_job_end_to_end_on_the_tiny_random_pair(items, tmp_path, monkeypatch):
     if not (DATA / "eval").is_dir():
         pytest.skip("shared data not found")
-    from src.gate import judge_run
+    from src.gate_criteria import judge_run
+    from src.gate_evidence import evidence
     from src.routed import routed
 
     monkeypatch.setenv("KVRELAY_HOME", str(tmp_path / "home"))
@@ -309,8 +310,11 @@ def test_routed_job_end_to_end_on_the_tiny_random_pair(items, tmp_path, monkeypa
     assert metrics["read_error.mean"] == pytest.approx(np.mean([row["read_error"]["mean"] for row in rows]))
     assert 0 < metrics["read_error.mean_low"] <= metrics["read_error.mean"] <= metrics["read_error.mean_high"]
     assert {f"read_error.layer_{n}" for n in range(6)} | {"read_error.share_sink", "read_error.max"} <= set(metrics)
-    verdicts = {v.criterion.split(":")[0]: v.status for v in judge_run(metrics, tags)}
+    document = json.loads((artifacts / "routed/items.json").read_text())
+    judged = evidence(record["name"], "r", 0, metrics, record["params"], tags, document, str(artifacts))
+    verdicts = {v.criterion.split(":")[0]: v.status for v in judge_run(judged)}
     assert verdicts["quality"] == "MISSING"  # random weights
+    assert verdicts["record"] == "PASS"  # what the job logged is what its items give
     assert verdicts["routed workload run"] == ("PASS" if items == "test" else "FAIL")  # validation items never gate
 
 

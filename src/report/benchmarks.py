@@ -17,6 +17,7 @@ from pathlib import Path
 from src.report.engine_table import engine
 from src.report.headline import decision_brief, headline
 from src.report.quality_tables import quickstart
+from src.report.reliability import coverage
 from src.report.routed_tables import decision, routed, routed_paired, routed_switches, routed_tasks
 from src.report.rows import record_rows
 
@@ -28,7 +29,7 @@ MARKED = re.compile(r"(<!-- table: (\S+) -->\n)(.*?)(<!-- /table -->)", re.S)
 
 @dataclass(frozen=True)
 class Table:
-    run_sets: tuple[str, ...]  # folders under results/
+    run_sets: tuple[str, ...]  # folders under results/ (none: a table of `files` only)
     render: Callable[..., str]  # render(rows, *documents): one (path, parsed JSON) per entry of `files`
     page: str = BENCHMARKS.name  # the page (a PAGES file name) that holds the table
     files: tuple[str, ...] = ()  # other committed records the table reads: JSON files under results/
@@ -38,6 +39,7 @@ ROUTED, LEVERS, FITS = "routed-h200-2026-12-03", "routed2-h200-2026-12-03", "rou
 BF16 = "routed4-h200-2026-12-04"
 ENGINE = "engine-h200-2026-12-05"
 FUSED = "fused-fit-h200-2026-12-03/bench_fused_fit.json"
+COVERAGE = "gate-coverage-cpu-2026-12-06/coverage.json"  # scripts/gate_coverage.py
 TABLES: dict[str, Table] = {
     "quickstart": Table(("quickstart-cpu",), quickstart),
     "routed": Table((ROUTED,), routed),
@@ -56,6 +58,7 @@ TABLES: dict[str, Table] = {
     "decision": Table((ROUTED, LEVERS, FITS, BF16), decision),
     "headline": Table((ROUTED, LEVERS, FITS, BF16, ENGINE), headline, README.name, (FUSED,)),
     "decision_brief": Table((ROUTED, LEVERS, FITS, BF16), decision_brief, README.name),
+    "gate_coverage": Table((), coverage, files=(COVERAGE,)),
 }
 
 
@@ -65,7 +68,7 @@ def build(name: str, results: Path = RESULTS) -> str:
         raise ValueError(f"no table {name!r} in src/report/benchmarks.py TABLES (registered: {sorted(TABLES)})")
     table = TABLES[name]
     rows = [row for run_set in table.run_sets for row in record_rows(results / run_set)]
-    if not rows:
+    if not rows and table.run_sets:  # a table of other records only (`files`) reads no record set
         raise ValueError(
             f"table {name!r}: {[str(results / s) for s in table.run_sets]}: none holds a FINISHED record.json"
         )

@@ -16,9 +16,10 @@ from __future__ import annotations
 import re
 from datetime import UTC, datetime
 
-from src.gate import judge_run
-from src.report.routed_tables import _ci, _judged, decided, gain, routed_label
+from src.gate_criteria import mean_loss, median_of, task_verdicts, thresholds
+from src.report.routed_tables import decided, gain, routed_label, run_of, verdicts
 from src.report.rows import Row, at_step, fmt, metric
+from src.routed import same_work_ratios, speedup_ratios
 
 BENCH = "BENCHMARKS.md"
 Document = tuple[str, dict]  # (path under results/, the parsed JSON)
@@ -64,22 +65,28 @@ def _span(runs: list[Row]) -> str:
 
 
 def _status(row: Row, criterion: str) -> str:
-    """The gate's status of one criterion on this run alone (src/gate.py judge_run)."""
-    (verdict,) = [v for v in judge_run(*_judged(row)) if v.criterion.startswith(criterion)]
+    """The gate's status of one criterion on this run alone (src/gate_criteria.py judge_run)."""
+    (verdict,) = [v for v in verdicts(row) if v.criterion.startswith(criterion)]
     return verdict.status
 
 
 def _loss(row: Row, status: bool = True) -> str:
-    """Mean loss in points [paired 95 % CI], with the gate's quality status on this run."""
-    return f"{_ci(row, 'task.mean.loss_points')} pt" + (f", {_status(row, 'quality')}" if status else "")
+    """Mean loss over tasks in points with the gate's interval (each task's Tango interval, joined by MOVER), and the
+    gate's quality status on this run."""
+    loss, low, high = mean_loss(task_verdicts(run_of(row), thresholds()))
+    return f"{fmt(loss)} [{fmt(low, 0)}, {fmt(high, 0)}] pt" + (f", {_status(row, 'quality')}" if status else "")
+
+
+def _median(row: Row, ratios) -> str:
+    """'m× [low, high] on N units' of a median the gate judges (src/gate_criteria.py median_of)."""
+    m = median_of(run_of(row), ratios, "none timed")
+    return f"{fmt(m.value, 2)}× [{fmt(m.low, 2)}, {fmt(m.high, 2)}] on {m.units} {m.noun}"
 
 
 def _speedup(row: Row) -> str:
-    """Median paired TTFT speedup [bootstrap 95 % CI] and the p50s it compares."""
-    metrics, _ = _judged(row)
-    low, high = metrics.get("ttft_speedup_low"), metrics.get("ttft_speedup_high")
+    """Median paired TTFT speedup [the gate's 95 % interval] and the p50s it compares."""
     return (
-        f"{fmt(metrics.get('ttft_speedup'), 2)}× [{fmt(low, 2)}, {fmt(high, 2)}], {_status(row, 'latency:')}; "
+        f"{_median(row, speedup_ratios)}, {_status(row, 'latency:')}; "
         f"p50 {fmt(metric(row, 'ttft.routed_ms_p50'))} vs {fmt(metric(row, 'ttft.reprefill_ms_p50'))} ms"
     )
 
@@ -102,10 +109,14 @@ def headline(rows: list[Row], fused: Document) -> str:
     add = lambda question, answer, on, more: lines.append(f"| {question} | {answer} | {on} | {more} |")
 
     points = decided(rows)
-    failed = sum(1 for *_, metrics, tags in points if not all(v.passed for v in judge_run(metrics, tags)))
+    planned = sum(1 for d in points if d.chosen.plan is not None)
+    failed = sum(1 for d in points if not all(v.passed for v in d.verdicts))
     add(
         "**Promote the mapping layer?** (the gate)",
-        f"**no**: FAIL at {failed} of {len(points)} workload × direction × operating points",
+        f"**{'yes' if all(d.passed for d in points) else 'no'}**: {sum(d.passed for d in points)} of {len(points)} "
+        f"workload × direction × operating points pass — {planned} pre-registered"
+        + (" (the runs so far predate plans)" if all("predates plans" in d.outcome for d in points) else "")
+        + f", and {failed} of {len(points)} fail on their criteria",
         _span([row for row in rows if row.get("tags.job") == "routed"]),
         _link("the-decision", "the decision"),
     )
@@ -230,11 +241,11 @@ def headline(rows: list[Row], fused: Document) -> str:
         _span(routed),
         _link("rollback", "reliability"),
     )
-    sampled = [row for row in routed if "ttft.same_work_ratio" in _judged(row)[0]]
+    sampled = [row for row in routed if same_work_ratios(run_of(row).items)]
     add(
-        "Timing harness: the same work timed alike in both sessions (gate: within 1.25×)",
+        "Timing harness: the same work timed alike in both sessions (gate: 95 % interval within 1.25×)",
         "; ".join(
-            f"{routed_label(row).replace(' | ', ', ')}: {_judged(row)[0]['ttft.same_work_ratio']:.2f}× "
+            f"{routed_label(row).replace(' | ', ', ')}: {_median(row, same_work_ratios)} "
             f"({_status(row, 'latency harness')})"
             for row in sampled
         )
@@ -249,22 +260,24 @@ def decision_brief(rows: list[Row]) -> str:
     """The decision as the gate takes it, one short cell per criterion: status, and the speedup or mean loss it read
     (the full cells, each task's loss and the items that would decide it: BENCHMARKS table `decision`)."""
     lines = [
-        "| workload | direction | operating point | test items | latency (speedup [CI]) | timing harness "
-        "| quality (mean loss pt [CI]) | rollback | verdict |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| workload | direction | operating point | test items | record = items | latency (speedup [CI]) "
+        "| timing harness | quality (mean loss pt [CI]) | rollback | verdict |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
-    for workload, direction, point, metrics, tags in decided(rows):
-        verdicts = {v.criterion.split(":")[0]: v for v in judge_run(metrics, tags)}
-        speed = [metrics.get(k) for k in ("ttft_speedup", "ttft_speedup_low", "ttft_speedup_high")]
-        loss = [metrics.get(f"task.mean.loss_points{end}") for end in ("", "_low", "_high")]
-        arrow = direction.replace("qwen25coder_", "").replace("_to_", " → ")
+    for d in decided(rows):
+        by_name = {v.criterion.split(":")[0]: v for v in d.verdicts}
+        judged = d.chosen.judged
+        loss = mean_loss(task_verdicts(judged, thresholds())) if judged.items else (None, None, None)
+        speed = by_name["latency"].measured.split(" on ")[0] if by_name["latency"].status != "MISSING" else "—"
+        arrow = d.direction.replace("qwen25coder_", "").replace("_to_", " → ")
         cells = [
-            verdicts["routed workload run"].status,
-            f"{verdicts['latency'].status} {fmt(speed[0], 2)}× [{fmt(speed[1], 2)}, {fmt(speed[2], 2)}]",
-            verdicts["latency harness"].status,
-            f"{verdicts['quality'].status} {fmt(loss[0])} [{fmt(loss[1], 0)}, {fmt(loss[2], 0)}]",
-            verdicts["rollback on this workload"].status,
-            "PASS" if all(v.passed for v in verdicts.values()) else "FAIL",
+            by_name["routed workload run"].status,
+            by_name["record"].status,
+            f"{by_name['latency'].status} {speed}",
+            by_name["latency harness"].status,
+            f"{by_name['quality'].status} {fmt(loss[0])} [{fmt(loss[1], 0)}, {fmt(loss[2], 0)}]",
+            by_name["rollback on this workload"].status,
+            d.outcome,
         ]
-        lines.append(f"| {workload} | {arrow} | {point} | " + " | ".join(cells) + " |")
+        lines.append(f"| {d.workload} | {arrow} | {d.point} | " + " | ".join(cells) + " |")
     return "\n".join(lines)

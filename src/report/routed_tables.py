@@ -3,14 +3,18 @@ the same items; each run's gate verdict (src/gate.py) beside its numbers."""
 
 from __future__ import annotations
 
+from functools import cache
 from pathlib import Path
 
 from omegaconf import OmegaConf
 
-from src.gate import backfill, is_shard, judge_run, operating_point, summary_table
+from src.gate import ROOT, Decision, decide, summary_table
+from src.gate_criteria import DEFAULTS, Verdict, judge_run, thresholds
+from src.gate_evidence import Evidence, evidence
+from src.gate_plan import lever_names, load_plans
 from src.report.rows import Row, fmt, metric, slashed
 from src.routed import paired_gain, quality
-from src.tracking import read_items, require
+from src.tracking import ITEMS, read_items, read_json, require
 
 FEWSHOT = Path(__file__).resolve().parents[2] / "conf/workload/fewshot.yaml"
 FEWSHOT_SHOTS = dict(OmegaConf.load(FEWSHOT).shots)  # a run with more shows its count
@@ -27,19 +31,7 @@ def _loss(row: Row, prefix: str) -> str:
 
 
 def routed_label(row: Row) -> str:
-    levers = [
-        f"{name}={row[f'params.policy.levers.{name}']}"
-        for name in ("native_sink", "hold_back", "native_layers", "recompute")
-        if row.get(f"params.policy.levers.{name}") not in (None, "0", "0.0")
-    ]
-    if levers and row.get("params.policy.levers.recompute") not in (None, "0", "0.0"):
-        levers.append(f"rule={row.get('params.policy.levers.recompute_rule')}")
-        if row.get("params.policy.levers.progressive") not in (None, "1", "1.0"):  # the set shrinks with depth
-            levers.append(f"progressive={row['params.policy.levers.progressive']}")
-    if row.get("params.fit.v_space", "token") != "token":  # lever 3: the mapper fitted where the receiver reads
-        levers.append(f"V fit in {row['params.fit.v_space']} space")
-    if row.get("params.budget.continuation") not in (None, "0", "0.0"):  # lever 4: calibration the target wrote
-        levers.append(f"calibration {float(row['params.budget.continuation']):.0%} target-greedy")
+    levers = lever_names({key[len("params.") :]: str(value) for key, value in row.items() if key.startswith("params.")})
     if row.get("params.policy.mode", "map") != "map":  # the session chose per handoff (src/runtime/session.py)
         levers.insert(0, f"policy {row['params.policy.mode']}")
     arrow = str(row.get("tags.direction", "?")).replace("qwen25coder_", "").replace("_to_", " → ")
@@ -52,50 +44,57 @@ def routed_label(row: Row) -> str:
     return f"{row.get('tags.workload')}{items} | {arrow} | {', '.join(levers) or 'pure transfer'}"
 
 
-def _judged(row: Row) -> tuple[dict[str, float], dict[str, str]]:
-    """A record row as the gate reads a run: its metrics (backfilled from its items) and tags."""
-    metrics = {k[len("metrics.") :]: v for k, v in row.items() if k.startswith("metrics.")}
-    params = {k[len("params.") :]: v for k, v in row.items() if k.startswith("params.")}
-    tags = {k[len("tags.") :]: str(v) for k, v in row.items() if k.startswith("tags.")}
-    return backfill(metrics, _items(row), params), tags
+def run_of(row: Row) -> Evidence:
+    """A record row as the gate reads a run: its record and its items artifact (artifacts/routed/items.json beside
+    it, or none)."""
+    return _evidence(str(row["record"]), row.get("start_time") or 0)
 
 
-def decided(rows: list[Row]) -> list[tuple[str, str, str, dict[str, float], dict[str, str]]]:
-    """The runs the gate judges, from every routed record set: per workload × direction × operating point, the latest
-    run on test items (else the group's latest, which the gate refuses), as (workload, direction, operating point,
-    metrics, tags), sorted."""
-    judged = [_judged(row) for row in rows if row.get("tags.job") == "routed"]
-    judged = [(metrics, tags) for metrics, tags in judged if not is_shard(tags)]  # a shard is judged joined only
-    pair = lambda tags: (tags.get("workload", "unknown"), tags.get("direction", "unknown"))
-    tested = {pair(tags) for _, tags in judged if tags.get("split") == "test"}
-    latest: dict[tuple[str, str, str], tuple[dict, dict]] = {}
-    for metrics, tags in judged:  # oldest first: a later run of the same group replaces an earlier one
-        on_test = tags.get("split") == "test"
-        if on_test or pair(tags) not in tested:  # as the gate: test runs, else the group's latest (refused) run
-            latest[(*pair(tags), operating_point(metrics, tags, on_test))] = metrics, tags
-    return [(*key, *latest[key]) for key in sorted(latest)]
+@cache
+def _evidence(record: str, start_time: int) -> Evidence:
+    from src.tracking import metric_values, read_record
+
+    path = Path(record)
+    found = read_record(path)
+    items = path.parent / ITEMS
+    document = read_json(items) if items.is_file() else None
+    return evidence(
+        found["name"], str(path.parent.name), start_time, metric_values(found, path), found["params"], found["tags"],
+        document, str(items),
+    )  # fmt: skip
+
+
+@cache
+def _verdicts(record: str, start_time: int) -> tuple[Verdict, ...]:
+    return tuple(judge_run(_evidence(record, start_time)))
+
+
+def verdicts(row: Row) -> list[Verdict]:
+    """The gate's criteria on this run alone (src/gate_criteria.py judge_run), computed once per record."""
+    return list(_verdicts(str(row["record"]), row.get("start_time") or 0))
+
+
+def decided(rows: list[Row]) -> list[Decision]:
+    """The decision as the gate takes it, from every routed record set: per workload × direction × operating point,
+    the registered run (results/gate_plans.yaml), else the latest on test items, UNREGISTERED (src/gate.py decide)."""
+    runs = [run_of(row) for row in rows if row.get("tags.job") == "routed"]
+    return decide(runs, load_plans(ROOT / DEFAULTS.plans), thresholds())
 
 
 def decision(rows: list[Row]) -> str:
-    """The decision as the gate takes it (`python -m src.gate --summary`), from every routed record set: per workload ×
-    direction × operating point, the latest run on test items, its criteria and verdict."""
-    return summary_table(
-        [
-            (workload, direction, point, judge_run(metrics, tags))
-            for workload, direction, point, metrics, tags in decided(rows)
-        ]
-    )
+    """The decision as the gate takes it (`python -m src.gate --summary`), from every routed record set."""
+    return summary_table(decided(rows))
 
 
 def _gate(row: Row) -> str:
-    """The gate's verdict on this run (src/gate.py judge_run), with the criteria that did not pass."""
-    metrics, tags = _judged(row)
-    failing = [v for v in judge_run(metrics, tags) if not v.passed]
+    """The gate's criteria on this run alone, with those that did not pass (registration aside)."""
+    failing = [v for v in verdicts(row) if not v.passed]
     names = {
         "latency: end-to-end TTFT speedup": "latency",
         "latency harness: same work alike": "latency harness",
         "quality: loss vs all-re-prefill": "quality",
         "prefill fraction spent": "prefill",
+        "record: logged = items": "record",
     }
     reasons = ", ".join(f"{names.get(v.criterion, v.criterion)} {v.status}" for v in failing)
     return f"FAIL ({reasons})" if failing else "PASS"
