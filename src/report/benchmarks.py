@@ -19,7 +19,7 @@ from src.report.headline import decision_brief, headline
 from src.report.quality_tables import quickstart
 from src.report.reliability import coverage
 from src.report.routed_tables import decision, routed, routed_paired, routed_switches, routed_tasks
-from src.report.rows import record_rows
+from src.report.rows import Row, record_rows
 
 ROOT = Path(__file__).resolve().parents[2]
 RESULTS, BENCHMARKS, README = ROOT / "results", ROOT / "BENCHMARKS.md", ROOT / "README.md"
@@ -38,8 +38,16 @@ class Table:
 ROUTED, LEVERS, FITS = "routed-h200-2026-12-03", "routed2-h200-2026-12-03", "routed3-h200-2026-12-04"
 BF16 = "routed4-h200-2026-12-04"
 ENGINE = "engine-h200-2026-12-05"
+GATE = "gate-h100-2026-12-06"  # scripts/device_quality.sh gate: 200-shot ARC, bf16, graph engine, item shards joined
 FUSED = "fused-fit-h200-2026-12-03/bench_fused_fit.json"
 COVERAGE = "gate-coverage-cpu-2026-12-06/coverage.json"  # scripts/gate_coverage.py
+
+
+def joined(rows: list[Row]) -> list[Row]:
+    """The runs that are no item shard (tag `shard`): a shard is read only in its join (src/routed_merge.py)."""
+    return [row for row in rows if "tags.shard" not in row]
+
+
 TABLES: dict[str, Table] = {
     "quickstart": Table(("quickstart-cpu",), quickstart),
     "routed": Table((ROUTED,), routed),
@@ -55,9 +63,11 @@ TABLES: dict[str, Table] = {
     "routed_bf16_tasks": Table((BF16,), routed_tasks),
     "routed_bf16_paired": Table((ROUTED, LEVERS, FITS, BF16), partial(routed_paired, run_set=BF16)),
     "engine": Table((ENGINE,), engine),
-    "decision": Table((ROUTED, LEVERS, FITS, BF16), decision),
-    "headline": Table((ROUTED, LEVERS, FITS, BF16, ENGINE), headline, README.name, (FUSED,)),
-    "decision_brief": Table((ROUTED, LEVERS, FITS, BF16), decision_brief, README.name),
+    "routed_gate": Table((GATE,), lambda rows: routed(joined(rows))),
+    "routed_gate_tasks": Table((GATE,), lambda rows: routed_tasks(joined(rows))),
+    "decision": Table((ROUTED, LEVERS, FITS, BF16, GATE), decision),
+    "headline": Table((ROUTED, LEVERS, FITS, BF16, ENGINE, GATE), headline, README.name, (FUSED,)),
+    "decision_brief": Table((ROUTED, LEVERS, FITS, BF16, GATE), decision_brief, README.name),
     "gate_coverage": Table((), coverage, files=(COVERAGE,)),
 }
 
