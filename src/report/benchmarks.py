@@ -19,7 +19,7 @@ from src.report.headline import decision_brief, headline
 from src.report.quality_tables import quickstart
 from src.report.reliability import coverage
 from src.report.routed_tables import decision, routed, routed_paired, routed_switches, routed_tasks
-from src.report.rows import Row, record_rows
+from src.report.rows import joined, record_rows
 
 ROOT = Path(__file__).resolve().parents[2]
 RESULTS, BENCHMARKS, README = ROOT / "results", ROOT / "BENCHMARKS.md", ROOT / "README.md"
@@ -41,11 +41,6 @@ ENGINE = "engine-h200-2026-12-05"
 GATE = "gate-h100-2026-12-06"  # scripts/device_quality.sh gate: 200-shot ARC, bf16, graph engine, item shards joined
 FUSED = "fused-fit-h200-2026-12-03/bench_fused_fit.json"
 COVERAGE = "gate-coverage-cpu-2026-12-06/coverage.json"  # scripts/gate_coverage.py
-
-
-def joined(rows: list[Row]) -> list[Row]:
-    """The runs that are no item shard (tag `shard`): a shard is read only in its join (src/routed_merge.py)."""
-    return [row for row in rows if "tags.shard" not in row]
 
 
 TABLES: dict[str, Table] = {

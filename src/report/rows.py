@@ -16,6 +16,11 @@ from src.tracking import current_params, read_record
 Row = dict[str, object]
 
 
+def joined(rows: list[Row]) -> list[Row]:
+    """The runs that are no item shard (tag `shard`): a shard is read only in its join (src/routed_merge.py)."""
+    return [row for row in rows if "tags.shard" not in row]
+
+
 def record_rows(directory: Path) -> list[Row]:
     """One row per FINISHED record.json under `directory` (failed / interrupted runs are left out), oldest first."""
     rows = []
