@@ -3,7 +3,7 @@
 Floors, bottom to top (a module may import its own floor and the floors below it):
 models, rope, task data, tracking, model fetching → corpus, traces, statistics, support, weighting, artifact → selection, map
 arithmetic, forward passes, Fused-Fit kernel → fit, probe, synthetic, apply kernel → apply → runtime room (levers, recompute,
-the receiver engine → the one splice → routing → a model's reader → generation, a handoff's pieces → router session) → eval → pipeline (cfg → objects), workloads → jobs (bench, routed, sweep, gate,
+the receiver engine → the one splice → routing → a model's reader → generation, a handoff's pieces → router session) → serving (the vLLM connector, its router) → eval → pipeline (cfg → objects), workloads → jobs (bench, routed, sweep, gate,
 distributed) → routed_merge (a run's item shards joined) → report (tables from records) → choose, length evidence → run (dispatch). A new module must be given a floor here before it can land.
 """
 
@@ -33,6 +33,7 @@ FLOORS = [
     {"src.runtime.reader"},  # what one model of a session holds: cache or engine slots, provenance, logits
     {"src.runtime.generation", "src.runtime.pieces"},  # generate on a reader; the handoff's pieces and their map
     {"src.runtime.session"},
+    {"src.serving"},  # the package: adapters to serving engines (the vLLM connector, its router)
     {"src.eval"},  # the package: every src.eval.* module
     {"src.pipeline", "src.workloads"},
     {"src.bench", "src.routed", "src.routed_runs", "src.routed_workloads", "src.sweep", "src.gate", "src.distributed"},
