@@ -172,6 +172,13 @@ def test_an_export_round_trips_by_positions_and_ranks(tmp_path):
     transport.remove("e1")
     with pytest.raises(ExportError, match="no export"):
         transport.header("e1")
+    one_head = keys[:, :1], values[:, :1]
+    for rank in range(2):  # a sender of TP 2 whose one KV head is replicated on both ranks
+        transport.put("e9", *one_head, [5, 6, 7, 8, 9], "fp", "tok", (0, 1, 1), None, rank, 2)
+    assert torch.equal(transport.load("e9", 0, 5)[0], one_head[0])
+    transport.put("e8", *one_head, [5, 6, 7, 8, 9], "fp", "tok", (1, 1, 2))  # head 0 of 2 missing
+    with pytest.raises(ExportError, match="not each of 2 once"):
+        transport.load("e8", 0, 5)
 
 
 def test_nothing_half_written_ever_loads(tmp_path, monkeypatch):

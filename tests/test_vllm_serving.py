@@ -10,29 +10,38 @@ where vLLM is not importable.
 
 from __future__ import annotations
 
+import importlib.util
+import json
 import os
-import pickle
 import random
 from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 import torch
 
 pytest.importorskip("vllm", reason="vLLM is not installed (pip install -e '.[serving-cpu]')")
 
-from src.apply import KVTransfer  # noqa: E402
 from src.artifact import load_mapper  # noqa: E402
-from src.maps import cache_layers  # noqa: E402
-from src.models import load_model  # noqa: E402
-from src.runtime.levers import Levers  # noqa: E402
 from src.runtime.routing import mapper_id  # noqa: E402
-from src.runtime.splice import spliced_cache  # noqa: E402
 from src.serving.router import Router  # noqa: E402
 from src.serving.transport import Transport  # noqa: E402
-from tests.vllm_pair import ENV, VOCAB, engine, paged_kv, serving_pair  # noqa: E402
+from tests.vllm_pair import (  # noqa: E402
+    ENV,
+    VOCAB,
+    assert_spliced,
+    engine,
+    export,
+    generate,
+    handoff,
+    logprobs,
+    record,
+    serving_pair,
+    tokens,
+)
 
+ROOT = Path(__file__).resolve().parents[1]
 POLICY = {"levers": {"hold_back": 4}, "max_length_factor": 3.0, "guard_max_abs": 1000.0}
-BLOCK = 32
 
 
 @dataclass
@@ -78,44 +87,6 @@ def fresh(n: int) -> list[int]:
     return random.Random(next(SEEDS)).choices(range(2, VOCAB), k=n)
 
 
-def generate(llm, prompts, params=None, n: int = 4):
-    """Greedy outputs (2 logprobs per step) of one batch; `params` the kv_transfer_params of every prompt, or a list."""
-    from vllm import SamplingParams
-
-    batch = prompts if isinstance(prompts[0], list) else [prompts]
-    given = params if isinstance(params, list) else [params] * len(batch)
-    sampling = [
-        SamplingParams(temperature=0.0, max_tokens=n, logprobs=2, detokenize=False,
-                       extra_args=None if p is None else {"kv_transfer_params": p})
-        for p in given
-    ]  # fmt: skip
-    outputs = llm.generate([{"prompt_token_ids": p} for p in batch], sampling, use_tqdm=False)
-    return outputs if isinstance(prompts[0], list) else outputs[0]
-
-
-def tokens(output) -> list[int]:
-    return list(output.outputs[0].token_ids)
-
-
-def logprobs(output) -> torch.Tensor:
-    """[steps, 2]: the two top log-probabilities of each step."""
-    return torch.tensor([sorted(e.logprob for e in step.values())[-2:] for step in output.outputs[0].logprobs])
-
-
-def record(output) -> dict:
-    return (output.kv_transfer_params or {}).get("kvrelay", {})
-
-
-def export(llm, prompt: list[int]) -> str:
-    out = generate(llm, prompt, {"kvrelay": {"export": True}}, n=1)
-    assert record(out)["export_tokens"] == len(prompt)
-    return record(out)["export"]
-
-
-def handoff(export_id: str, mapper: str) -> dict:
-    return {"kvrelay": {"handoff": {"export": export_id, "mapper": mapper}}}
-
-
 # ---------------------------------------------------------------------------------------------------- transfer
 
 
@@ -145,26 +116,7 @@ def test_the_kv_in_the_paged_blocks_equal_kvrelays_own_splice(served):
     out = generate(served.large, conversation, handoff(export_id, served.fitted), n=1)
     done = record(out)["handoff"]
     assert (done["status"], done["start"], done["end"]) == ("mapped", 0, 96)
-    keys, values = pickle.loads(served.large.collective_rpc(paged_kv, args=(done["blocks"], len(conversation)))[0])
-
-    small, large = load_model(served.pair.small), load_model(served.pair.large)
-    source_k, source_v = served.transport.load(export_id, 0, len(prompt))  # [L_s, H_s, 100, d]
-    native = small(torch.tensor([prompt]), use_cache=True).past_key_values
-    for layer, (k, v) in enumerate(cache_layers(native)):
-        torch.testing.assert_close(source_k[layer], k[0], atol=1e-4, rtol=1e-4)
-        torch.testing.assert_close(source_v[layer], v[0], atol=1e-4, rtol=1e-4)
-
-    transfer = KVTransfer(load_mapper(served.pair.fitted), small, large, served.pair.tokenizer_hash)
-    source = [(k[None], v[None]) for k, v in zip(source_k, source_v, strict=True)]
-    levers = Levers(hold_back=len(conversation) - 96)
-    reference = cache_layers(spliced_cache(transfer, source, torch.tensor([conversation]), levers))
-    want_k = torch.stack([k[0] for k, _ in reference])  # [L_t, H_t, 105, d]
-    want_v = torch.stack([v[0] for _, v in reference])
-    scale = want_k.abs().max()
-    torch.testing.assert_close(keys[:, :, :96], want_k[:, :, :96], atol=1e-5 * scale, rtol=0)  # the map
-    torch.testing.assert_close(values[:, :, :96], want_v[:, :, :96], atol=1e-5 * scale, rtol=0)
-    torch.testing.assert_close(keys[:, :, 96:], want_k[:, :, 96:], atol=1e-4 * scale, rtol=0)  # read on top
-    torch.testing.assert_close(values[:, :, 96:], want_v[:, :, 96:], atol=1e-4 * scale, rtol=0)
+    assert_spliced(served.large, served.pair, served.transport, export_id, prompt, conversation, done)
 
 
 # ---------------------------------------------------------------------------------------------------- provenance
@@ -305,3 +257,22 @@ def test_a_refused_switch_continues_exactly_as_plain_vllm(served):
     assert (record.path, record.status) == ("reprefill", "fallback_reprefill") and "unknown mapper" in record.reason
     answer = router.generate("large", [], 4)
     assert answer == tokens(generate(served.plain, router.ids[:-4]))
+
+
+# ---------------------------------------------------------------------------------------------------- the TTFT bench
+
+
+def test_the_ttft_bench_runs_its_paths_at_tiny_sizes(served, tmp_path):
+    """scripts/bench_vllm_ttft.py's measurement and record on the module's engines (its CPU smoke mode, without
+    starting two more engines): every path timed, the handoff mapped, the JSON written."""
+    spec = importlib.util.spec_from_file_location("bench_vllm_ttft", ROOT / "scripts" / "bench_vllm_ttft.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    rows = bench.measure(served.small, served.large, served.fitted, [64, 128], repeats=1, vocab=VOCAB)
+    result = json.loads(json.dumps(bench.write(rows, "smoke", tmp_path / "ttft.json")))
+    assert json.loads((tmp_path / "ttft.json").read_text()) == result
+    assert [row["tokens"] for row in result["rows"]] == [64, 128]
+    assert [row["mapped"] for row in result["rows"]] == [[64], [128]]
+    for row in result["rows"]:
+        assert set(row["median_ms"]) == {"reprefill", "hit", "map", "routed"}
+        assert all(value > 0 for value in row["median_ms"].values())

@@ -115,3 +115,79 @@ def paged_kv(worker, block_ids: list[int], tokens: int) -> bytes:
     keys = torch.stack([k for k, _ in pairs]).transpose(1, 2)  # [L, H, T, d]
     values = torch.stack([v for _, v in pairs]).transpose(1, 2)
     return pickle.dumps((keys.clone(), values.clone()))
+
+
+def generate(llm, prompts, params=None, n: int = 4):
+    """Greedy outputs (2 logprobs per step) of one batch; `params` the kv_transfer_params of every prompt, or a list."""
+    from vllm import SamplingParams
+
+    batch = prompts if isinstance(prompts[0], list) else [prompts]
+    given = params if isinstance(params, list) else [params] * len(batch)
+    sampling = [
+        SamplingParams(temperature=0.0, max_tokens=n, logprobs=2, detokenize=False,
+                       extra_args=None if p is None else {"kv_transfer_params": p})
+        for p in given
+    ]  # fmt: skip
+    outputs = llm.generate([{"prompt_token_ids": p} for p in batch], sampling, use_tqdm=False)
+    return outputs if isinstance(prompts[0], list) else outputs[0]
+
+
+def tokens(output) -> list[int]:
+    return list(output.outputs[0].token_ids)
+
+
+def logprobs(output) -> torch.Tensor:
+    """[steps, 2]: the two top log-probabilities of each step."""
+    return torch.tensor([sorted(e.logprob for e in step.values())[-2:] for step in output.outputs[0].logprobs])
+
+
+def record(output) -> dict:
+    return (output.kv_transfer_params or {}).get("kvrelay", {})
+
+
+def export(llm, prompt: list[int]) -> str:
+    out = generate(llm, prompt, {"kvrelay": {"export": True}}, n=1)
+    assert record(out)["export_tokens"] == len(prompt)
+    return record(out)["export"]
+
+
+def handoff(export_id: str, mapper: str) -> dict:
+    return {"kvrelay": {"handoff": {"export": export_id, "mapper": mapper}}}
+
+
+def assert_spliced(llm, pair: ServingPair, transport, export_id: str, prompt: list[int], conversation: list[int],
+                   done: dict) -> None:  # fmt: skip
+    """The K/V `llm` holds for `conversation` after the handoff `done` (its record) from the small model's export of
+    `prompt` equal kvrelay's own DynamicCache splice of that export (src/runtime/splice.py `spliced_cache`): the
+    mapped span tightly, the tokens read natively on top of it within float tolerance; and the export holds the
+    small model's own prefill."""
+    import pickle
+
+    from src.apply import KVTransfer
+    from src.artifact import load_mapper
+    from src.maps import cache_layers
+    from src.models import load_model
+    from src.runtime.levers import Levers
+    from src.runtime.splice import spliced_cache
+
+    end = done["end"]
+    parts = [pickle.loads(p) for p in llm.collective_rpc(paged_kv, args=(done["blocks"], len(conversation)))]
+    keys, values = (torch.cat([p[i] for p in parts], 1) for i in (0, 1))  # [L_t, H_t, T, d]: the ranks' heads in order
+    small, large = load_model(pair.small), load_model(pair.large)
+    source_k, source_v = transport.load(export_id, 0, len(prompt))  # [L_s, H_s, T, d]
+    native = small(torch.tensor([prompt]), use_cache=True).past_key_values
+    for layer, (k, v) in enumerate(cache_layers(native)):
+        torch.testing.assert_close(source_k[layer], k[0], atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(source_v[layer], v[0], atol=1e-4, rtol=1e-4)
+    transfer = KVTransfer(load_mapper(pair.fitted), small, large, pair.tokenizer_hash)
+    source = [(k[None], v[None]) for k, v in zip(source_k, source_v, strict=True)]
+    levers = Levers(native_sink=done["start"], hold_back=len(conversation) - end)
+    reference = cache_layers(spliced_cache(transfer, source, torch.tensor([conversation]), levers))
+    want_k = torch.stack([k[0] for k, _ in reference])  # [L_t, H_t, T, d]
+    want_v = torch.stack([v[0] for _, v in reference])
+    scale = want_k.abs().max()
+    span = slice(done["start"], end)
+    torch.testing.assert_close(keys[:, :, span], want_k[:, :, span], atol=1e-5 * scale, rtol=0)  # the map
+    torch.testing.assert_close(values[:, :, span], want_v[:, :, span], atol=1e-5 * scale, rtol=0)
+    torch.testing.assert_close(keys[:, :, end:], want_k[:, :, end:], atol=1e-4 * scale, rtol=0)  # read on top
+    torch.testing.assert_close(values[:, :, end:], want_v[:, :, end:], atol=1e-4 * scale, rtol=0)

@@ -150,19 +150,24 @@ class Transport:
     def load(
         self, export_id: str, start: int, end: int, device: torch.device | str = "cpu"
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Keys and values [L_s, H_s, end − start, d_s] of positions start..end−1, every sender rank's heads in
-        order, on `device`; an ExportError when the export is missing or does not hold those positions."""
-        parts, keys, values = self._parts(export_id), [], []
-        for path in parts:
+        """Keys and values [L_s, H_s, end − start, d_s] of positions start..end−1, the sender ranks' heads in order
+        (a head replicated over ranks once), on `device`; an ExportError when the export is missing, does not hold
+        those positions or every head."""
+        keys, values, total = {}, {}, 0  # first head → [L_s, H_r, n, d_s]; ranks replicating a head hold the same
+        for path in self._parts(export_id):
             try:
                 with safetensors.safe_open(path, "pt") as handle:
                     if not 0 <= start < end <= handle.get_slice("keys").get_shape()[2]:
                         raise ExportError(f"export {export_id!r} does not hold positions {start}..{end - 1}")
-                    keys.append(handle.get_slice("keys")[:, :, start:end])  # [L_s, H_r, n, d_s]
-                    values.append(handle.get_slice("values")[:, :, start:end])
+                    first, _, total = (int(n) for n in handle.metadata()["heads"].split(","))
+                    keys[first] = handle.get_slice("keys")[:, :, start:end]
+                    values[first] = handle.get_slice("values")[:, :, start:end]
             except (OSError, safetensors.SafetensorError) as error:
                 raise ExportError(f"export {export_id!r}: {path.name} is unreadable ({error})") from None
-        return torch.cat(keys, 1).to(device), torch.cat(values, 1).to(device)
+        order = sorted(keys)
+        if [h for first in order for h in range(first, first + keys[first].shape[1])] != list(range(total)):
+            raise ExportError(f"export {export_id!r}: its ranks hold heads from {order}, not each of {total} once")
+        return torch.cat([keys[f] for f in order], 1).to(device), torch.cat([values[f] for f in order], 1).to(device)
 
     def remove(self, export_id: str) -> None:
         """Delete an export's files (a sender dropping its oldest; a missing export is no error)."""

@@ -250,14 +250,16 @@ class KVRelayConnector(KVConnectorBase_V1):
         named = sorted((extract_layer_index(name), context[name]) for name in kv_caches)
         self.layers = [layer for _, layer in named]
         self.layout = check_layout(self.layers[0])
-        heads = self.layers[0].kv_cache.shape[1]
-        self.heads = slice(self.rank * heads, (self.rank + 1) * heads)  # this worker's KV heads (contiguous)
+        heads, total = self.layers[0].kv_cache.shape[1], self._vllm_config.model_config.get_total_num_kv_heads()
+        first = self.rank * heads if total >= self.ranks else self.rank * total // self.ranks  # else: replicated
+        self.heads = slice(first, first + heads)  # this worker's KV heads: vLLM splits them contiguously
+        self.total_heads = total
         for mapper, bound in self.bound.items():
             kv = bound.target_kv
-            if (kv.num_layers, kv.num_kv_heads, kv.head_dim) != (len(self.layers), heads * self.ranks, self.head_dim):
+            if (kv.num_layers, kv.num_kv_heads, kv.head_dim) != (len(self.layers), total, self.head_dim):
                 raise ValueError(f"kvrelay: mapper {mapper} targets {kv.num_layers} layers × {kv.num_kv_heads} KV "
-                                 f"heads × {kv.head_dim}, this engine holds {len(self.layers)} × {heads} per rank of "
-                                 f"{self.ranks} × {self.head_dim}")  # fmt: skip
+                                 f"heads × {kv.head_dim}, this engine holds {len(self.layers)} × {total} × "
+                                 f"{self.head_dim}")  # fmt: skip
 
     @property
     def head_dim(self) -> int:
@@ -317,11 +319,7 @@ class KVRelayConnector(KVConnectorBase_V1):
         pairs = [read_slots(layer.kv_cache, slots, self.layout) for layer in self.layers]  # ([T, H, d], [T, H, d])
         keys = torch.stack([k for k, _ in pairs]).transpose(1, 2).cpu()  # [L, H, T, d]
         values = torch.stack([v for _, v in pairs]).transpose(1, 2).cpu()
-        heads = (
-            self.heads.start,
-            self.heads.stop - self.heads.start,
-            (self.heads.stop - self.heads.start) * self.ranks,
-        )
+        heads = (self.heads.start, self.heads.stop - self.heads.start, self.total_heads)
         self.transport.put(save.export_id, keys, values, save.ids, self.identity.fingerprint,
                            self.identity.tokenizer_hash, heads, save.mapped, self.rank, self.ranks)  # fmt: skip
         if self.rank == 0:
