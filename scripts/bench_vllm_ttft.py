@@ -57,12 +57,13 @@ def measure(small, large, mapper: str, lengths: list[int], repeats: int, vocab: 
     for n in lengths:
         row = {"tokens": n, "reprefill_ms": [], "hit_ms": [], "map_ms": [], "export_ms": [], "mapped": []}
         for repeat in range(repeats + 1):  # the first round warms each path up and is dropped
-            history, turn = fresh(n), fresh(TURN)
-            reprefill, _ = _timed(large, history + turn)
-            history_hit = fresh(n)
-            _timed(large, history_hit)
-            hit, _ = _timed(large, history_hit + turn)
+            turn = fresh(TURN)
+            reprefill, _ = _timed(large, fresh(n) + turn)
+            held = fresh(n)
+            _timed(large, held)
+            hit, _ = _timed(large, held + turn)
             without, _ = _timed(small, fresh(n))
+            history = fresh(n)  # new to both engines
             with_export, exported = _timed(small, history, {"kvrelay": {"export": True}})
             handoff = {"kvrelay": {"handoff": {"export": exported["export"], "mapper": mapper}}}
             mapped, record = _timed(large, history + turn, handoff)
