@@ -86,6 +86,9 @@ def test_the_claim_is_block_aligned_after_the_native_hit_and_leaves_the_hold_bac
     assert _claim(hit=64) == Claim(64, 96)
     assert _claim(prompt=PROMPT[:100], levers={}) == Claim(0, 96)  # at least one token left to compute: 99 → 96
     assert _claim(prompt=PROMPT[:100], header=replace(HEADER, ids=tuple(PROMPT[:64])), levers={}) == Claim(0, 64)
+    whole = replace(HEADER, ids=tuple(PROMPT[:96]))  # the prompt is the export, a whole number of blocks
+    assert _claim(prompt=PROMPT[:96], header=whole, levers={}) == Claim(0, 64)  # vLLM must still compute a token
+    assert _claim(levers={"hold_back": 40}) == Claim(0, 64)  # 105 − 40 = 65 → 64
 
 
 @pytest.mark.parametrize(
@@ -191,12 +194,16 @@ def test_nothing_half_written_ever_loads(tmp_path, monkeypatch):
     with pytest.raises(ExportError, match="incomplete"):
         transport.header("e2")
 
-    def crash(_):
+    visible = []
+
+    def crash(_):  # the writer dies while its bytes are on their way: what could a reader see then?
+        visible.extend(p.name for p in tmp_path.glob("e3*"))
         raise OSError("disk full")
 
     monkeypatch.setattr(os, "fsync", crash)
     with pytest.raises(OSError, match="disk full"):
         transport.put("e3", keys, values, [1, 2, 3, 4, 5], "fp", "tok", (0, 2, 2))
+    assert visible == []  # nothing under the export's name before it is complete
     assert sorted(p.name for p in tmp_path.iterdir()) == [".staging-abc", "e2.rank0-of-2.safetensors"]
     with pytest.raises(ExportError, match="not 1–64 characters"):
         transport.header("../etc/passwd")
