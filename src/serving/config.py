@@ -25,11 +25,11 @@ from pathlib import Path
 import torch
 import yaml
 
+from src.apply import BACKENDS
 from src.runtime.routing import Policy, policy_from
 from src.serving.transport import DEFAULT_DIRECTORY
 
 POLICY_DEFAULTS = Path(__file__).resolve().parents[2] / "conf" / "policy" / "default.yaml"
-BACKENDS = ("torch", "auto", "triton")
 DTYPES = ("float32", "bfloat16", "float16")
 
 
