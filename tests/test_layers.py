@@ -3,7 +3,7 @@
 Floors, bottom to top (a module may import its own floor and the floors below it):
 models, rope, task data, tracking, model fetching → corpus, traces, statistics, support, weighting, artifact → selection, map
 arithmetic, forward passes, Fused-Fit kernel → fit, probe, synthetic, apply kernel → apply → runtime room (levers, recompute,
-the splice plan → the receiver engine → the receivers → the one splice → routing → a model's reader → generation, a handoff's pieces → a handoff's cover → router session) → eval → pipeline (cfg → objects), workloads → jobs (bench, routed, sweep, gate,
+the splice plan → the receiver engine → the receivers → the one splice → routing → a model's reader → generation, a handoff's pieces → a handoff's cover → router session) → serving (the vLLM connector, its router) → eval → pipeline (cfg → objects), workloads → jobs (bench, routed, sweep, gate,
 distributed) → routed_merge (a run's item shards joined) → report (tables from records) → choose, length evidence → config check → run (dispatch). A new module must be given a floor here before it can land.
 """
 
@@ -37,6 +37,7 @@ FLOORS = [
     {"src.runtime.generation", "src.runtime.pieces"},  # generate on a reader; the handoff's pieces and their map
     {"src.runtime.cover"},  # one handoff: re-prefill or plan, map and splice; its record
     {"src.runtime.session"},
+    {"src.serving"},  # the package: adapters to serving engines (the vLLM connector, its router)
     {"src.eval"},  # the package: every src.eval.* module
     {"src.pipeline", "src.workloads"},
     {

@@ -1,0 +1,168 @@
+"""Time to first token inside vLLM, per history length: the routed handoff (the sender's export + the receiver's
+mapped claim) against vLLM's own re-prefill and vLLM's own prefix hit — random weights of a pair's shapes, timing
+only, never quality.
+
+    python scripts/bench_vllm_ttft.py --pair conf/pair/qwen25coder_0p5b_to_1p5b_random.yaml \\
+        --lengths 1024,2048,4096,8192,16384 --out results/vllm_ttft.json          # GPU: two engines on one device
+    python scripts/bench_vllm_ttft.py --smoke --out /tmp/vllm_ttft.json          # CPU: the tiny pair, 64 / 128
+
+Per length and repeat, a fresh history of n random tokens and a 16-token turn (prompts no engine has seen):
+    re-prefill  the receiver reads history + turn, nothing cached                      (plain request)
+    hit         the receiver read the history before; it computes the turn on its own blocks   (plain request)
+    map         the sender reads the history and exports it; the receiver claims the mapped history and
+                computes the turn: TTFT = the receiver's request + the export's cost on the sender
+                (its request with the export minus the same request of another fresh history without)
+A request's TTFT is the wall time of `LLM.generate` for one greedy token. Plain requests run on the receiver
+engine itself (no kvrelay parameters: the connector declines them). Writes one JSON: every measurement, the
+medians, the machine and the versions.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import random
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+TURN = 16
+
+
+def _timed(llm, prompt: list[int], params: dict | None = None) -> tuple[float, dict]:
+    """(ms, the connector's record) of one greedy token after `prompt`."""
+    from vllm import SamplingParams
+
+    sampling = SamplingParams(temperature=0.0, max_tokens=1, detokenize=False,
+                              extra_args=None if params is None else {"kv_transfer_params": params})  # fmt: skip
+    began = time.perf_counter()
+    output = llm.generate([{"prompt_token_ids": prompt}], sampling, use_tqdm=False)[0]
+    return (time.perf_counter() - began) * 1e3, (output.kv_transfer_params or {}).get("kvrelay", {})
+
+
+def measure(small, large, mapper: str, lengths: list[int], repeats: int, vocab: int, seed: int = 0) -> list[dict]:
+    """One row per length: every repeat's ms per path, and what the receiver mapped (module docstring)."""
+    rng = random.Random(seed)
+    fresh = lambda n: rng.choices(range(2, vocab), k=n)
+    rows = []
+    for n in lengths:
+        row = {"tokens": n, "reprefill_ms": [], "hit_ms": [], "map_ms": [], "export_ms": [], "mapped": []}
+        for repeat in range(repeats + 1):  # the first round warms each path up and is dropped
+            turn = fresh(TURN)
+            reprefill, _ = _timed(large, fresh(n) + turn)
+            held = fresh(n)
+            _timed(large, held)
+            hit, _ = _timed(large, held + turn)
+            without, _ = _timed(small, fresh(n))
+            history = fresh(n)  # new to both engines
+            with_export, exported = _timed(small, history, {"kvrelay": {"export": True}})
+            handoff = {"kvrelay": {"handoff": {"export": exported["export"], "mapper": mapper}}}
+            mapped, record = _timed(large, history + turn, handoff)
+            if record.get("handoff", {}).get("status") != "mapped":
+                raise RuntimeError(f"the handoff at {n} tokens was not mapped: {record}")
+            if repeat:
+                row["reprefill_ms"].append(reprefill)
+                row["hit_ms"].append(hit)
+                row["export_ms"].append(with_export - without)
+                row["map_ms"].append(mapped)
+                row["mapped"].append(record["handoff"]["mapped"])
+        routed = [m + max(e, 0.0) for m, e in zip(row["map_ms"], row["export_ms"], strict=True)]
+        row["median_ms"] = {
+            "reprefill": statistics.median(row["reprefill_ms"]),
+            "hit": statistics.median(row["hit_ms"]),
+            "map": statistics.median(row["map_ms"]),
+            "routed": statistics.median(routed),
+        }
+        rows.append(row)
+    return rows
+
+
+def machine() -> dict:
+    import vllm
+
+    device = torch.cuda.get_device_name() if torch.cuda.is_available() else platform.processor() or "cpu"
+    return {"device": device, "torch": torch.__version__, "vllm": vllm.__version__, "python": platform.python_version(),
+            "date": time.strftime("%Y-%m-%d")}  # fmt: skip
+
+
+def build(pair: Path, work: Path, dtype: torch.dtype) -> tuple[Path, Path, Path]:
+    """The pair's random-weight models (its conf/pair YAML: config + seed each) saved with the tests' tokenizer, and a
+    random-coefficient Head-Local k = 2 mapper between them (src/synthetic.py): (small, large, mapper) directories."""
+    from src.artifact import save_mapper
+    from src.models import build_random_model, describe_kv, fingerprint, load_tokenizer, tokenizer_hash
+    from src.synthetic import synthetic_mapper
+    from tests.vllm_pair import tiny_tokenizer
+
+    spec = yaml.safe_load(pair.read_text())
+    models = {}
+    for role in ("source", "target"):
+        model = build_random_model(spec[role]["config"], spec[role]["seed"], dtype)
+        model.save_pretrained(work / role)
+        tiny_tokenizer().save_pretrained(work / role)
+        models[role] = build_random_model(spec[role]["config"], spec[role]["seed"], torch.float32)  # fingerprinted
+    token_hash = tokenizer_hash(load_tokenizer(work / "target"))
+    manifest = {"source_fingerprint": fingerprint(models["source"]), "target_fingerprint": fingerprint(models["target"]),
+                "tokenizer_hash": token_hash, "token_features": False, "calibration": {}}  # fmt: skip
+    source_kv, target_kv = describe_kv(models["source"]), describe_kv(models["target"])
+    save_mapper(synthetic_mapper(source_kv, target_kv, "local", 2, manifest, seed=0), work / "mapper")
+    return work / "source", work / "target", work / "mapper"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--pair", type=Path, default=ROOT / "conf/pair/qwen25coder_0p5b_to_1p5b_random.yaml")
+    parser.add_argument("--lengths", default="1024,2048,4096,8192,16384")
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--work", type=Path, default=None, help="where models, mapper and exports go (default: temp)")
+    parser.add_argument("--smoke", action="store_true", help="CPU: the tests' tiny pair at 64 and 128 tokens")
+    args = parser.parse_args(argv)
+    import os
+
+    from src.artifact import load_mapper
+    from src.runtime.routing import mapper_id
+    from tests.vllm_pair import ENV, engine, serving_pair
+
+    os.environ.update(ENV)
+    work = args.work or Path(tempfile.mkdtemp(prefix="kvrelay-ttft-"))
+    lengths = [64, 128] if args.smoke else [int(n) for n in args.lengths.split(",")]
+    exports = {"transport": str(work / "exports")}
+    policy = {"policy": {"length_guard": "off"}}  # random weights: no evidence to guard with; timing only
+    if args.smoke:
+        pair = serving_pair(work)
+        small_dir, large_dir, mapper_dir, settings = pair.small, pair.large, pair.fitted, {}
+    else:
+        small_dir, large_dir, mapper_dir = build(args.pair, work, torch.bfloat16)
+        settings = dict(dtype="bfloat16", max_model_len=max(lengths) + 2 * TURN, block_size=16, enforce_eager=False,
+                        gpu_memory_utilization=0.35, kv_cache_memory_bytes=None)  # fmt: skip
+    route = {"routes": [{"mapper": str(mapper_dir), "source": str(small_dir)}]}
+    small = engine(small_dir, exports, **settings)
+    large = engine(large_dir, exports | route | policy, **settings)
+    rows = measure(small, large, mapper_id(load_mapper(mapper_dir)), lengths, 1 if args.smoke else args.repeats, 300)
+    write(rows, "tests/vllm_pair.py (smoke)" if args.smoke else str(args.pair), args.out)
+    for row in rows:
+        print(row["tokens"], {k: round(v, 2) for k, v in row["median_ms"].items()})
+    return 0
+
+
+def write(rows: list[dict], pair: str, out: Path) -> dict:
+    """The bench's JSON record at `out` (written whole, then renamed into place); returns it."""
+    result = {"bench": "vllm_ttft", "pair": pair, "weights": "random", "machine": machine(), "turn": TURN, "rows": rows}
+    out.parent.mkdir(parents=True, exist_ok=True)
+    partial = out.with_suffix(".partial")
+    partial.write_text(json.dumps(result, indent=2))
+    partial.replace(out)
+    return result
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,71 @@
+"""The receiver's decision, made once per request on vLLM's scheduler: which block-aligned span [start, end) of the
+prompt to map from a sender's export, or why none (then the request is an ordinary prefill).
+
+vLLM has already found the receiver's own prefix hit (`hit` tokens, whole blocks): it comes first, and a mapped span
+starts there — the only way a native sink can precede it. The span ends at the first of: the export's last token,
+the prompt less `hold_back` tokens (at least one: the engine must compute a token to sample from), the start of a
+span the sender itself held mapped (mapped K/V are never mapped again) — rounded down to a block. Refused, in this
+order: policy mode `reprefill`; a sender tokenizer other than the receiver's; an export of another model than the
+mapper's source; exported ids that are not a prefix of the prompt; a native hit shorter than the sink; a hit
+inside the sender's mapped span; nothing left to map (a prompt shorter than a block, or a hit that covers the
+export); the length guard (`routing.length_refusal`: the history is what the sender held, the export).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from src.runtime.routing import Policy, Route, length_refusal
+from src.serving.transport import Header
+
+
+@dataclass(frozen=True)
+class Claim:
+    start: int  # the receiver's native hit: the first mapped position
+    end: int  # one past the last mapped position, a block boundary
+
+
+def claim(
+    prompt: Sequence[int],
+    hit: int,
+    header: Header,
+    route: Route,
+    source_fingerprint: str,
+    policy: Policy,
+    tokenizer_hash: str,
+    block_size: int,
+) -> Claim | str:
+    """The span to map, or the reason there is none (module docstring). prompt: the request's token ids; hit: the
+    receiver's native prefix hit (a multiple of block_size); route: the mapper's (its length evidence and calibration
+    length); source_fingerprint: the model the mapper maps from; tokenizer_hash: the receiver's tokenizer."""
+    exported = len(header.ids)
+    if policy.mode == "reprefill":
+        return "policy: reprefill"
+    if header.tokenizer_hash != tokenizer_hash:
+        return (f"tokenizer mismatch: the sender's tokenizer {header.tokenizer_hash[:12]} ≠ the receiver's "
+                f"{tokenizer_hash[:12]}")  # fmt: skip
+    if header.source_fingerprint != source_fingerprint:
+        return (f"export {header.export_id} comes from model {header.source_fingerprint[:12]}, the mapper "
+                f"{route.mapper_id} maps from {source_fingerprint[:12]}")  # fmt: skip
+    if exported > len(prompt) or list(header.ids) != list(prompt[:exported]):
+        differ = next((i for i, (a, b) in enumerate(zip(header.ids, prompt, strict=False)) if a != b), len(prompt))
+        return f"the export's {exported} token ids are not a prefix of the prompt ({len(prompt)} tokens; they differ at {differ})"
+    sink = policy.levers.native_sink
+    if hit < sink:
+        return f"native_sink {sink}: the receiver holds {hit} tokens natively (a sink is served only as a native hit)"
+    end = min(exported, len(prompt) - max(policy.levers.hold_back, 1))
+    if header.mapped is not None:
+        low, high = header.mapped
+        if low <= hit < high:
+            return f"the receiver's hit {hit} ends inside the sender's own mapped span {low}..{high - 1}"
+        if hit < low:
+            end = min(end, low)
+    end = end // block_size * block_size
+    if end <= hit:
+        return (
+            f"nothing to map: {len(prompt)} prompt tokens, {exported} exported, {hit} held natively, block {block_size}"
+        )
+    if refusal := length_refusal(policy, route, exported, end):
+        return refusal
+    return Claim(hit, end)

@@ -1,0 +1,134 @@
+"""The connector's settings: `KVTransferConfig.kv_connector_extra_config`, checked once when an engine starts.
+
+    kv_connector_extra_config = {
+        "transport": "/dev/shm/kvrelay",     # the export directory (src/serving/transport.py)
+        "routes": [{"mapper": "/mappers/0p5b_to_1p5b", "source": "/models/qwen25coder_0p5b"}],  # into this engine
+        "policy": {"levers": {"hold_back": 16}},  # over conf/policy/default.yaml (mode, levers, guards)
+        "fingerprint_dtype": "float32",     # the dtype the mapper's pair was fingerprinted in (its fit's pair.dtype)
+        "compute_dtype": "float32",         # the map's coefficients (KVTransfer's compute_dtype)
+        "apply_backend": "torch",           # torch | auto | triton (kernels/apply_map.py)
+        "keep_exports": 16,                 # a sender keeps its newest exports, removes older ones
+    }
+
+Every key has its default here (an engine that only exports needs none). Refused before serving, with the key named:
+an unknown key, a wrong type, `kv_load_failure_policy` other than "recompute" (a late refusal must re-prefill,
+never fail the request), and the policies a connector cannot serve — mode `auto` (its measured costs live in a
+Session), `native_layers` and `recompute` (a receiver forward inside the load: not without patching vLLM).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import yaml
+
+from src.apply import BACKENDS
+from src.runtime.routing import Policy, policy_from
+from src.serving.transport import DEFAULT_DIRECTORY
+
+POLICY_DEFAULTS = Path(__file__).resolve().parents[2] / "conf" / "policy" / "default.yaml"
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+@dataclass(frozen=True)
+class RouteSpec:
+    """A mapper into this engine and the directory of the model it maps from."""
+
+    mapper: Path
+    source: Path
+
+
+@dataclass(frozen=True)
+class ConnectorConfig:
+    transport: str
+    routes: tuple[RouteSpec, ...]
+    policy: Policy
+    fingerprint_dtype: torch.dtype
+    compute_dtype: torch.dtype
+    apply_backend: str
+    keep_exports: int
+
+
+DEFAULTS = {
+    "transport": DEFAULT_DIRECTORY,
+    "routes": [],
+    "policy": {},
+    "fingerprint_dtype": "float32",
+    "compute_dtype": "float32",
+    "apply_backend": "torch",
+    "keep_exports": 16,
+}
+
+
+def connector_config(extra: Mapping | None, load_failure_policy: str) -> ConnectorConfig:
+    """The checked settings of `kv_connector_extra_config` (module docstring), or a ValueError naming the key."""
+    extra = dict(extra or {})
+    if unknown := sorted(set(extra) - set(DEFAULTS)):
+        raise ValueError(f"kvrelay: unknown kv_connector_extra_config keys {unknown} (known: {sorted(DEFAULTS)})")
+    if load_failure_policy != "recompute":
+        raise ValueError(
+            f'kvrelay: KVTransferConfig(kv_load_failure_policy="recompute") is required, not {load_failure_policy!r}: '
+            "a map refused on the worker (non-finite values, the magnitude guard, a missing export) must re-prefill "
+            "its blocks, never fail the request"
+        )
+    values = DEFAULTS | extra
+    for key in ("transport",):
+        if not isinstance(values[key], str) or not values[key]:
+            raise ValueError(f"kvrelay: {key} must be a directory path, not {values[key]!r}")
+    for key in ("fingerprint_dtype", "compute_dtype"):
+        if values[key] not in DTYPES:
+            raise ValueError(f"kvrelay: {key} must be one of {DTYPES}, not {values[key]!r}")
+    if values["apply_backend"] not in BACKENDS:
+        raise ValueError(f"kvrelay: apply_backend must be one of {BACKENDS}, not {values['apply_backend']!r}")
+    keep = values["keep_exports"]
+    if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
+        raise ValueError(f"kvrelay: keep_exports must be an integer ≥ 1, not {keep!r}")
+    return ConnectorConfig(
+        transport=values["transport"],
+        routes=_routes(values["routes"]),
+        policy=serving_policy(values["policy"]),
+        fingerprint_dtype=getattr(torch, values["fingerprint_dtype"]),
+        compute_dtype=getattr(torch, values["compute_dtype"]),
+        apply_backend=values["apply_backend"],
+        keep_exports=keep,
+    )
+
+
+def _routes(routes: object) -> tuple[RouteSpec, ...]:
+    if not isinstance(routes, list | tuple):
+        raise ValueError(f"kvrelay: routes must be a list of {{mapper, source}} objects, not {routes!r}")
+    specs = []
+    for index, route in enumerate(routes):
+        if not isinstance(route, Mapping) or set(route) != {"mapper", "source"}:
+            raise ValueError(f"kvrelay: route {index} must name exactly a mapper and a source directory, not {route!r}")
+        for key in ("mapper", "source"):
+            if not isinstance(route[key], str) or not Path(route[key]).is_dir():
+                raise ValueError(f"kvrelay: route {index} {key} {route[key]!r} is not a directory")
+        specs.append(RouteSpec(Path(route["mapper"]), Path(route["source"])))
+    return tuple(specs)
+
+
+def serving_policy(overrides: object) -> Policy:
+    """conf/policy/default.yaml with `overrides` merged in (nested `levers`), checked for what a connector serves."""
+    if not isinstance(overrides, Mapping):
+        raise ValueError(f"kvrelay: policy must be a mapping of conf/policy keys, not {overrides!r}")
+    node = yaml.safe_load(POLICY_DEFAULTS.read_text())
+    if unknown := sorted(set(overrides) - set(node)) + sorted(set(overrides.get("levers", {})) - set(node["levers"])):
+        raise ValueError(f"kvrelay: unknown policy keys {unknown} (conf/policy/default.yaml lists them)")
+    node = node | {k: v for k, v in overrides.items() if k != "levers"}
+    node["levers"] = node["levers"] | dict(overrides.get("levers", {}))
+    policy = policy_from(node)
+    levers = policy.levers
+    refused = {
+        "mode auto (its measured costs live in a Session; choose map or reprefill)": policy.mode == "auto",
+        "levers.native_layers > 0 (a receiver prefill stopped after some layers, inside the load)": levers.native_layers
+        > 0,
+        "levers.recompute > 0 (a receiver forward over chosen mapped tokens, inside the load)": levers.recompute > 0,
+    }
+    if reasons := [reason for reason, bad in refused.items() if bad]:
+        raise ValueError(f"kvrelay: the vLLM connector cannot serve {'; '.join(reasons)} without patching vLLM "
+                         "(docs/serving.md, the levers)")  # fmt: skip
+    return policy

@@ -1,0 +1,143 @@
+"""The routes an engine serves, loaded and verified when it starts — before any request — and what a route does on
+the worker: map an export's span for the worker's own heads.
+
+Scheduler side (`scheduled_routes`): each mapper artifact is read and verified (src/artifact.py: bytes against the
+version id and the manifest), its tokenizer hash must be the receiver's, and its id (`routing.mapper_id`), length
+evidence and calibration length go into a `Route` — whose transfer stays on the worker. Worker side
+(`bound_routes`): the receiver and each source model are loaded from their directories on the host, in the dtype the
+mapper's pair was fingerprinted in, and `routing.bind` checks the artifact against both (fingerprints, tokenizer
+hash, shapes, a sliding-window receiver) exactly as a Session does; a refusal stops the engine with its reason. Only
+the mapper (on the worker's device), the two rotary modules and the KV interfaces are kept.
+
+Tensor parallelism: the worker of rank r of R holds target KV heads [r·H_t/R, (r+1)·H_t/R) (vLLM splits KV heads
+contiguously); it reads every source head the export holds and maps its own heads only — Head-Local reads one
+source head per target head, so with a sender of the same TP degree a rank could read one sender rank's file.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from transformers import PreTrainedModel
+
+from kernels.apply_map import map_cache
+from src.artifact import Mapper, length_evidence, load_mapper
+from src.models import KVInterface, fingerprint, load_model, load_tokenizer, tokenizer_hash, vocabulary_hash
+from src.rope import rope_cos_sin
+from src.runtime.routing import Route, bind, mapper_id
+from src.serving.config import RouteSpec
+
+
+@dataclass(frozen=True)
+class Identity:
+    """Who a model directory is: the project's fingerprint (in a dtype) and its tokenizer's hash."""
+
+    fingerprint: str
+    tokenizer_hash: str
+
+
+def model_tokenizer_hash(path: Path, model: PreTrainedModel | None = None) -> str:
+    """The tokenizer hash of a model directory (a random-weight model without one: its vocabulary-size stand-in)."""
+    if any((Path(path) / name).is_file() for name in ("tokenizer.json", "tokenizer_config.json", "vocab.json")):
+        return tokenizer_hash(load_tokenizer(path))
+    if model is None:
+        raise ValueError(f"{path} has no tokenizer: its identity needs the model (vocabulary_hash)")
+    return vocabulary_hash(model)
+
+
+def loaded(path: Path, dtype: torch.dtype) -> tuple[PreTrainedModel, Identity]:
+    """A model directory loaded on the host and its identity."""
+    model = load_model(path, dtype=dtype)
+    return model, Identity(fingerprint(model), model_tokenizer_hash(path, model))
+
+
+@dataclass(frozen=True)
+class ScheduledRoute:
+    route: Route  # mapper id, calibration length, length evidence (the transfer is bound on the worker)
+    source_fingerprint: str  # the model the mapper maps from
+
+
+def scheduled_routes(specs: tuple[RouteSpec, ...], receiver_tokenizer: str) -> dict[str, ScheduledRoute]:
+    """Mapper id → the scheduler's view of each route; a ValueError names an artifact that cannot serve here."""
+    routes = {}
+    for spec in specs:
+        mapper = load_mapper(spec.mapper)
+        manifest = mapper.manifest
+        if manifest.get("tokenizer_hash") != receiver_tokenizer:
+            raise ValueError(f"kvrelay: mapper {spec.mapper} was fitted for tokenizer "
+                             f"{str(manifest.get('tokenizer_hash'))[:12]}, this engine's is {receiver_tokenizer[:12]}")  # fmt: skip
+        identity = mapper_id(mapper)
+        if identity in routes:
+            raise ValueError(f"kvrelay: two routes carry the same mapper {identity}")
+        verified, shown = length_evidence(manifest) or (None, None)
+        calibrated = manifest.get("calibration", {}).get("seq_len")
+        route = Route(None, identity, None, calibrated, verified, shown)
+        routes[identity] = ScheduledRoute(route, manifest["source_fingerprint"])
+    return routes
+
+
+@dataclass(frozen=True)
+class Bound:
+    """A verified route on a worker: the mapper on its device and what positions need."""
+
+    mapper: Mapper  # KVTransfer.mapper: compute dtype, on the worker's device
+    source_kv: KVInterface
+    target_kv: KVInterface
+    source_rotary: torch.nn.Module
+    target_rotary: torch.nn.Module
+    backend: str
+
+    def map(
+        self, keys: torch.Tensor, values: torch.Tensor, start: int, heads: slice, out_dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Source keys / values [L_s, H_s, n, d_s] of positions start..start+n−1 → the target's keys and values
+        [L_t, n, H, d_t] of target heads `heads` (this worker's), and int32 flags [L_t]: 1 where a mapped value is
+        not finite. No host sync (kernels/apply_map.py `map_cache`)."""
+        m = self.mapper
+        own = Mapper(m.source_layers, m.head_index[heads], m.weight_k[:, heads], m.bias_k[:, heads],
+                     m.weight_v[:, heads], m.bias_v[:, heads], m.manifest)  # fmt: skip
+        device = m.weight_k.device
+        positions = torch.arange(start, start + keys.shape[2], device=device)  # [n]
+        source_cos, source_sin = rope_cos_sin(self.source_rotary, positions)
+        target_cos, target_sin = rope_cos_sin(self.target_rotary, positions)
+        flags = torch.zeros(m.weight_k.shape[0], dtype=torch.int32, device=device)  # [L_t]
+        mapped_k, mapped_v = map_cache(
+            keys[:, None].to(device), values[:, None].to(device), own,  # [L_s, 1, H_s, n, d_s]
+            source_cos, source_sin, target_cos, target_sin,
+            self.source_kv.rope_layout, self.target_kv.rope_layout, out_dtype,
+            nonfinite=flags, backend=self.backend,
+        )  # fmt: skip  # [L_t, 1, H, n, d_t] each
+        return mapped_k[:, 0].transpose(1, 2), mapped_v[:, 0].transpose(1, 2), flags  # [L_t, n, H, d_t]
+
+
+def bound_routes(
+    specs: tuple[RouteSpec, ...],
+    target: Path,
+    dtype: torch.dtype,
+    compute_dtype: torch.dtype,
+    backend: str,
+    device: torch.device | str,
+) -> tuple[Identity, dict[str, Bound]]:
+    """The identity of the receiver model at `target` (what its exports name as their source) and, by mapper id, each
+    route verified against it and its source (module docstring). The host copies of the models are dropped."""
+    receiver, receiver_id = loaded(Path(target), dtype)
+    bound = {}
+    for spec in specs:
+        sender, sender_id = loaded(spec.source, dtype) if spec.source != Path(target) else (receiver, receiver_id)
+        if sender_id.tokenizer_hash != receiver_id.tokenizer_hash:
+            raise ValueError(f"kvrelay: route {spec.mapper}: the source's tokenizer {sender_id.tokenizer_hash[:12]} "
+                             f"≠ the receiver's {receiver_id.tokenizer_hash[:12]}")  # fmt: skip
+        route = bind(sender, receiver, load_mapper(spec.mapper), receiver_id.tokenizer_hash, compute_dtype, backend)
+        if route.refusal is not None:
+            raise ValueError(f"kvrelay: route {spec.mapper} ({spec.source} → {target}) cannot serve: {route.refusal}")
+        transfer = route.transfer
+        if transfer.token_features:
+            raise ValueError(f"kvrelay: mapper {spec.mapper} reads the target's token features (a layer-0 receiver "
+                             "prefill inside the load): not served by the connector")  # fmt: skip
+        rotary = lambda model: copy.deepcopy(model.model.rotary_emb).to(device)
+        bound[route.mapper_id] = Bound(transfer.mapper.to(device, compute_dtype), transfer.source_kv,
+                                       transfer.target_kv, rotary(sender), rotary(receiver), backend)  # fmt: skip
+    return receiver_id, bound

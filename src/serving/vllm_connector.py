@@ -1,0 +1,334 @@
+"""kvrelay inside vLLM: an out-of-tree KV connector (no vLLM patch) that exports a sender's K/V and maps them into a
+receiver's paged blocks.
+
+    KVTransferConfig(kv_connector="KVRelayConnector", kv_connector_module_path="src.serving.vllm_connector",
+                     kv_role="kv_both", kv_load_failure_policy="recompute", kv_connector_extra_config={...})
+
+(settings: src/serving/config.py; request parameters: src/serving/params.py). One class, two roles, as vLLM's own
+connectors: the scheduler side decides, once per step, and writes its decisions into `KVRelayMetadata`; the worker
+side only executes them.
+
+Scheduler: a request asking for an export gets an id (returned in its output's `kv_transfer_params`), and when its
+prefill completes the step's metadata carries a `Save` of its prompt's slots. A handoff request is claimed in
+`get_num_new_matched_tokens` — after vLLM's own prefix hit, which comes first (the sink) — by `claim.claim`, or
+refused (0 tokens: an ordinary prefill, the output vLLM gives without the connector); a claim re-keys the request's
+prefix-cache keys from its first mapped block (src/serving/provenance.py) and, once its blocks are allocated,
+becomes a `Load` of its slots. Every request with kvrelay parameters gets a record in its output.
+
+Worker: `start_load_kv` (before the forward) reads each load's span from the transport, maps it for this worker's
+KV heads (`routes.Bound.map`) and writes it into the paged blocks (`paged.write_mapped`), no host sync; the
+finiteness flags and the magnitude guard are read afterwards, in `get_block_ids_with_load_errors`, and a failed
+load's blocks are reported there — vLLM then recomputes them (kv_load_failure_policy "recompute"), discarding the
+step's output for that request. A load that cannot even start (export missing or malformed) is reported the same
+way. `wait_for_save` (after the forward, once per step) reads each save's slots from every layer and publishes the
+export. No per-layer hook: the forward itself is untouched (CUDA graphs included).
+"""
+
+from __future__ import annotations
+
+import collections
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+)
+from vllm.logger import init_logger
+from vllm.model_executor.models.utils import extract_layer_index
+
+from src.serving.claim import Claim, claim
+from src.serving.config import connector_config
+from src.serving.paged import check_layout, read_slots, slots_for, write_mapped
+from src.serving.params import KEY, Handoff, RelayParams, parse
+from src.serving.provenance import rekey
+from src.serving.routes import bound_routes, model_tokenizer_hash, scheduled_routes
+from src.serving.transport import ExportError, Header, Transport
+
+logger = init_logger(__name__)
+
+
+@dataclass
+class Load:
+    """Map positions start..end−1 of an export into a request's slots [end − start]."""
+
+    request_id: str
+    export_id: str
+    mapper_id: str
+    start: int
+    end: int
+    slots: list[int]
+    block_ids: list[int]  # the blocks the span fills: reported if the load fails
+
+
+@dataclass
+class Save:
+    """Publish the K/V of a request's prompt (token ids, slots of positions 0..T−1) as an export."""
+
+    request_id: str
+    export_id: str
+    ids: list[int]
+    slots: list[int]
+    mapped: tuple[int, int] | None
+
+
+@dataclass
+class KVRelayMetadata(KVConnectorMetadata):
+    loads: list[Load] = field(default_factory=list)
+    saves: list[Save] = field(default_factory=list)
+
+
+@dataclass
+class _Tracked:
+    """What the scheduler side keeps about one request with kvrelay parameters."""
+
+    params: RelayParams
+    prompt: list[int]
+    record: dict
+    export_id: str | None = None
+    blocks: list[int] = field(default_factory=list)  # an exporting request's blocks so far
+    exported: bool = False
+    header: Header | None = None
+    claim: Claim | None = None
+    handoff: Handoff | None = None
+    load_blocks: set[int] = field(default_factory=set)
+
+
+class KVRelayConnector(KVConnectorBase_V1):
+    """The kvrelay connector (module docstring)."""
+
+    def __init__(self, vllm_config, role: KVConnectorRole, kv_cache_config=None):
+        super().__init__(vllm_config, role, kv_cache_config)
+        transfer = vllm_config.kv_transfer_config
+        self.config = connector_config(transfer.kv_connector_extra_config, transfer.kv_load_failure_policy)
+        self.block_size = vllm_config.cache_config.block_size
+        self.transport = Transport(self.config.transport)
+        model = vllm_config.model_config
+        if role == KVConnectorRole.SCHEDULER:
+            self.tokenizer_hash = model_tokenizer_hash(Path(model.tokenizer or model.model))
+            self.routes = scheduled_routes(self.config.routes, self.tokenizer_hash)
+            self._tracked: dict[str, _Tracked] = {}
+            self._loads: list[Load] = []
+            return
+        from vllm.distributed.parallel_state import (
+            get_tensor_model_parallel_rank,
+            get_tensor_model_parallel_world_size,
+        )
+
+        self.rank, self.ranks = get_tensor_model_parallel_rank(), get_tensor_model_parallel_world_size()
+        self.device = torch.device(vllm_config.device_config.device)
+        self.identity, self.bound = bound_routes(
+            self.config.routes, Path(model.model), self.config.fingerprint_dtype, self.config.compute_dtype,
+            self.config.apply_backend, self.device,
+        )  # fmt: skip
+        self.layers: list[torch.nn.Module] = []
+        self._started: list[tuple[Load, torch.Tensor, torch.Tensor | None]] = []  # load, flags [L_t], peak
+        self._failed: list[tuple[Load, str]] = []
+        self._exports: collections.deque[str] = collections.deque()
+
+    # ---------------------------------------------------------------- scheduler side
+
+    def on_new_request(self, request) -> None:
+        params = parse(request.kv_transfer_params)
+        if isinstance(params, str):
+            logger.warning("kvrelay: request %s: %s (served as an ordinary prefill)", request.request_id, params)
+            self._tracked[request.request_id] = _Tracked(RelayParams(), [], {"error": params})
+            return
+        if params == RelayParams():
+            return
+        tracked = _Tracked(params, list(request.prompt_token_ids or []), {})
+        if params.export:
+            tracked.export_id = uuid.uuid4().hex
+            tracked.record["export"] = tracked.export_id
+        if params.mapped is not None:  # before vLLM's prefix lookup: the conversation's earlier keys hit again
+            span = params.mapped
+            try:
+                rekey(request, span.start // self.block_size * self.block_size, span.mapper_id, self.block_size)
+            except ValueError as error:
+                tracked.record["error"] = f"mapped span not re-keyed: {error}"
+        self._tracked[request.request_id] = tracked
+
+    def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int, bool]:
+        tracked = self._tracked.get(request.request_id)
+        if tracked is None or tracked.params.handoff is None:
+            return 0, False
+        handoff = tracked.params.handoff
+        decision = self._decide(tracked, handoff, num_computed_tokens)
+        if isinstance(decision, str):
+            if tracked.record.get("handoff", {}).get("status") != "mapped":  # a resumed request may find its span held
+                tracked.record["handoff"] = {"status": "refused", "reason": decision, "hit": num_computed_tokens}
+            tracked.claim = None
+            return 0, False
+        rekey(request, decision.start, handoff.mapper_id, self.block_size)
+        tracked.claim, tracked.handoff = decision, handoff
+        return decision.end - num_computed_tokens, False
+
+    def _decide(self, tracked: _Tracked, handoff: Handoff, hit: int) -> Claim | str:
+        route = self.routes.get(handoff.mapper_id)
+        if route is None:
+            return f"unknown mapper id {handoff.mapper_id!r}: this engine serves {sorted(self.routes)}"
+        if tracked.header is None or tracked.header.export_id != handoff.export_id:
+            try:
+                tracked.header = self.transport.header(handoff.export_id)
+            except ExportError as error:
+                return str(error)
+        return claim(tracked.prompt, hit, tracked.header, route.route, route.source_fingerprint, self.config.policy,
+                     self.tokenizer_hash, self.block_size)  # fmt: skip
+
+    def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
+        tracked = self._tracked.get(request.request_id)
+        if tracked is None or num_external_tokens == 0 or tracked.claim is None:
+            return
+        start, end = tracked.claim.start, tracked.claim.start + num_external_tokens
+        block_ids = list(blocks.get_block_ids()[0])
+        load = Load(request.request_id, tracked.handoff.export_id, tracked.handoff.mapper_id, start, end,
+                    slots_for(block_ids, self.block_size, start, end).tolist(),
+                    block_ids[start // self.block_size : end // self.block_size])  # fmt: skip
+        tracked.load_blocks = set(load.block_ids)
+        prompt_blocks = block_ids[: -(-len(tracked.prompt) // self.block_size)]  # the prompt's blocks (tests read them)
+        tracked.record["handoff"] = {"status": "mapped", "reason": f"policy: {self.config.policy.mode}", "hit": start,
+                                     "start": start, "end": end, "mapped": end - start, "mapper": load.mapper_id,
+                                     "blocks": prompt_blocks}  # fmt: skip
+        self._loads.append(load)
+
+    def build_connector_meta(self, scheduler_output) -> KVRelayMetadata:
+        meta = KVRelayMetadata(loads=self._loads)
+        self._loads = []
+        scheduled = scheduler_output.num_scheduled_tokens
+        for new in scheduler_output.scheduled_new_reqs:
+            self._progress(new.req_id, list(new.block_ids[0]), True, new.num_computed_tokens, scheduled, meta)
+        cached = scheduler_output.scheduled_cached_reqs
+        for i, request_id in enumerate(cached.req_ids):
+            new_blocks = cached.new_block_ids[i]
+            blocks = [] if new_blocks is None else list(new_blocks[0])
+            resumed = request_id in cached.resumed_req_ids
+            self._progress(request_id, blocks, resumed, cached.num_computed_tokens[i], scheduled, meta)
+        return meta
+
+    def _progress(self, request_id: str, blocks: list[int], replace: bool, computed: int, scheduled, meta) -> None:
+        """An exporting request's blocks so far; a Save once this step completes its prompt."""
+        tracked = self._tracked.get(request_id)
+        if tracked is None or tracked.export_id is None or tracked.exported:
+            return
+        tracked.blocks = blocks if replace else tracked.blocks + blocks
+        if computed + scheduled.get(request_id, 0) >= len(tracked.prompt) > 0:
+            held, now = tracked.params.mapped, tracked.claim  # an earlier handoff's span, this request's own
+            spans = [(s.start, s.end) for s in (held, now) if s is not None]
+            mapped = (min(a for a, _ in spans), max(b for _, b in spans)) if spans else None  # never mapped again
+            slots = slots_for(tracked.blocks, self.block_size, 0, len(tracked.prompt)).tolist()
+            meta.saves.append(Save(request_id, tracked.export_id, tracked.prompt, slots, mapped))
+            tracked.exported = True
+            tracked.record["export_tokens"] = len(tracked.prompt)
+
+    def update_connector_output(self, connector_output) -> None:
+        failed = getattr(connector_output, "invalid_block_ids", None) or set()
+        for tracked in self._tracked.values():
+            if failed & tracked.load_blocks:
+                record = tracked.record["handoff"]
+                record["status"], record["mapped"] = "recomputed", 0
+                record["reason"] = "late refusal on the worker (its log names it): the span was recomputed natively"
+                tracked.load_blocks = set()
+
+    def request_finished(self, request, block_ids) -> tuple[bool, dict[str, Any] | None]:
+        tracked = self._tracked.pop(request.request_id, None)
+        if tracked is None:
+            return False, None
+        if tracked.export_id is not None and not tracked.exported:
+            tracked.record["export"] = None
+            tracked.record["export_reason"] = "the request finished before its prefill completed"
+        return False, {KEY: tracked.record}
+
+    # ---------------------------------------------------------------- worker side
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        context = self._vllm_config.compilation_config.static_forward_context
+        named = sorted((extract_layer_index(name), context[name]) for name in kv_caches)
+        self.layers = [layer for _, layer in named]
+        self.layout = check_layout(self.layers[0])
+        heads, total = self.layers[0].kv_cache.shape[1], self._vllm_config.model_config.get_total_num_kv_heads()
+        first = self.rank * heads if total >= self.ranks else self.rank * total // self.ranks  # else: replicated
+        self.heads = slice(first, first + heads)  # this worker's KV heads: vLLM splits them contiguously
+        self.total_heads = total
+        for mapper, bound in self.bound.items():
+            kv = bound.target_kv
+            if (kv.num_layers, kv.num_kv_heads, kv.head_dim) != (len(self.layers), total, self.head_dim):
+                raise ValueError(f"kvrelay: mapper {mapper} targets {kv.num_layers} layers × {kv.num_kv_heads} KV "
+                                 f"heads × {kv.head_dim}, this engine holds {len(self.layers)} × {total} × "
+                                 f"{self.head_dim}")  # fmt: skip
+
+    @property
+    def head_dim(self) -> int:
+        return self.layers[0].kv_cache.shape[3] // 2
+
+    def start_load_kv(self, forward_context, **kwargs) -> None:
+        for load in self._get_connector_metadata().loads:
+            try:
+                self._load(load)
+            except Exception as error:  # noqa: BLE001 — any failure is a late refusal: the blocks are recomputed
+                self._failed.append((load, f"{type(error).__name__}: {error}"))
+
+    def _load(self, load: Load) -> None:
+        bound = self.bound[load.mapper_id]
+        keys, values = self.transport.load(load.export_id, load.start, load.end, self.device)  # [L_s, H_s, n, d_s]
+        kv = bound.source_kv
+        if tuple(keys.shape) != (kv.num_layers, kv.num_kv_heads, load.end - load.start, kv.head_dim):
+            raise ExportError(f"export {load.export_id} holds K/V {tuple(keys.shape)}, the mapper's source "
+                              f"{kv.num_layers} × {kv.num_kv_heads} × n × {kv.head_dim}")  # fmt: skip
+        dtype = self.layers[0].kv_cache.dtype
+        mapped_k, mapped_v, flags = bound.map(keys, values, load.start, self.heads, dtype)  # [L_t, n, H, d_t]
+        write_mapped(self.layers, mapped_k, mapped_v, torch.tensor(load.slots, device=self.device))
+        bound_abs = self.config.policy.guard_max_abs
+        peak = None if bound_abs is None else torch.maximum(mapped_k.abs().amax(), mapped_v.abs().amax()).float()
+        self._started.append((load, flags, peak))
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        """The blocks of every load refused on the worker this step (read once the forward is queued)."""
+        failed = list(self._failed)
+        guard = self.config.policy.guard_max_abs
+        for load, flags, peak in self._started:
+            if bool(flags.any()):
+                failed.append((load, f"mapped target layer {int(flags.nonzero()[0])} is not finite"))
+            elif peak is not None and float(peak) > guard:
+                failed.append((load, f"guard: mapped |K|, |V| reach {float(peak):.3g} > {guard:g}"))
+        self._started, self._failed = [], []
+        for load, reason in failed:
+            logger.warning("kvrelay: late refusal of request %s (export %s): %s — its %d blocks are recomputed",
+                           load.request_id, load.export_id, reason, len(load.block_ids))  # fmt: skip
+        return {block for load, _ in failed for block in load.block_ids}
+
+    def wait_for_save(self) -> None:
+        if not self.has_connector_metadata():
+            return
+        for save in self._get_connector_metadata().saves:
+            began = time.perf_counter()
+            try:
+                self._export(save)
+            except Exception as error:  # noqa: BLE001 — an export that fails is absent: receivers refuse it
+                logger.error("kvrelay: export %s of request %s failed: %s", save.export_id, save.request_id, error)
+                continue
+            logger.debug("kvrelay: export %s (%d tokens) in %.2f ms", save.export_id, len(save.ids),
+                         (time.perf_counter() - began) * 1e3)  # fmt: skip
+
+    def _export(self, save: Save) -> None:
+        slots = torch.tensor(save.slots, device=self.device)
+        pairs = [read_slots(layer.kv_cache, slots, self.layout) for layer in self.layers]  # ([T, H, d], [T, H, d])
+        keys = torch.stack([k for k, _ in pairs]).transpose(1, 2).cpu()  # [L, H, T, d]
+        values = torch.stack([v for _, v in pairs]).transpose(1, 2).cpu()
+        heads = (self.heads.start, self.heads.stop - self.heads.start, self.total_heads)
+        self.transport.put(save.export_id, keys, values, save.ids, self.identity.fingerprint,
+                           self.identity.tokenizer_hash, heads, save.mapped, self.rank, self.ranks)  # fmt: skip
+        if self.rank == 0:
+            self._exports.append(save.export_id)
+            while len(self._exports) > self.config.keep_exports:
+                self.transport.remove(self._exports.popleft())
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata, **kwargs) -> None:
+        return

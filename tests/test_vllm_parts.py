@@ -1,0 +1,282 @@
+"""The connector's parts without an engine (src/serving/): its settings, the request parameters, the receiver's claim,
+the provenance keys, the export transport and the paged layouts. What needs vLLM's own code (its Request and block
+hasher, its CPU cache writer) is skipped where vLLM is not importable; the rest runs everywhere."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import replace
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from src.runtime.levers import Levers
+from src.runtime.routing import Policy, Route
+from src.serving.claim import Claim, claim
+from src.serving.config import connector_config, serving_policy
+from src.serving.paged import check_layout, read_slots, slots_for, write_mapped, write_slots_ref
+from src.serving.params import Handoff, Mapped, RelayParams, parse, request_params
+from src.serving.transport import ExportError, Header, Transport
+
+needs_vllm = pytest.mark.skipif(
+    not __import__("importlib").util.find_spec("vllm"), reason="vLLM is not installed (pip install -e '.[serving-cpu]')"
+)
+
+# ---------------------------------------------------------------------------------------------------- settings
+
+
+def test_the_connector_refuses_to_start_unless_late_refusals_recompute():
+    with pytest.raises(ValueError, match='kv_load_failure_policy="recompute"'):
+        connector_config({}, "fail")
+    assert connector_config({}, "recompute").policy == serving_policy({})
+
+
+@pytest.mark.parametrize(
+    ("extra", "match"),
+    [
+        ({"transprt": "/tmp"}, "unknown kv_connector_extra_config keys"),
+        ({"policy": {"mode": "auto"}}, "mode auto"),
+        ({"policy": {"levers": {"native_layers": 2}}}, "native_layers"),
+        ({"policy": {"levers": {"recompute": 0.25}}}, "recompute > 0"),
+        ({"policy": {"levers": {"sink": 4}}}, "unknown policy keys"),
+        ({"routes": [{"mapper": "/nowhere", "source": "/nowhere"}]}, "is not a directory"),
+        ({"routes": [{"mapper": "/tmp"}]}, "exactly a mapper and a source"),
+        ({"compute_dtype": "fp8"}, "compute_dtype"),
+        ({"keep_exports": 0}, "keep_exports"),
+    ],
+)
+def test_settings_a_connector_cannot_serve_are_refused_naming_the_key(extra, match):
+    with pytest.raises(ValueError, match=match):
+        connector_config(extra, "recompute")
+
+
+def test_the_policy_is_conf_policy_with_overrides():
+    policy = serving_policy({"levers": {"hold_back": 8}, "guard_max_abs": 50.0})
+    assert policy.levers.hold_back == 8 and policy.guard_max_abs == 50.0 and policy.mode == "map"
+
+
+# ---------------------------------------------------------------------------------------------------- parameters
+
+
+def test_request_parameters_round_trip_and_malformed_ones_get_a_reason():
+    params = request_params(True, Handoff("abc", "m:1"), Mapped(32, 96, "m:1"))
+    assert parse(params) == RelayParams(True, Handoff("abc", "m:1"), Mapped(32, 96, "m:1"))
+    assert parse(None) == RelayParams() and parse({"other": 1}) == RelayParams()
+    for bad in ("yes", {"kvrelay": 3}, {"kvrelay": {"export": "yes"}}, {"kvrelay": {"handoff": {"export": 5}}},
+                {"kvrelay": {"handoff": {"export": "a", "mapper": 1}}}, {"kvrelay": {"mapped": {"start": 9, "end": 3,
+                 "mapper": "m"}}}, {"kvrelay": {"unknown": True}}):  # fmt: skip
+        assert isinstance(parse(bad), str), bad
+
+
+# ---------------------------------------------------------------------------------------------------- the claim
+
+PROMPT = list(range(10, 115))  # 105 tokens
+HEADER = Header("e1", tuple(PROMPT[:100]), "source-fp", "tok", 2, 1, 32, 1, None)
+ROUTE = Route(None, "m:1", None, calibrated_length=64)
+
+
+def _claim(hit=0, header=HEADER, prompt=PROMPT, route=ROUTE, **policy):
+    levers = Levers(**policy.pop("levers", {"hold_back": 4}))
+    return claim(prompt, hit, header, route, "source-fp", Policy(levers=levers, **policy), "tok", 32)
+
+
+def test_the_claim_is_block_aligned_after_the_native_hit_and_leaves_the_hold_back():
+    assert _claim() == Claim(0, 96)  # min(100 exported, 105 − 4) → 96
+    assert _claim(hit=64) == Claim(64, 96)
+    assert _claim(prompt=PROMPT[:100], levers={}) == Claim(0, 96)  # at least one token left to compute: 99 → 96
+    assert _claim(prompt=PROMPT[:100], header=replace(HEADER, ids=tuple(PROMPT[:64])), levers={}) == Claim(0, 64)
+    whole = replace(HEADER, ids=tuple(PROMPT[:96]))  # the prompt is the export, a whole number of blocks
+    assert _claim(prompt=PROMPT[:96], header=whole, levers={}) == Claim(0, 64)  # vLLM must still compute a token
+    assert _claim(levers={"hold_back": 40}) == Claim(0, 64)  # 105 − 40 = 65 → 64
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "reason"),
+    [
+        (dict(mode="reprefill"), "policy: reprefill"),
+        (dict(header=replace(HEADER, tokenizer_hash="other")), "tokenizer mismatch"),
+        (dict(header=replace(HEADER, source_fingerprint="other")), "comes from model"),
+        (dict(prompt=[1] + PROMPT[1:]), "not a prefix"),
+        (dict(prompt=PROMPT[:20], header=replace(HEADER, ids=tuple(PROMPT[:20]))), "nothing to map"),
+        (dict(hit=96), "nothing to map"),
+        (dict(levers={"native_sink": 40}, hit=32), "native_sink 40"),
+        (dict(max_length_factor=1.0), "calibration length 64"),
+        (dict(route=replace(ROUTE, verified_length=50, verified_by="run")), "verified length 50"),
+        (dict(header=replace(HEADER, mapped=(32, 64)), hit=32), "inside the sender's own mapped span"),
+    ],
+)
+def test_every_refusal_of_the_claim_names_its_reason(kwargs, reason):
+    result = _claim(**kwargs)
+    assert isinstance(result, str) and reason in result, result
+
+
+def test_a_native_sink_hit_and_the_senders_mapped_span_bound_the_claim():
+    assert _claim(levers={"native_sink": 40, "hold_back": 4}, hit=64) == Claim(64, 96)
+    assert _claim(header=replace(HEADER, mapped=(64, 96))) == Claim(0, 64)  # mapped K/V are never mapped again
+    assert _claim(header=replace(HEADER, mapped=(0, 32)), hit=32) == Claim(32, 96)
+    assert _claim(length_guard="off", max_length_factor=1.0) == Claim(0, 96)
+
+
+# ---------------------------------------------------------------------------------------------------- provenance
+
+
+@needs_vllm
+def test_provenance_keys_change_from_the_mapped_block_on_and_only_there():
+    from vllm import SamplingParams
+    from vllm.utils.hashing import get_hash_fn_by_name
+    from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+    from vllm.v1.request import Request
+
+    from src.serving.provenance import rekey
+
+    hash_fn = get_hash_fn_by_name("sha256")
+    init_none_hash(hash_fn)
+    hasher = get_request_block_hasher(32, hash_fn)
+    make = lambda: Request("r", list(range(3, 163)), SamplingParams(max_tokens=1), None, block_hasher=hasher)  # 160
+    plain, mapped, again, other = make(), make(), make(), make()
+    for request, key in ((mapped, "m:1"), (again, "m:1"), (other, "m:2")):
+        rekey(request, 64, key, 32)
+    assert len(mapped.block_hashes) == len(plain.block_hashes) == 5
+    assert mapped.block_hashes[:2] == plain.block_hashes[:2]  # native before the span: a sink hits
+    assert all(a != b for a, b in zip(mapped.block_hashes[2:], plain.block_hashes[2:], strict=True))
+    assert mapped.block_hashes == again.block_hashes  # a later turn naming the span reproduces its keys
+    assert all(a != b for a, b in zip(mapped.block_hashes[2:], other.block_hashes[2:], strict=True))
+    rekey(mapped, 96, "m:1", 32)  # re-keyed from an earlier block already: no change
+    assert mapped.block_hashes == again.block_hashes
+    with pytest.raises(ValueError, match="block boundary"):
+        rekey(make(), 40, "m:1", 32)
+
+
+# ---------------------------------------------------------------------------------------------------- transport
+
+
+def _kv(layers=2, heads=2, tokens=5, d=4, seed=0):
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randn(layers, heads, tokens, d, generator=generator), torch.randn(
+        layers, heads, tokens, d, generator=generator
+    )
+
+
+def test_an_export_round_trips_by_positions_and_ranks(tmp_path):
+    transport = Transport(tmp_path)
+    keys, values = _kv(heads=4)
+    for rank in range(2):  # two sender ranks, two heads each
+        part = slice(2 * rank, 2 * rank + 2)
+        transport.put(
+            "e1", keys[:, part], values[:, part], [5, 6, 7, 8, 9], "fp", "tok", (2 * rank, 2, 4), (1, 3), rank, 2
+        )
+    header = transport.header("e1")
+    assert (header.ids, header.heads, header.ranks, header.mapped, header.layers) == ((5, 6, 7, 8, 9), 4, 2, (1, 3), 2)
+    k, v = transport.load("e1", 1, 4)
+    assert torch.equal(k, keys[:, :, 1:4]) and torch.equal(v, values[:, :, 1:4])
+    with pytest.raises(ExportError, match="does not hold positions"):
+        transport.load("e1", 3, 9)
+    transport.remove("e1")
+    with pytest.raises(ExportError, match="no export"):
+        transport.header("e1")
+    one_head = keys[:, :1], values[:, :1]
+    for rank in range(2):  # a sender of TP 2 whose one KV head is replicated on both ranks
+        transport.put("e9", *one_head, [5, 6, 7, 8, 9], "fp", "tok", (0, 1, 1), None, rank, 2)
+    assert torch.equal(transport.load("e9", 0, 5)[0], one_head[0])
+    transport.put("e8", *one_head, [5, 6, 7, 8, 9], "fp", "tok", (1, 1, 2))  # head 0 of 2 missing
+    with pytest.raises(ExportError, match="not each of 2 once"):
+        transport.load("e8", 0, 5)
+
+
+def test_nothing_half_written_ever_loads(tmp_path, monkeypatch):
+    transport = Transport(tmp_path)
+    keys, values = _kv()
+    (tmp_path / ".staging-abc").write_bytes(b"half a file")  # a writer killed mid-way
+    (tmp_path / "e2.rank0-of-2.safetensors").write_bytes(b"")  # one rank of two published
+    with pytest.raises(ExportError, match="no export"):
+        transport.header("abc")
+    with pytest.raises(ExportError, match="incomplete"):
+        transport.header("e2")
+
+    visible = []
+
+    def crash(_):  # the writer dies while its bytes are on their way: what could a reader see then?
+        visible.extend(p.name for p in tmp_path.glob("e3*"))
+        raise OSError("disk full")
+
+    monkeypatch.setattr(os, "fsync", crash)
+    with pytest.raises(OSError, match="disk full"):
+        transport.put("e3", keys, values, [1, 2, 3, 4, 5], "fp", "tok", (0, 2, 2))
+    assert visible == []  # nothing under the export's name before it is complete
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".staging-abc", "e2.rank0-of-2.safetensors"]
+    with pytest.raises(ExportError, match="not 1–64 characters"):
+        transport.header("../etc/passwd")
+
+
+# ---------------------------------------------------------------------------------------------------- paged layouts
+
+
+def _paged(layout_strides: str = "HND", blocks=3, heads=2, size=32, d=32, dtype=torch.float32) -> torch.Tensor:
+    """A zeroed paged cache, logical [B, H, N, 2d]; NHD stores it [B, N, H, 2d] (FlashAttention's default)."""
+    if layout_strides == "NHD":
+        return torch.zeros(blocks, size, heads, 2 * d, dtype=dtype).transpose(1, 2)
+    return torch.zeros(blocks, heads, size, 2 * d, dtype=dtype)
+
+
+@pytest.mark.parametrize("strides", ["HND", "NHD"])
+def test_the_flash_layout_splits_the_last_dim_per_token(strides):
+    kv = _paged(strides)
+    keys, values = _kv(layers=1, heads=40, tokens=2, d=32)[0][0], _kv(layers=1, heads=40, tokens=2, d=32, seed=1)[0][0]
+    slots = slots_for([2, 0], 32, 10, 50)  # positions 10..49 of a request holding blocks [2, 0]
+    write_slots_ref(kv, keys, values, slots, "flash")
+    key_cache, value_cache = kv.transpose(1, 2).split(32, dim=-1)  # FlashAttentionImpl's view: [B, N, H, d]
+    assert torch.equal(key_cache[2, 10:32], keys[:22]) and torch.equal(key_cache[0, :18], keys[22:])
+    assert torch.equal(value_cache[0, :18], values[22:])
+    read = read_slots(kv, slots, "flash")
+    assert torch.equal(read[0], keys) and torch.equal(read[1], values)
+
+
+@needs_vllm
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_cpu_layout_is_what_vllms_cpu_cache_writer_writes(dtype):
+    from vllm import _custom_ops as ops
+
+    keys, values = (t[0].transpose(0, 1).to(dtype) for t in _kv(layers=1, heads=2, tokens=40, d=32))  # [40, 2, 32]
+    slots = slots_for([1, 2], 32, 0, 40)
+    ours, theirs = _paged(dtype=dtype), _paged(dtype=dtype)
+    write_slots_ref(ours, keys, values, slots, "cpu")
+    key_cache, value_cache = theirs.view(3, 2, 64, 32).chunk(2, dim=2)  # CPUAttentionBackendImpl's view
+    ops.cpu_attn_reshape_and_cache(keys, values, key_cache, value_cache, slots, "vec", k_scale=1.0, v_scale=1.0,
+                                   kv_cache_dtype="auto")  # fmt: skip
+    assert torch.equal(ours, theirs)
+    read = read_slots(theirs, slots, "cpu")
+    assert torch.equal(read[0], keys) and torch.equal(read[1], values)
+
+
+class _Layer:
+    """An attention layer as the connector sees it: a paged cache, a backend name, a cache writer."""
+
+    def __init__(self, kv: torch.Tensor, backend: str, layout: str):
+        self.kv_cache, self.attn_backend = kv, SimpleNamespace(get_name=lambda: backend)
+        write = lambda layer, k, v, cache, slots: write_slots_ref(cache, k, v, slots, layout)
+        self.impl = SimpleNamespace(do_kv_cache_update=write)
+
+
+def test_write_mapped_hands_each_layer_its_keys_through_the_layers_own_writer():
+    layers = [_Layer(_paged(), "CPU_ATTN", "cpu") for _ in range(3)]
+    keys = torch.randn(3, 40, 2, 32, dtype=torch.float64)  # [L, n, H, d], cast to the cache dtype on the way
+    values = torch.randn(3, 40, 2, 32, dtype=torch.float64)
+    slots = slots_for([1, 2], 32, 0, 40)
+    write_mapped(layers, keys, values, slots)
+    for layer, k, v in zip(layers, keys, values, strict=True):
+        read = read_slots(layer.kv_cache, slots, "cpu")
+        assert torch.equal(read[0], k.float()) and torch.equal(read[1], v.float())
+
+
+def test_check_layout_refuses_a_backend_whose_layout_would_be_misread():
+    assert check_layout(_Layer(_paged(), "CPU_ATTN", "cpu")) == "cpu"
+    assert check_layout(_Layer(_paged("NHD"), "FLASH_ATTN", "flash")) == "flash"
+    with pytest.raises(ValueError, match="layout kvrelay does not read"):
+        check_layout(_Layer(_paged(), "CPU_ATTN", "flash"))  # a CPU backend that wrote FlashAttention's way
+    with pytest.raises(ValueError, match="does not read"):
+        check_layout(_Layer(_paged(), "TRITON_ATTN", "flash"))
+
+
+def test_slots_follow_the_block_table():
+    assert slots_for([7, 3], 4, 2, 7).tolist() == [30, 31, 12, 13, 14]

@@ -1,0 +1,278 @@
+"""kvrelay inside vLLM (CPU build): the connector (src/serving/vllm_connector.py) and the router over real engines.
+
+Three engines per module: `small` (the sender: exports), `large` (the receiver: routes
+small → large, a mapper fitted by the project's own fit on random calibration, and large → large, an identity map;
+hold-back 4, factor rule 3 × the 64-token calibration, magnitude guard 1e3) and `plain` (large without the
+connector: what every refusal must reproduce bit for bit). Tiny random-weight models (tests/vllm_pair.py), float32,
+blocks of 32. Each test uses prompts no engine has seen, so prefix caching never changes a reference. Skipped only
+where vLLM is not importable.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import random
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("vllm", reason="vLLM is not installed (pip install -e '.[serving-cpu]')")
+
+from src.artifact import load_mapper  # noqa: E402
+from src.runtime.routing import mapper_id  # noqa: E402
+from src.serving.router import Router  # noqa: E402
+from src.serving.transport import Transport  # noqa: E402
+from tests.vllm_pair import (  # noqa: E402
+    ENV,
+    VOCAB,
+    assert_spliced,
+    engine,
+    export,
+    generate,
+    handoff,
+    logprobs,
+    record,
+    serving_pair,
+    tokens,
+)
+
+ROOT = Path(__file__).resolve().parents[1]
+POLICY = {"levers": {"hold_back": 4}, "max_length_factor": 3.0, "guard_max_abs": 1000.0}
+
+
+@dataclass
+class Served:
+    small: object
+    large: object
+    plain: object
+    transport: Transport
+    fitted: str  # mapper ids
+    identity: str
+    pair: object
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    saved = {key: os.environ.get(key) for key in ENV}
+    os.environ.update(ENV)
+    root = tmp_path_factory.mktemp("serving")
+    pair = serving_pair(root)
+    exports = str(root / "exports")
+    receiver = {
+        "transport": exports,
+        "routes": [{"mapper": str(pair.fitted), "source": str(pair.small)},
+                   {"mapper": str(pair.identity), "source": str(pair.large)}],
+        "policy": POLICY,
+    }  # fmt: skip
+    engines = [engine(pair.small, {"transport": exports}), engine(pair.large, receiver), engine(pair.large, None)]
+    ids = [mapper_id(load_mapper(path)) for path in (pair.fitted, pair.identity)]
+    yield Served(*engines, Transport(exports), *ids, pair)
+    for llm in engines:  # now, not at interpreter exit
+        llm.llm_engine.engine_core.shutdown()
+    for key, value in saved.items():
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value
+
+
+SEEDS = iter(range(1000, 10**6))  # every prompt of the module is new to every engine
+
+
+def fresh(n: int) -> list[int]:
+    return random.Random(next(SEEDS)).choices(range(2, VOCAB), k=n)
+
+
+# ---------------------------------------------------------------------------------------------------- transfer
+
+
+def test_an_exact_pair_maps_to_the_same_tokens_and_logits_as_reprefill(served):
+    """Identity map, large → large: the mapped cache is the receiver's own (up to RoPE round trips), so the tokens
+    and logits are re-prefill's. The export's own native blocks are dropped first: the span must be mapped."""
+    prompt = fresh(100)
+    conversation = prompt + fresh(7)
+    export_id = export(served.large, prompt)
+    served.large.reset_prefix_cache()
+    mapped = generate(served.large, conversation, handoff(export_id, served.identity))
+    assert record(mapped)["handoff"]["status"] == "mapped"
+    assert (record(mapped)["handoff"]["start"], record(mapped)["handoff"]["end"]) == (0, 96)
+    assert mapped.num_cached_tokens == 96
+    reference = generate(served.plain, conversation)
+    assert tokens(mapped) == tokens(reference)
+    torch.testing.assert_close(logprobs(mapped), logprobs(reference), atol=1e-4, rtol=0)
+
+
+def test_the_kv_in_the_paged_blocks_equal_kvrelays_own_splice(served):
+    """small → large (fitted Head-Local, 2 → 3 layers, 1 → 2 KV heads): the K/V vLLM holds for the conversation —
+    the mapped span 0..95 and the hold-back and turn read natively on top of it — equal the DynamicCache splice
+    (src/runtime/splice.py `spliced_cache`) of the same export; and the export holds the small model's prefill."""
+    prompt = fresh(100)
+    conversation = prompt + fresh(5)
+    export_id = export(served.small, prompt)
+    out = generate(served.large, conversation, handoff(export_id, served.fitted), n=1)
+    done = record(out)["handoff"]
+    assert (done["status"], done["start"], done["end"]) == ("mapped", 0, 96)
+    assert_spliced(served.large, served.pair, served.transport, export_id, prompt, conversation, done)
+
+
+# ---------------------------------------------------------------------------------------------------- provenance
+
+
+def test_mapped_blocks_never_serve_a_plain_request_and_native_blocks_still_hit(served):
+    """The receiver's own 64 tokens come first (a native hit: the sink), 64..127 are mapped. A later turn naming
+    the span hits it all; a plain request of the same prompt hits only the native 64, then its own blocks."""
+    prompt = fresh(128)
+    conversation = prompt + fresh(8)
+    generate(served.large, prompt[:64], n=1)  # the receiver reads the first two blocks natively
+    out = generate(served.large, conversation, handoff(export(served.small, prompt), served.fitted))
+    done = record(out)["handoff"]
+    assert (done["status"], done["hit"], done["start"], done["end"]) == ("mapped", 64, 64, 128)
+    assert out.num_cached_tokens == 128
+    span = {"kvrelay": {"mapped": {"start": 64, "end": 128, "mapper": served.fitted}}}
+    assert generate(served.large, conversation, span).num_cached_tokens == 128  # a later turn of the conversation
+    assert generate(served.large, conversation).num_cached_tokens == 64  # plain: the native blocks only
+    assert generate(served.large, conversation).num_cached_tokens == 128  # its own native blocks now
+
+
+# ---------------------------------------------------------------------------------------------------- refusals
+
+
+def _refusal(served, kind: str) -> tuple[list[int], dict, str]:
+    """A fresh prompt, the kv_transfer_params of one refusal kind, and a word its reason contains."""
+    prompt = fresh(100)
+    conversation = prompt + fresh(6)
+    if kind == "unknown mapper":
+        return conversation, handoff(export(served.small, prompt), "local+uniform:000000000000"), "unknown mapper"
+    if kind == "missing export":
+        return conversation, handoff("0" * 32, served.fitted), "no export"
+    if kind == "pruned export":  # the sender's request finished long ago and its export was dropped
+        export_id = export(served.small, prompt)
+        served.transport.remove(export_id)
+        return conversation, handoff(export_id, served.fitted), "no export"
+    if kind == "tokenizer mismatch":
+        export_id = export(served.small, prompt)
+        header = served.transport.header(export_id)
+        keys, values = served.transport.load(export_id, 0, len(prompt))
+        served.transport.put(export_id + "t", keys, values, list(header.ids), header.source_fingerprint, "0" * 64,
+                             (0, header.heads, header.heads))  # fmt: skip
+        return conversation, handoff(export_id + "t", served.fitted), "tokenizer"
+    if kind == "another model's export":  # large's own export; its native blocks dropped, or they would hit
+        export_id = export(served.large, prompt)
+        served.large.reset_prefix_cache()
+        return conversation, handoff(export_id, served.fitted), "comes from model"
+    if kind == "not a prefix":
+        return fresh(106), handoff(export(served.small, prompt), served.fitted), "not a prefix"
+    if kind == "shorter than a block":
+        short = prompt[:20]
+        return short + fresh(3), handoff(export(served.small, short), served.fitted), "nothing to map"
+    if kind == "length guard":  # 3 × 64 calibration tokens: position 223 is past it
+        long = fresh(256)
+        return long + fresh(4), handoff(export(served.small, long), served.fitted), "calibration length"
+    if kind == "wrong type":
+        return conversation, {"kvrelay": {"handoff": {"export": 5, "mapper": served.fitted}}}, "must be"
+    if kind == "malformed":
+        return conversation, {"kvrelay": "please"}, "must be a dict"
+    raise ValueError(kind)
+
+
+REFUSALS = ("unknown mapper", "missing export", "pruned export", "tokenizer mismatch", "another model's export",
+            "not a prefix", "shorter than a block", "length guard", "wrong type", "malformed")  # fmt: skip
+
+
+@pytest.mark.parametrize("kind", REFUSALS)
+def test_every_refusal_gives_the_output_of_vllm_without_the_connector(served, kind):
+    conversation, params, word = _refusal(served, kind)
+    out = generate(served.large, conversation, params)
+    done = record(out)
+    reason = done["handoff"]["reason"] if "handoff" in done else done["error"]
+    assert word in reason and done.get("handoff", {}).get("status", "refused") == "refused", done
+    reference = generate(served.plain, conversation)
+    assert out.num_cached_tokens == 0
+    assert tokens(out) == tokens(reference)
+    assert torch.equal(logprobs(out), logprobs(reference))  # bit for bit
+
+
+@pytest.mark.parametrize("poison", ["nan", "huge"])
+def test_a_late_refusal_recomputes_the_span(served, poison):
+    """An export whose values map to NaN, or past the magnitude guard: the claim holds (its header is sound), the
+    worker reports the span's blocks as a load error, vLLM recomputes them — the output of a plain prefill."""
+    prompt = fresh(100)
+    conversation = prompt + fresh(6)
+    export_id = export(served.small, prompt)
+    header = served.transport.header(export_id)
+    keys, values = served.transport.load(export_id, 0, len(prompt))
+    bad = torch.full_like(keys, float("nan")) if poison == "nan" else keys * 1e6
+    served.transport.put(export_id + "p", bad, values, list(header.ids), header.source_fingerprint,
+                         header.tokenizer_hash, (0, header.heads, header.heads))  # fmt: skip
+    out = generate(served.large, conversation, handoff(export_id + "p", served.fitted))
+    assert record(out)["handoff"]["status"] == "recomputed"
+    reference = generate(served.plain, conversation)
+    assert tokens(out) == tokens(reference)
+    assert torch.equal(logprobs(out), logprobs(reference))
+
+
+def test_a_batch_mixing_mapped_and_plain_requests_is_right_for_each(served):
+    mapped, plain, refused = fresh(100) + fresh(5), fresh(90), fresh(70)
+    params = handoff(export(served.small, mapped[:100]), served.fitted)
+    alone = generate(served.large, mapped, params)
+    refusal = handoff(export(served.small, refused[:64]), "local+uniform:000000000000")
+    batch = generate(served.large, [mapped, plain, refused], [params, None, refusal])
+    assert [record(o).get("handoff", {}).get("status") for o in batch] == ["mapped", None, "refused"]
+    references = [alone, *generate(served.plain, [plain, refused])]
+    for out, reference in zip(batch, references, strict=True):
+        assert tokens(out) == tokens(reference)
+        torch.testing.assert_close(logprobs(out), logprobs(reference), atol=1e-4, rtol=0)  # batched GEMMs
+
+
+# ---------------------------------------------------------------------------------------------------- the router
+
+
+def test_the_router_maps_a_switch_and_continues_on_the_mapped_cache(served):
+    router = Router({"small": served.small, "large": served.large}, {("small", "large"): served.fitted})
+    router.append("small", fresh(90))
+    router.generate("small", fresh(6), 4)
+    with pytest.raises(ValueError, match="switch_to"):
+        router.generate("large", [], 2)
+    record = router.switch_to("large", fresh(5))
+    assert (record.path, record.status, record.hit, record.mapped) == ("map", "applied", 0, 96)
+    assert record.context == 100 and record.turn == 5 and record.prefilled == 4
+    router.generate("large", [], 4)
+    assert router.last.cached >= 96  # the continuation hits the handoff's blocks under their keys
+    back = router.switch_to("small", fresh(3))  # no route large → small: the small model re-reads what it lacks
+    assert (back.path, back.status) == ("reprefill", "unsupported")
+    with pytest.raises(ValueError, match="integers"):
+        router.append("small", [VOCAB + 5])
+    with pytest.raises(ValueError, match="no model"):
+        router.switch_to("huge", [])
+
+
+def test_a_refused_switch_continues_exactly_as_plain_vllm(served):
+    router = Router({"small": served.small, "large": served.large}, {("small", "large"): "local+uniform:000000000000"})
+    router.append("small", fresh(80))
+    record = router.switch_to("large", fresh(4))
+    assert (record.path, record.status) == ("reprefill", "fallback_reprefill") and "unknown mapper" in record.reason
+    answer = router.generate("large", [], 4)
+    assert answer == tokens(generate(served.plain, router.ids[:-4]))
+
+
+# ---------------------------------------------------------------------------------------------------- the TTFT bench
+
+
+def test_the_ttft_bench_runs_its_paths_at_tiny_sizes(served, tmp_path):
+    """scripts/bench_vllm_ttft.py's measurement and record on the module's engines (its CPU smoke mode, without
+    starting two more engines): every path timed, the handoff mapped, the JSON written."""
+    spec = importlib.util.spec_from_file_location("bench_vllm_ttft", ROOT / "scripts" / "bench_vllm_ttft.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    rows = bench.measure(served.small, served.large, served.fitted, [64, 128], repeats=1, vocab=VOCAB)
+    result = json.loads(json.dumps(bench.write(rows, "smoke", tmp_path / "ttft.json")))
+    assert json.loads((tmp_path / "ttft.json").read_text()) == result
+    assert [row["tokens"] for row in result["rows"]] == [64, 128]
+    assert [row["mapped"] for row in result["rows"]] == [[64], [128]]
+    for row in result["rows"]:
+        assert set(row["median_ms"]) == {"reprefill", "hit", "map", "routed"}
+        assert all(value > 0 for value in row["median_ms"].values())
