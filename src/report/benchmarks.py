@@ -37,6 +37,7 @@ class Table:
 ROUTED, LEVERS, FITS = "routed-h200-2026-12-03", "routed2-h200-2026-12-03", "routed3-h200-2026-12-04"
 BF16 = "routed4-h200-2026-12-04"
 ENGINE = "engine-h200-2026-12-05"
+FRONTIER_CPU = "frontier-cpu-2026-12-06"  # issue 34 item 2: the passage frontier on the CPU, fp32
 FUSED = "fused-fit-h200-2026-12-03/bench_fused_fit.json"
 TABLES: dict[str, Table] = {
     "quickstart": Table(("quickstart-cpu",), quickstart),
@@ -52,6 +53,8 @@ TABLES: dict[str, Table] = {
     "routed_bf16": Table((BF16,), routed),
     "routed_bf16_tasks": Table((BF16,), routed_tasks),
     "routed_bf16_paired": Table((ROUTED, LEVERS, FITS, BF16), partial(routed_paired, run_set=BF16)),
+    "routed_frontier_cpu": Table((FRONTIER_CPU,), routed),
+    "routed_frontier_cpu_tasks": Table((FRONTIER_CPU,), routed_tasks),
     "engine": Table((ENGINE,), engine),
     "decision": Table((ROUTED, LEVERS, FITS, BF16), decision),
     "headline": Table((ROUTED, LEVERS, FITS, BF16, ENGINE), headline, README.name, (FUSED,)),
