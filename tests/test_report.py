@@ -105,7 +105,7 @@ def test_correlation_over_the_runs_that_logged_both(tmp_path):
 
 def test_routed_labels_name_every_mapper_change_and_long_histories():
     """A run whose mapper differs (V fitted in attention space, target-written calibration) is never labelled pure
-    transfer (it would pair with pure transfer as its own baseline), and a 100-shot history says so."""
+    transfer (it would pair with pure transfer as its own baseline), and a 100-shot history and a CPU run say so."""
     base = {"tags.workload": "passage", "tags.direction": "qwen25coder_0.5b_to_1.5b", "params.fit.v_space": "token"}
     assert routed_label(base) == "passage | 0.5b → 1.5b | pure transfer"
     vattn = base | {"params.fit.v_space": "attention"}
@@ -119,6 +119,8 @@ def test_routed_labels_name_every_mapper_change_and_long_histories():
     recompute = base | {"params.policy.levers.recompute": "0.25", "params.policy.levers.recompute_rule": "turn"}
     assert routed_label(recompute | {"params.policy.levers.progressive": "1.0"}).endswith("recompute=0.25, rule=turn")
     assert routed_label(recompute | {"params.policy.levers.progressive": "0.5"}).endswith("rule=turn, progressive=0.5")
+    assert routed_label(base | {"params.pair.device": "cpu"}).startswith("passage (CPU) |")  # never read as a GPU row
+    assert routed_label(base | {"params.pair.device": "cuda"}).startswith("passage |")
 
 
 OLD_RECORDS = {  # committed records made before the policy moved to conf/policy (2026-12-05) → that policy today

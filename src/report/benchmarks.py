@@ -39,6 +39,7 @@ ROUTED, LEVERS, FITS = "routed-h200-2026-12-03", "routed2-h200-2026-12-03", "rou
 BF16 = "routed4-h200-2026-12-04"
 ENGINE = "engine-h200-2026-12-05"
 GATE = "gate-h100-2026-12-06"  # scripts/device_quality.sh gate: 200-shot ARC, bf16, graph engine, item shards joined
+FRONTIER_CPU = "frontier-cpu-2026-12-06"  # issue 34 item 2: the passage frontier on the CPU, fp32
 FUSED = "fused-fit-h200-2026-12-03/bench_fused_fit.json"
 COVERAGE = "gate-coverage-cpu-2026-12-06/coverage.json"  # scripts/gate_coverage.py
 
@@ -57,6 +58,8 @@ TABLES: dict[str, Table] = {
     "routed_bf16": Table((BF16,), routed),
     "routed_bf16_tasks": Table((BF16,), routed_tasks),
     "routed_bf16_paired": Table((ROUTED, LEVERS, FITS, BF16), partial(routed_paired, run_set=BF16)),
+    "routed_frontier_cpu": Table((FRONTIER_CPU,), routed),
+    "routed_frontier_cpu_tasks": Table((FRONTIER_CPU,), routed_tasks),
     "engine": Table((ENGINE,), engine),
     "routed_gate": Table((GATE,), lambda rows: routed(joined(rows))),
     "routed_gate_tasks": Table((GATE,), lambda rows: routed_tasks(joined(rows))),

@@ -40,6 +40,7 @@ def routed_label(row: Row) -> str:
         longer = [n for task, k in FEWSHOT_SHOTS.items() if (n := int(row.get(f"params.workload.shots.{task}", k))) > k]
         notes += [f"{max(longer)} shots"] if longer else []
     notes += ["bf16"] if row.get("params.pair.dtype") == "bfloat16" else []  # the models' weights and compute
+    notes += ["CPU"] if row.get("params.pair.device") == "cpu" else []  # measured without a GPU
     items = f" ({', '.join(notes)})" if notes else ""
     return f"{row.get('tags.workload')}{items} | {arrow} | {', '.join(levers) or 'pure transfer'}"
 
