@@ -19,18 +19,21 @@ Session), `native_layers` and `recompute` (a receiver forward inside the load: n
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
 import yaml
 
 from src.apply import BACKENDS
+from src.runtime.plan import Capabilities, check_splice
 from src.runtime.routing import Policy, policy_from
 from src.serving.transport import DEFAULT_DIRECTORY
 
 POLICY_DEFAULTS = Path(__file__).resolve().parents[2] / "conf" / "policy" / "default.yaml"
 DTYPES = ("float32", "bfloat16", "float16")
+PAGED = Capabilities("vLLM's paged blocks (a load hook)", forward=False, rules=frozenset())  # writes mapped spans only
+LONG_PREFIX = 1 << 20  # tokens the lever check assumes: every share is a positive count
 
 
 @dataclass(frozen=True)
@@ -122,12 +125,12 @@ def serving_policy(overrides: object) -> Policy:
     node["levers"] = node["levers"] | dict(overrides.get("levers", {}))
     policy = policy_from(node)
     levers = policy.levers
-    refused = {
-        "mode auto (its measured costs live in a Session; choose map or reprefill)": policy.mode == "auto",
-        "levers.native_layers > 0 (a receiver prefill stopped after some layers, inside the load)": levers.native_layers
-        > 0,
-        "levers.recompute > 0 (a receiver forward over chosen mapped tokens, inside the load)": levers.recompute > 0,
-    }
+    refused = {"mode auto (its measured costs live in a Session; choose map or reprefill)": policy.mode == "auto"}
+    try:  # the splice plan's own check on a receiver without a forward; the sink is served as vLLM's native hit
+        check_splice(replace(levers, native_sink=0), False, LONG_PREFIX, 1, PAGED)
+    except ValueError as error:
+        keys = [f"levers.{key} > 0" for key in ("native_layers", "recompute") if getattr(levers, key) > 0]
+        refused[f"{' and '.join(keys)} ({error})"] = True
     if reasons := [reason for reason, bad in refused.items() if bad]:
         raise ValueError(f"kvrelay: the vLLM connector cannot serve {'; '.join(reasons)} without patching vLLM "
                          "(docs/serving.md, the levers)")  # fmt: skip
