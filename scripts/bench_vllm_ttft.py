@@ -14,13 +14,14 @@ Per length and repeat, a fresh history of n random tokens and a 16-token turn (p
                 (its request with the export minus the same request of another fresh history without)
 A request's TTFT is the wall time of `LLM.generate` for one greedy token. Plain requests run on the receiver
 engine itself (no kvrelay parameters: the connector declines them). Writes one JSON: every measurement, the
-medians, the machine and the versions.
+medians, the paired speedups with their intervals, the machine and the versions.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import platform
 import random
 import statistics
@@ -31,6 +32,8 @@ from pathlib import Path
 
 import torch
 import yaml
+
+from src.eval.intervals import median_interval
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -82,6 +85,13 @@ def measure(small, large, mapper: str, lengths: list[int], repeats: int, vocab: 
             "map": statistics.median(row["map_ms"]),
             "routed": statistics.median(routed),
         }
+        row["speedup"] = {  # re-prefill / path, paired per repeat: median [95 % order-statistic interval; None: < 6]
+            path: [
+                v if math.isfinite(v) else None
+                for v in median_interval([r / x for r, x in zip(row["reprefill_ms"], ms, strict=True)])
+            ]
+            for path, ms in (("routed", routed), ("hit", row["hit_ms"]))
+        }
         rows.append(row)
     return rows
 
@@ -121,7 +131,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--pair", type=Path, default=ROOT / "conf/pair/qwen25coder_0p5b_to_1p5b_random.yaml")
     parser.add_argument("--lengths", default="1024,2048,4096,8192,16384")
-    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--repeats", type=int, default=11)  # ≥ 6: the speedups get a 95 % interval
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--work", type=Path, default=None, help="where models, mapper and exports go (default: temp)")
     parser.add_argument("--smoke", action="store_true", help="CPU: the tests' tiny pair at 64 and 128 tokens")
