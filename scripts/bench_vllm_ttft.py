@@ -33,10 +33,10 @@ from pathlib import Path
 import torch
 import yaml
 
-from src.eval.intervals import median_interval
-
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+
+from src.eval.intervals import median_interval  # noqa: E402
 
 TURN = 16
 
