@@ -108,17 +108,19 @@ def build(pair: Path, work: Path, dtype: torch.dtype) -> tuple[Path, Path, Path]
     """The pair's random-weight models (its conf/pair YAML: config + seed each) saved with the tests' tokenizer, and a
     random-coefficient Head-Local k = 2 mapper between them (src/synthetic.py): (small, large, mapper) directories."""
     from src.artifact import save_mapper
-    from src.models import build_random_model, describe_kv, fingerprint, load_tokenizer, tokenizer_hash
+    from src.models import build_random_model, describe_kv, fingerprint, load_model, load_tokenizer, tokenizer_hash
     from src.synthetic import synthetic_mapper
     from tests.vllm_pair import tiny_tokenizer
 
+    if (work / "mapper").is_dir():  # built by an earlier run into the same --work
+        return work / "source", work / "target", work / "mapper"
     spec = yaml.safe_load(pair.read_text())
     models = {}
     for role in ("source", "target"):
         model = build_random_model(spec[role]["config"], spec[role]["seed"], dtype)
         model.save_pretrained(work / role)
         tiny_tokenizer().save_pretrained(work / role)
-        models[role] = build_random_model(spec[role]["config"], spec[role]["seed"], torch.float32)  # fingerprinted
+        models[role] = load_model(work / role, dtype=torch.float32)  # as the connector fingerprints it
     token_hash = tokenizer_hash(load_tokenizer(work / "target"))
     manifest = {"source_fingerprint": fingerprint(models["source"]), "target_fingerprint": fingerprint(models["target"]),
                 "tokenizer_hash": token_hash, "token_features": False, "calibration": {}}  # fmt: skip
