@@ -32,8 +32,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from src.routed import check_workload
 from src.routed_workloads import WORKLOADS
-from src.runtime.levers import Levers
-from src.runtime.plan import check_splice
+from src.runtime.plan import Levers, check_splice
 from src.runtime.receivers import CacheReceiver, EngineReceiver
 from src.runtime.routing import Policy, policy_from
 

@@ -1,7 +1,7 @@
 """Which run of an operating point the gate judges: the pre-registered one, never the latest or the best.
 
 An operating point is what a verdict is about beside its workload and direction: the history length the run timed,
-the models' dtype, the shot count, the levers (src/runtime/levers.py, the mapper's own V space, target-written
+the models' dtype, the shot count, the levers (src/runtime/plan.py, the mapper's own V space, target-written
 calibration), a session policy other than `map` and a receiver runtime other than HF eager. Runs of one point are
 re-runs of each other; re-running until one passes would make PASS mean nothing, so a point is judged on the run a
 plan named before it ran: an entry of conf/gate/plans.yaml (id, `registered` time, workload, direction, the config

@@ -42,7 +42,7 @@ from src.pipeline import (
 )
 from src.probe import probe_features
 from src.routed import routed
-from src.runtime.levers import Levers
+from src.runtime.plan import Levers
 from src.runtime.routing import policy_from
 from src.select import layers_for_support
 from src.support import head_assignment

@@ -22,7 +22,7 @@ from src.eval.diagnose import cache_fidelity, swap_nll
 from src.eval.nll import continuation_nll
 from src.forward import prefill
 from src.models import Pair, tokenizer_hash
-from src.runtime.levers import Levers
+from src.runtime.plan import Levers
 from src.tasks import load_task
 from tests.conftest import calibration_ids, tiny
 from tests.exact_pair import exact_pair

@@ -23,7 +23,7 @@ from src.fit import fit_transfer
 from src.forward import prefill, prefill_layers
 from src.maps import TransferError
 from src.models import load_model, load_tokenizer, tokenizer_hash, vocabulary_hash
-from src.runtime.levers import Levers, spent
+from src.runtime.plan import Levers, spent
 from src.runtime.splice import handoff, spliced_cache
 from src.traces import collect_traces
 from tests.conftest import calibration_ids, tiny

@@ -14,7 +14,7 @@ from src.apply import KVTransfer
 from src.forward import prefill
 from src.maps import TransferError, cache_layers, map_refusal
 from src.runtime.engine import Engine
-from src.runtime.levers import Levers
+from src.runtime.plan import Levers
 from src.runtime.splice import engine_handoff
 from tests.conftest import calibration_ids
 from tests.exact_pair import exact_pair

@@ -17,7 +17,7 @@ from omegaconf.errors import ConfigAttributeError
 
 from src.corpus import CORPORA
 from src.run import JOBS
-from src.runtime.levers import Levers
+from src.runtime.plan import Levers
 from src.runtime.routing import Policy, policy_from
 
 REPO = Path(__file__).resolve().parents[1]

@@ -10,7 +10,7 @@ import src.runtime.engine as engine_module
 from src.apply import KVTransfer
 from src.forward import prefill
 from src.runtime.engine import Engine
-from src.runtime.levers import Levers
+from src.runtime.plan import Levers
 from src.runtime.splice import engine_handoff, spliced_cache
 from tests.conftest import calibration_ids, tiny
 from tests.exact_pair import exact_pair

@@ -18,7 +18,7 @@ from transformers import PreTrainedTokenizerFast
 
 from src.apply import KVTransfer
 from src.models import Pair, tokenizer_hash
-from src.runtime.levers import NO_LEVERS, Levers
+from src.runtime.plan import NO_LEVERS, Levers
 from tests.conftest import TINY, CountingTransfer, tiny
 from tests.exact_pair import exact_pair
 

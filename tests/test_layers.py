@@ -27,7 +27,7 @@ FLOORS = [
         "kernels.rope_write",
     },
     {"src.apply"},
-    {"src.runtime.levers", "src.runtime.recompute"},
+    {"src.runtime.plan", "src.runtime.recompute"},
     {"src.runtime.plan"},  # the splice decided once per handoff (its receiver's capabilities, its recomputed set)
     {"src.runtime.engine"},
     {"src.runtime.receivers"},  # the Receiver protocol: the DynamicCache reference, the static engine

@@ -11,7 +11,7 @@ from src.apply import KVTransfer
 from src.fit import fit_transfer
 from src.forward import prefill, prefill_layers
 from src.models import vocabulary_hash
-from src.runtime.levers import Levers
+from src.runtime.plan import Levers
 from src.runtime.splice import spliced_cache
 from src.traces import collect_traces
 from tests.conftest import calibration_ids, tiny

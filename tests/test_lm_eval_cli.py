@@ -161,7 +161,7 @@ def test_lm_eval_cli_runs_kvrelay_and_scores_as_hf(saved, tmp_path):
 
 def test_model_args_are_checked_before_anything_is_served(saved):
     from src.eval.harness import KVRelayLM
-    from src.runtime.levers import Levers
+    from src.runtime.plan import Levers
 
     pair = f"source={saved['source']},target={saved['target']}"
     lm = KVRelayLM.create_from_arg_obj(

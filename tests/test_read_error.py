@@ -9,7 +9,7 @@ import torch
 
 from src.eval.read_error import item_summary, layer_read_error, read_error_metrics
 from src.routed_runs import Run, single_turn
-from src.runtime.levers import Levers
+from src.runtime.plan import Levers
 from src.runtime.routing import Policy, bind
 from src.tasks import Item
 from src.workloads import Bytes, Example

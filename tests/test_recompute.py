@@ -11,7 +11,7 @@ from src.apply import KVTransfer
 from src.eval.nll import horizon_nll
 from src.forward import prefill, prefill_layers
 from src.maps import cache_layers
-from src.runtime.levers import Levers
+from src.runtime.plan import Levers
 from src.runtime.recompute import RULES, deviation_scores, recompute_in_place, select_tokens
 from src.runtime.splice import spliced_cache
 from tests.conftest import calibration_ids

@@ -330,7 +330,7 @@ def test_the_policy_on_the_command_line_reaches_the_routed_session(tmp_path, mon
     import src.pipeline
     import src.routed
     import src.routed_runs
-    from src.runtime.levers import Levers
+    from src.runtime.plan import Levers
 
     monkeypatch.setenv("KVRELAY_HOME", str(tmp_path / "home"))
     monkeypatch.setattr(src.pipeline, "_MEMO", {})  # this test's pair and traces stay out of the process's memo

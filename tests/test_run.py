@@ -306,7 +306,7 @@ def test_latency_prefix_has_the_configured_length(first, ws, monkeypatch):
 
 def test_the_policy_on_the_command_line_reaches_the_offline_splice(first, ws, monkeypatch):
     """`policy.levers.*` (conf/policy/default.yaml) are the levers fit_eval's NLL splices with (and its name says)."""
-    from src.runtime.levers import Levers
+    from src.runtime.plan import Levers
 
     seen = []
 

@@ -16,8 +16,7 @@ from src.apply import KVTransfer
 from src.forward import prefill
 from src.maps import cache_layers
 from src.runtime.engine import Engine, Recompute
-from src.runtime.levers import Levers
-from src.runtime.plan import check_splice
+from src.runtime.plan import Levers, check_splice
 from src.runtime.receivers import EngineReceiver
 from src.runtime.splice import engine_handoff, spliced_cache
 from tests.conftest import calibration_ids

@@ -14,7 +14,7 @@ from src.artifact import EVIDENCE
 from src.eval.scoring import score_continuations
 from src.forward import prefill
 from src.length_evidence import evidence
-from src.runtime.levers import Levers
+from src.runtime.plan import Levers
 from src.runtime.routing import MAX_LENGTH_FACTOR, CostModel, Policy, RouteRefusedWarning, bind
 from src.runtime.session import Session
 from src.runtime.splice import spliced_cache

@@ -14,7 +14,7 @@ import torch
 
 from src.forward import prefill
 from src.runtime.engine import Engine
-from src.runtime.levers import Levers
+from src.runtime.plan import Levers
 from src.runtime.routing import Policy, RouteRefusedWarning, bind
 from src.runtime.session import Session
 from src.runtime.splice import engine_handoff

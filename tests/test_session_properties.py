@@ -23,7 +23,7 @@ from hypothesis import HealthCheck, Phase, event, given, settings
 from hypothesis import strategies as st
 
 from src.forward import prefill
-from src.runtime.levers import Levers
+from src.runtime.plan import Levers
 from src.runtime.routing import Policy
 from src.runtime.session import Session
 from tests.exact_pair import exact_pair, max_cache_diff

@@ -13,8 +13,7 @@ from transformers import DynamicCache
 from src.apply import KVTransfer
 from src.forward import prefill
 from src.maps import cache_layers
-from src.runtime.levers import Levers
-from src.runtime.plan import Capabilities, SplicePlan, check_splice, plan_splice
+from src.runtime.plan import Capabilities, Levers, SplicePlan, check_splice, plan_splice
 from src.runtime.receivers import CacheReceiver, EngineReceiver, Piece
 from src.runtime.splice import splice, spliced_cache
 from tests.conftest import calibration_ids

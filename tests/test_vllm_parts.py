@@ -11,7 +11,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from src.runtime.levers import Levers
+from src.runtime.plan import Levers
 from src.runtime.routing import Policy, Route
 from src.serving.claim import Claim, claim
 from src.serving.config import connector_config, serving_policy

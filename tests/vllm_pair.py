@@ -167,7 +167,7 @@ def assert_spliced(llm, pair: ServingPair, transport, export_id: str, prompt: li
     from src.artifact import load_mapper
     from src.maps import cache_layers
     from src.models import load_model
-    from src.runtime.levers import Levers
+    from src.runtime.plan import Levers
     from src.runtime.splice import spliced_cache
 
     end = done["end"]

@@ -28,7 +28,7 @@ from src.eval.metrics import (
 )
 from src.eval.scoring import choice_loglikelihoods
 from src.models import Pair
-from src.runtime.levers import NO_LEVERS, Levers, spent
+from src.runtime.plan import NO_LEVERS, Levers, spent
 from src.tasks import METRICS, Item, choice_lengths
 
 LENGTH_EDGES = (0, 64, 128, 256, 512, 1 << 20)  # context-length buckets (tokens)

@@ -20,7 +20,7 @@ for local task YAMLs, `--output_path`, `--log_samples`, `--limit`, …):
 `mapper`: a saved artifact (src/artifact.py), verified against both models' fingerprints and the tokenizer
 hash — required by `mode=transfer` (the default), optional in `native_source` / `native_target` (the
 reference rows). The levers (`native_sink`, `hold_back`, `native_layers`, … — the fields of
-`src.runtime.levers.Levers`) apply to `transfer`. `dtype`, `compute_dtype`, `apply_backend`, `attn_implementation`,
+`src.runtime.plan.Levers`) apply to `transfer`. `dtype`, `compute_dtype`, `apply_backend`, `attn_implementation`,
 `allow_sliding_window` and `device` default to the `pair:` block of conf/run.yaml; a `device` in model_args
 wins over lm-eval's `--device` (whose CLI default is cuda:0); a CUDA device without CUDA falls back to the
 CPU with a warning, as HFLM does.
@@ -47,7 +47,7 @@ from src.apply import KVTransfer
 from src.artifact import load_mapper
 from src.eval.scoring import MODES, check_mode, choice_loglikelihoods, context_cache, greedy_decode, reading_model
 from src.models import Pair, fingerprint, load_pair
-from src.runtime.levers import NO_LEVERS, Levers
+from src.runtime.plan import NO_LEVERS, Levers
 
 try:
     from lm_eval.api.instance import Instance

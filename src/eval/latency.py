@@ -14,7 +14,7 @@ import torch
 
 from src.apply import KVTransfer
 from src.forward import prefill
-from src.runtime.levers import NO_LEVERS, Levers
+from src.runtime.plan import NO_LEVERS, Levers
 from src.runtime.splice import spliced_cache
 
 

@@ -17,7 +17,7 @@ from transformers import DynamicCache, PreTrainedModel
 
 from src.apply import KVTransfer
 from src.forward import prefill
-from src.runtime.levers import NO_LEVERS, Levers, spent
+from src.runtime.plan import NO_LEVERS, Levers, spent
 from src.runtime.splice import spliced_cache
 
 

@@ -20,7 +20,7 @@ from transformers import DynamicCache, PreTrainedModel
 from src.apply import KVTransfer
 from src.forward import prefill
 from src.models import Pair
-from src.runtime.levers import NO_LEVERS, Levers
+from src.runtime.plan import NO_LEVERS, Levers
 from src.runtime.splice import spliced_cache
 
 MODES = ("native_source", "native_target", "transfer")

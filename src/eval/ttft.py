@@ -29,7 +29,7 @@ from src.eval.latency import percentiles, time_ms
 from src.forward import prefill
 from src.maps import cache_layers
 from src.runtime.engine import GRAPH_BUCKETS, Engine
-from src.runtime.levers import NO_LEVERS, Levers
+from src.runtime.plan import NO_LEVERS, Levers
 from src.runtime.splice import engine_handoff
 
 ENGINES = ("hf", "static", "graph")

@@ -13,9 +13,8 @@ from dataclasses import dataclass, replace
 import torch
 
 from src.maps import TransferError
-from src.runtime.levers import spent
 from src.runtime.pieces import map_pieces, owners
-from src.runtime.plan import SplicePlan, plan_splice
+from src.runtime.plan import SplicePlan, plan_splice, spent
 from src.runtime.reader import Reader, Segment, clock, model_device
 from src.runtime.routing import CostModel, Policy, Route
 from src.runtime.splice import splice

@@ -29,7 +29,7 @@ from src.apply import KVTransfer
 from src.artifact import ArtifactError, Mapper, length_evidence
 from src.maps import TransferError
 from src.models import describe_kv, fingerprint
-from src.runtime.levers import NO_LEVERS, Levers
+from src.runtime.plan import NO_LEVERS, Levers
 
 MODES = ("map", "reprefill", "auto")
 LENGTH_GUARDS = ("evidence", "factor", "off")  # module docstring

@@ -12,7 +12,7 @@
 `switch_to` gives the receiver a cache of the whole conversation: the tokens it already holds are reused (a same-model
 prefix hit); the tokens it has not seen are mapped at their own positions, segment by segment, each from a model that
 read it natively (the sender first; src/runtime/pieces.py), or re-prefilled on top of what it holds — by
-`Policy.mode`: map, reprefill, or auto (the faster path by measured per-token costs; src/runtime/routing.py); the levers (`src.runtime.levers.Levers`) keep parts of the
+`Policy.mode`: map, reprefill, or auto (the faster path by measured per-token costs; src/runtime/routing.py); the levers (`src.runtime.plan.Levers`) keep parts of the
 mapped span native. The new turn is always read natively (with no new turn, the last unseen token is: the receiver
 always has next-token logits, `session.logits`). Every refusal — a mapper refused at binding (artifact mismatch, a
 warning when the session is built), a sliding-window receiver, no route (status `unsupported`), non-finite values,

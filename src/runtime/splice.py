@@ -18,8 +18,7 @@ from src.apply import KVTransfer
 from src.forward import check_ids, prefill
 from src.maps import TransferError, cache_layers, dropped_tokens, map_refusal
 from src.runtime.engine import Engine
-from src.runtime.levers import Levers
-from src.runtime.plan import KV, SplicePlan, plan_splice
+from src.runtime.plan import KV, Levers, SplicePlan, plan_splice
 from src.runtime.receivers import CacheReceiver, EngineReceiver, NativePrefix, Piece, Receiver, Selected
 from src.runtime.recompute import deviation_scores, select_tokens
 
