@@ -1,6 +1,7 @@
-"""The connector's parts without an engine (src/serving/): its settings, the request parameters, the receiver's claim,
-the provenance keys, the export transport and the paged layouts. What needs vLLM's own code (its Request and block
-hasher, its CPU cache writer) is skipped where vLLM is not importable; the rest runs everywhere."""
+"""The connector's parts without an engine (src/serving/): its settings, the request parameters, the receiver's claim
+(the runtime's splice plan) and what vLLM may count of it, the provenance keys, the export transport and the paged
+layouts. What needs vLLM's own code (its Request and block hasher, its CPU cache writer) is skipped where vLLM is not
+importable; the rest runs everywhere."""
 
 from __future__ import annotations
 
@@ -11,9 +12,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from src.runtime.plan import Levers
+from src.runtime.plan import Levers, plan_splice
 from src.runtime.routing import Policy, Route
-from src.serving.claim import Claim, claim
+from src.serving.claim import PAGED, claim
 from src.serving.config import connector_config, serving_policy
 from src.serving.paged import check_layout, read_slots, slots_for, write_mapped, write_slots_ref
 from src.serving.params import Handoff, Mapped, RelayParams, parse, request_params
@@ -74,21 +75,28 @@ def test_request_parameters_round_trip_and_malformed_ones_get_a_reason():
 PROMPT = list(range(10, 115))  # 105 tokens
 HEADER = Header("e1", tuple(PROMPT[:100]), "source-fp", "tok", 2, 1, 32, 1, None)
 ROUTE = Route(None, "m:1", None, calibrated_length=64)
+LAYERS = 3  # the receiver's
 
 
 def _claim(hit=0, header=HEADER, prompt=PROMPT, route=ROUTE, **policy):
     levers = Levers(**policy.pop("levers", {"hold_back": 4}))
-    return claim(prompt, hit, header, route, "source-fp", Policy(levers=levers, **policy), "tok", 32)
+    return claim(prompt, hit, header, route, "source-fp", Policy(levers=levers, **policy), "tok", 32, LAYERS)
+
+
+def _span(hit=0, **kwargs):
+    plan = _claim(hit, **kwargs)
+    assert not isinstance(plan, str), plan
+    return plan.start, plan.end
 
 
 def test_the_claim_is_block_aligned_after_the_native_hit_and_leaves_the_hold_back():
-    assert _claim() == Claim(0, 96)  # min(100 exported, 105 − 4) → 96
-    assert _claim(hit=64) == Claim(64, 96)
-    assert _claim(prompt=PROMPT[:100], levers={}) == Claim(0, 96)  # at least one token left to compute: 99 → 96
-    assert _claim(prompt=PROMPT[:100], header=replace(HEADER, ids=tuple(PROMPT[:64])), levers={}) == Claim(0, 64)
+    assert _span() == (0, 96)  # min(100 exported, 105 − 4) → 96
+    assert _span(hit=64) == (64, 96)
+    assert _span(prompt=PROMPT[:100], levers={}) == (0, 96)  # at least one token left to compute: 99 → 96
+    assert _span(prompt=PROMPT[:100], header=replace(HEADER, ids=tuple(PROMPT[:64])), levers={}) == (0, 64)
     whole = replace(HEADER, ids=tuple(PROMPT[:96]))  # the prompt is the export, a whole number of blocks
-    assert _claim(prompt=PROMPT[:96], header=whole, levers={}) == Claim(0, 64)  # vLLM must still compute a token
-    assert _claim(levers={"hold_back": 40}) == Claim(0, 64)  # 105 − 40 = 65 → 64
+    assert _span(prompt=PROMPT[:96], header=whole, levers={}) == (0, 64)  # vLLM must still compute a token
+    assert _span(levers={"hold_back": 40}) == (0, 64)  # 105 − 40 = 65 → 64
 
 
 @pytest.mark.parametrize(
@@ -112,10 +120,67 @@ def test_every_refusal_of_the_claim_names_its_reason(kwargs, reason):
 
 
 def test_a_native_sink_hit_and_the_senders_mapped_span_bound_the_claim():
-    assert _claim(levers={"native_sink": 40, "hold_back": 4}, hit=64) == Claim(64, 96)
-    assert _claim(header=replace(HEADER, mapped=(64, 96))) == Claim(0, 64)  # mapped K/V are never mapped again
-    assert _claim(header=replace(HEADER, mapped=(0, 32)), hit=32) == Claim(32, 96)
-    assert _claim(length_guard="off", max_length_factor=1.0) == Claim(0, 96)
+    assert _span(levers={"native_sink": 40, "hold_back": 4}, hit=64) == (64, 96)
+    assert _span(header=replace(HEADER, mapped=(64, 96))) == (0, 64)  # mapped K/V are never mapped again
+    assert _span(header=replace(HEADER, mapped=(0, 32)), hit=32) == (32, 96)
+    assert _span(length_guard="off", max_length_factor=1.0) == (0, 96)
+
+
+@pytest.mark.parametrize(
+    ("hit", "length", "levers"),
+    [
+        (0, 100, {"hold_back": 4}),  # 96: no block remainder
+        (64, 100, {"hold_back": 4}),  # a native hit
+        (0, 105, {"hold_back": 4}),  # 101 → 96: a block remainder of 5
+        (32, 105, {"hold_back": 40}),  # a hit and a long hold-back: 65 → 64
+        (64, 105, {"native_sink": 40, "hold_back": 4}),  # the sink served as the native hit
+    ],
+)
+def test_the_claim_is_the_runtimes_splice_plan_its_end_rounded_down_to_a_block(hit, length, levers):
+    """The connector's decision is plan_splice's on a receiver without a forward holding vLLM's native hit: the span
+    of the runtime's plan for the same prompt and levers (the sink inside the hit), its end rounded down to a block;
+    the remainder joins the hold-back in the plan's tail, which vLLM's forward reads on top."""
+    plan = _claim(hit, prompt=PROMPT[:length], levers=levers)
+    runtime = plan_splice(replace(Levers(**levers), native_sink=0), hit, length - hit, 0, LAYERS, False, PAGED)
+    end = runtime.end // 32 * 32
+    assert (plan.held, plan.start, plan.end) == (runtime.held, runtime.start, end) == (hit, hit, plan.end)
+    assert plan.hold_back == plan.tail == length - end and (plan.depth, plan.recomputed) == (0, 0)
+    assert (plan == runtime) == (end == runtime.end)  # no remainder: the very same plan
+
+
+@needs_vllm
+def test_vllm_counting_other_than_the_planned_span_is_refused_and_its_blocks_recomputed(monkeypatch):
+    """update_state_after_alloc: the plan's span counted → a Load of its slots carrying the plan; none counted → a
+    refusal (an ordinary prefill); another count → a refused Load whose counted blocks the worker reports as failed
+    (vLLM recomputes them), never a span the plan did not map."""
+    from src.serving.vllm_connector import KVRelayConnector, KVRelayMetadata, _Tracked
+
+    scheduler = KVRelayConnector.__new__(KVRelayConnector)  # its role's state only: no engine
+    scheduler.block_size, scheduler.config, scheduler._loads = 32, connector_config({}, "recompute"), []
+    handoff, plan = Handoff("e1", "m:1"), _claim(32)
+    request, blocks = SimpleNamespace(request_id="r"), SimpleNamespace(get_block_ids=lambda: ([7, 8, 9, 10],))
+
+    def allocated(counted: int) -> _Tracked:
+        tracked = _Tracked(RelayParams(handoff=handoff), PROMPT, {}, plan=plan, handoff=handoff)
+        scheduler._tracked, scheduler._loads = {"r": tracked}, []
+        scheduler.update_state_after_alloc(request, blocks, counted)
+        return tracked
+
+    tracked = allocated(64)
+    (load,) = scheduler._loads
+    assert (load.plan, load.block_ids, load.refusal) == (plan, [8, 9], None)
+    assert load.slots == list(range(8 * 32, 10 * 32)) and tracked.record["handoff"]["status"] == "mapped"
+    tracked = allocated(0)
+    assert scheduler._loads == [] and tracked.plan is None and tracked.record["handoff"]["status"] == "refused"
+    tracked = allocated(32)
+    (load,) = scheduler._loads
+    assert load.block_ids == [8] and "the plan maps 32..95" in load.refusal
+    assert tracked.record["handoff"]["status"] == "recomputed"
+    worker = KVRelayConnector.__new__(KVRelayConnector)
+    worker._started, worker._failed, worker.config = [], [], scheduler.config
+    monkeypatch.setattr(worker, "_get_connector_metadata", lambda: KVRelayMetadata(loads=[load]))
+    worker.start_load_kv(None)
+    assert worker.get_block_ids_with_load_errors() == {8}
 
 
 # ---------------------------------------------------------------------------------------------------- provenance

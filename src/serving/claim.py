@@ -1,5 +1,6 @@
-"""The receiver's decision, made once per request on vLLM's scheduler: which block-aligned span [start, end) of the
-prompt to map from a sender's export, or why none (then the request is an ordinary prefill).
+"""The receiver's decision, made once per request on vLLM's scheduler: a `SplicePlan` (src/runtime/plan.py, built by
+`plan_splice` like every receiver's) mapping a block-aligned span [start, end) of the prompt from a sender's export,
+or why none (then the request is an ordinary prefill).
 
 vLLM has already found the receiver's own prefix hit (`hit` tokens, whole blocks): it comes first, and a mapped span
 starts there — the only way a native sink can precede it. The span ends at the first of: the export's last token,
@@ -8,22 +9,36 @@ span the sender itself held mapped (mapped K/V are never mapped again) — round
 order: policy mode `reprefill`; a sender tokenizer other than the receiver's; an export of another model than the
 mapper's source; exported ids that are not a prefix of the prompt; a native hit shorter than the sink; a hit
 inside the sender's mapped span; nothing left to map (a prompt shorter than a block, or a hit that covers the
-export); the length guard (`routing.length_refusal`: the history is what the sender held, the export).
+export); the length guard (`routing.length_refusal`: the history is what the sender held, the export). Then the
+plan (`paged_plan`), whose own check (`check_splice` on `PAGED`) the connector's settings already passed at start-up
+(src/serving/config.py runs `paged_plan` on a long prompt).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import replace
 
+from src.runtime.plan import Capabilities, Levers, SplicePlan, plan_splice
 from src.runtime.routing import Policy, Route, length_refusal
 from src.serving.transport import Header
 
+PAGED = Capabilities("vLLM's paged blocks (a load hook)", forward=False, rules=frozenset())  # writes mapped spans only
 
-@dataclass(frozen=True)
-class Claim:
-    start: int  # the receiver's native hit: the first mapped position
-    end: int  # one past the last mapped position, a block boundary
+
+def paged_plan(levers: Levers, hit: int, end: int, prompt_len: int, layers: int) -> SplicePlan:
+    """The plan of vLLM's paged blocks (`PAGED`) holding the `hit` tokens of vLLM's native prefix hit, given a prompt
+    of `prompt_len` tokens, mapping hit..end − 1, over a target of `layers` layers; a ValueError (`check_splice`) for
+    levers a receiver without a forward cannot run.
+
+    The levers are realized on the paged blocks: no sink past the hit (the sink is served as the native hit:
+    `claim` checked hit ≥ native_sink), and a hold-back of prompt_len − end with no turn — everything past the span
+    (the policy's hold-back, the block-rounding remainder, what the export or the sender's mapped span leaves) is
+    read natively on top of it by vLLM's own forward, which is the plan's hold-back; vLLM's prompt does not say where
+    the new turn begins. So plan.start = hit, plan.end = end, plan.tail = prompt_len − end. Token features are
+    False: a token-feature mapper is refused when the worker binds its routes (src/serving/routes.py)."""
+    realized = replace(levers, native_sink=0, hold_back=prompt_len - end)
+    return plan_splice(realized, hit, prompt_len - hit, 0, layers, False, PAGED)
 
 
 def claim(
@@ -35,10 +50,12 @@ def claim(
     policy: Policy,
     tokenizer_hash: str,
     block_size: int,
-) -> Claim | str:
-    """The span to map, or the reason there is none (module docstring). prompt: the request's token ids; hit: the
-    receiver's native prefix hit (a multiple of block_size); route: the mapper's (its length evidence and calibration
-    length); source_fingerprint: the model the mapper maps from; tokenizer_hash: the receiver's tokenizer."""
+    layers: int,
+) -> SplicePlan | str:
+    """The plan of the span to map, or the reason there is none (module docstring). prompt: the request's token ids;
+    hit: the receiver's native prefix hit (a multiple of block_size); route: the mapper's (its length evidence and
+    calibration length); source_fingerprint: the model the mapper maps from; tokenizer_hash: the receiver's tokenizer;
+    layers: the receiver's."""
     exported = len(header.ids)
     if policy.mode == "reprefill":
         return "policy: reprefill"
@@ -68,4 +85,4 @@ def claim(
         )
     if refusal := length_refusal(policy, route, exported, end):
         return refusal
-    return Claim(hit, end)
+    return paged_plan(policy.levers, hit, end, len(prompt), layers)

@@ -13,27 +13,28 @@
 Every key has its default here (an engine that only exports needs none). Refused before serving, with the key named:
 an unknown key, a wrong type, `kv_load_failure_policy` other than "recompute" (a late refusal must re-prefill,
 never fail the request), and the policies a connector cannot serve — mode `auto` (its measured costs live in a
-Session), `native_layers` and `recompute` (a receiver forward inside the load: not without patching vLLM).
+Session), `native_layers` and `recompute` (a receiver forward inside the load: not without patching vLLM) — the
+latter refused by the very plan a request's claim builds (src/serving/claim.py `paged_plan`: `check_splice` on a
+receiver without a forward), built here once on a long prompt, so no second list of refusals.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 import yaml
 
 from src.apply import BACKENDS
-from src.runtime.plan import Capabilities, check_splice
 from src.runtime.routing import Policy, policy_from
+from src.serving.claim import paged_plan
 from src.serving.transport import DEFAULT_DIRECTORY
 
 POLICY_DEFAULTS = Path(__file__).resolve().parents[2] / "conf" / "policy" / "default.yaml"
 DTYPES = ("float32", "bfloat16", "float16")
-PAGED = Capabilities("vLLM's paged blocks (a load hook)", forward=False, rules=frozenset())  # writes mapped spans only
-LONG_PREFIX = 1 << 20  # tokens the lever check assumes: every share is a positive count
+LONG_PREFIX = 1 << 20  # prompt tokens the lever check assumes: every share is a positive count
 
 
 @dataclass(frozen=True)
@@ -126,8 +127,8 @@ def serving_policy(overrides: object) -> Policy:
     policy = policy_from(node)
     levers = policy.levers
     refused = {"mode auto (its measured costs live in a Session; choose map or reprefill)": policy.mode == "auto"}
-    try:  # the splice plan's own check on a receiver without a forward; the sink is served as vLLM's native hit
-        check_splice(replace(levers, native_sink=0), False, LONG_PREFIX, 1, PAGED)
+    try:  # the claim's own plan (src/serving/claim.py) of a long prompt, one token left to vLLM; no model yet
+        paged_plan(levers, 0, LONG_PREFIX - 1, LONG_PREFIX, 0)
     except ValueError as error:
         keys = [f"levers.{key} > 0" for key in ("native_layers", "recompute") if getattr(levers, key) > 0]
         refused[f"{' and '.join(keys)} ({error})"] = True

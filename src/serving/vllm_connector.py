@@ -10,18 +10,22 @@ side only executes them.
 
 Scheduler: a request asking for an export gets an id (returned in its output's `kv_transfer_params`), and when its
 prefill completes the step's metadata carries a `Save` of its prompt's slots. A handoff request is claimed in
-`get_num_new_matched_tokens` — after vLLM's own prefix hit, which comes first (the sink) — by `claim.claim`, or
-refused (0 tokens: an ordinary prefill, the output vLLM gives without the connector); a claim re-keys the request's
-prefix-cache keys from its first mapped block (src/serving/provenance.py) and, once its blocks are allocated,
-becomes a `Load` of its slots. Every request with kvrelay parameters gets a record in its output.
+`get_num_new_matched_tokens` — after vLLM's own prefix hit, which comes first (the sink) — by `claim.claim`, whose
+decision is a `SplicePlan` (src/runtime/plan.py, the runtime's own `plan_splice` on a receiver without a forward),
+or refused (0 tokens: an ordinary prefill, the output vLLM gives without the connector). The tokens it matches are
+the plan's span, plan.end − plan.start; a claim re-keys the request's prefix-cache keys from its first mapped block
+(src/serving/provenance.py) and, once its blocks are allocated — vLLM counting exactly that span as loaded, else
+the claim is refused there too — becomes a `Load` that carries the plan and the span's slots. Every request with
+kvrelay parameters gets a record in its output.
 
-Worker: `start_load_kv` (before the forward) reads each load's span from the transport, maps it for this worker's
-KV heads (`routes.Bound.map`) and writes it into the paged blocks (`paged.write_mapped`), no host sync; the
-finiteness flags and the magnitude guard are read afterwards, in `get_block_ids_with_load_errors`, and a failed
-load's blocks are reported there — vLLM then recomputes them (kv_load_failure_policy "recompute"), discarding the
-step's output for that request. A load that cannot even start (export missing or malformed) is reported the same
-way. `wait_for_save` (after the forward, once per step) reads each save's slots from every layer and publishes the
-export. No per-layer hook: the forward itself is untouched (CUDA graphs included).
+Worker: `start_load_kv` (before the forward) reads each load's span plan.start..plan.end − 1 from the transport,
+maps it for this worker's KV heads (`routes.Bound.map`) and writes it into the paged blocks (`paged.write_mapped`),
+no host sync; the finiteness flags and the magnitude guard are read afterwards, in `get_block_ids_with_load_errors`,
+and a failed load's blocks are reported there — vLLM then recomputes them (kv_load_failure_policy "recompute"),
+discarding the step's output for that request. A load that cannot even start (export missing or malformed), or that
+the scheduler refused, is reported the same way. `wait_for_save` (after the forward, once per step) reads each
+save's slots from every layer and publishes the export. No per-layer hook: the forward itself is untouched (CUDA
+graphs included).
 """
 
 from __future__ import annotations
@@ -42,7 +46,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.logger import init_logger
 from vllm.model_executor.models.utils import extract_layer_index
 
-from src.serving.claim import Claim, claim
+from src.runtime.plan import SplicePlan
+from src.serving.claim import claim
 from src.serving.config import connector_config
 from src.serving.paged import check_layout, read_slots, slots_for, write_mapped
 from src.serving.params import KEY, Handoff, RelayParams, parse
@@ -55,15 +60,16 @@ logger = init_logger(__name__)
 
 @dataclass
 class Load:
-    """Map positions start..end−1 of an export into a request's slots [end − start]."""
+    """Map the span of a request's plan, positions plan.start..plan.end − 1 of an export, into its slots
+    [plan.end − plan.start] — or, `refusal` set, nothing: the worker reports its blocks as failed."""
 
     request_id: str
     export_id: str
     mapper_id: str
-    start: int
-    end: int
+    plan: SplicePlan
     slots: list[int]
-    block_ids: list[int]  # the blocks the span fills: reported if the load fails
+    block_ids: list[int]  # the blocks the span fills (vLLM counts as loaded): reported if the load fails
+    refusal: str | None = None  # why the scheduler refused it after vLLM allocated its blocks
 
 
 @dataclass
@@ -94,9 +100,16 @@ class _Tracked:
     blocks: list[int] = field(default_factory=list)  # an exporting request's blocks so far
     exported: bool = False
     header: Header | None = None
-    claim: Claim | None = None
+    plan: SplicePlan | None = None  # the claim: this request's mapped span
     handoff: Handoff | None = None
     load_blocks: set[int] = field(default_factory=set)
+
+
+def _refuse(tracked: _Tracked, reason: str, hit: int) -> None:
+    """No span mapped for this request this time: an ordinary prefill, and its record says why."""
+    if tracked.record.get("handoff", {}).get("status") != "mapped":  # a resumed request may find its span held
+        tracked.record["handoff"] = {"status": "refused", "reason": reason, "hit": hit}
+    tracked.plan = None
 
 
 class KVRelayConnector(KVConnectorBase_V1):
@@ -110,6 +123,7 @@ class KVRelayConnector(KVConnectorBase_V1):
         self.transport = Transport(self.config.transport)
         model = vllm_config.model_config
         if role == KVConnectorRole.SCHEDULER:
+            self.target_layers = model.get_total_num_hidden_layers()
             self.tokenizer_hash = model_tokenizer_hash(Path(model.tokenizer or model.model))
             self.routes = scheduled_routes(self.config.routes, self.tokenizer_hash)
             self._tracked: dict[str, _Tracked] = {}
@@ -158,17 +172,15 @@ class KVRelayConnector(KVConnectorBase_V1):
         if tracked is None or tracked.params.handoff is None:
             return 0, False
         handoff = tracked.params.handoff
-        decision = self._decide(tracked, handoff, num_computed_tokens)
-        if isinstance(decision, str):
-            if tracked.record.get("handoff", {}).get("status") != "mapped":  # a resumed request may find its span held
-                tracked.record["handoff"] = {"status": "refused", "reason": decision, "hit": num_computed_tokens}
-            tracked.claim = None
+        plan = self._decide(tracked, handoff, num_computed_tokens)
+        if isinstance(plan, str):
+            _refuse(tracked, plan, num_computed_tokens)
             return 0, False
-        rekey(request, decision.start, handoff.mapper_id, self.block_size)
-        tracked.claim, tracked.handoff = decision, handoff
-        return decision.end - num_computed_tokens, False
+        rekey(request, plan.start, handoff.mapper_id, self.block_size)
+        tracked.plan, tracked.handoff = plan, handoff
+        return plan.end - plan.start, False  # plan.start is the hit: the tokens past it that the plan maps
 
-    def _decide(self, tracked: _Tracked, handoff: Handoff, hit: int) -> Claim | str:
+    def _decide(self, tracked: _Tracked, handoff: Handoff, hit: int) -> SplicePlan | str:
         route = self.routes.get(handoff.mapper_id)
         if route is None:
             return f"unknown mapper id {handoff.mapper_id!r}: this engine serves {sorted(self.routes)}"
@@ -178,21 +190,39 @@ class KVRelayConnector(KVConnectorBase_V1):
             except ExportError as error:
                 return str(error)
         return claim(tracked.prompt, hit, tracked.header, route.route, route.source_fingerprint, self.config.policy,
-                     self.tokenizer_hash, self.block_size)  # fmt: skip
+                     self.tokenizer_hash, self.block_size, self.target_layers)  # fmt: skip
 
     def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
+        """The claim's plan becomes a `Load`, once vLLM has allocated its blocks and counted exactly its span,
+        plan.end − plan.start tokens, as loaded (what `get_num_new_matched_tokens` returned). None counted (vLLM kept
+        a longer local hit, or the request skips prefix reads): the claim is refused, an ordinary prefill. Any other
+        count is not what was planned: a refused `Load`, whose blocks the worker reports as failed — vLLM recomputes
+        them (kv_load_failure_policy "recompute"), never serves a span the plan did not map."""
         tracked = self._tracked.get(request.request_id)
-        if tracked is None or num_external_tokens == 0 or tracked.claim is None:
+        if tracked is None or tracked.plan is None:
             return
-        start, end = tracked.claim.start, tracked.claim.start + num_external_tokens
+        plan, handoff = tracked.plan, tracked.handoff
+        if num_external_tokens == 0:
+            _refuse(tracked, "vLLM loads none of the claimed span (its own prefix hit, or the request reads none)",
+                    plan.held)  # fmt: skip
+            return
         block_ids = list(blocks.get_block_ids()[0])
-        load = Load(request.request_id, tracked.handoff.export_id, tracked.handoff.mapper_id, start, end,
-                    slots_for(block_ids, self.block_size, start, end).tolist(),
-                    block_ids[start // self.block_size : end // self.block_size])  # fmt: skip
+        counted = block_ids[plan.start // self.block_size : -(-(plan.start + num_external_tokens) // self.block_size)]
+        if num_external_tokens != plan.end - plan.start:
+            refusal = (f"vLLM counts {num_external_tokens} tokens from {plan.start} as loaded, the plan maps "
+                       f"{plan.start}..{plan.end - 1}: its blocks are recomputed")  # fmt: skip
+            logger.error("kvrelay: request %s: %s", request.request_id, refusal)
+            tracked.record["handoff"] = {"status": "recomputed", "reason": refusal, "hit": plan.held, "mapped": 0}
+            self._loads.append(Load(request.request_id, handoff.export_id, handoff.mapper_id, plan, [], counted,
+                                    refusal))  # fmt: skip
+            return
+        load = Load(request.request_id, handoff.export_id, handoff.mapper_id, plan,
+                    slots_for(block_ids, self.block_size, plan.start, plan.end).tolist(), counted)  # fmt: skip
         tracked.load_blocks = set(load.block_ids)
         prompt_blocks = block_ids[: -(-len(tracked.prompt) // self.block_size)]  # the prompt's blocks (tests read them)
-        tracked.record["handoff"] = {"status": "mapped", "reason": f"policy: {self.config.policy.mode}", "hit": start,
-                                     "start": start, "end": end, "mapped": end - start, "mapper": load.mapper_id,
+        tracked.record["handoff"] = {"status": "mapped", "reason": f"policy: {self.config.policy.mode}",
+                                     "hit": plan.held, "start": plan.start, "end": plan.end,
+                                     "mapped": plan.end - plan.start, "mapper": load.mapper_id,
                                      "blocks": prompt_blocks}  # fmt: skip
         self._loads.append(load)
 
@@ -217,7 +247,7 @@ class KVRelayConnector(KVConnectorBase_V1):
             return
         tracked.blocks = blocks if replace else tracked.blocks + blocks
         if computed + scheduled.get(request_id, 0) >= len(tracked.prompt) > 0:
-            held, now = tracked.params.mapped, tracked.claim  # an earlier handoff's span, this request's own
+            held, now = tracked.params.mapped, tracked.plan  # an earlier handoff's span, this request's own
             spans = [(s.start, s.end) for s in (held, now) if s is not None]
             mapped = (min(a for a, _ in spans), max(b for _, b in spans)) if spans else None  # never mapped again
             slots = slots_for(tracked.blocks, self.block_size, 0, len(tracked.prompt)).tolist()
@@ -267,6 +297,9 @@ class KVRelayConnector(KVConnectorBase_V1):
 
     def start_load_kv(self, forward_context, **kwargs) -> None:
         for load in self._get_connector_metadata().loads:
+            if load.refusal is not None:
+                self._failed.append((load, load.refusal))
+                continue
             try:
                 self._load(load)
             except Exception as error:  # noqa: BLE001 — any failure is a late refusal: the blocks are recomputed
@@ -274,13 +307,14 @@ class KVRelayConnector(KVConnectorBase_V1):
 
     def _load(self, load: Load) -> None:
         bound = self.bound[load.mapper_id]
-        keys, values = self.transport.load(load.export_id, load.start, load.end, self.device)  # [L_s, H_s, n, d_s]
+        start, end = load.plan.start, load.plan.end
+        keys, values = self.transport.load(load.export_id, start, end, self.device)  # [L_s, H_s, n, d_s]
         kv = bound.source_kv
-        if tuple(keys.shape) != (kv.num_layers, kv.num_kv_heads, load.end - load.start, kv.head_dim):
+        if tuple(keys.shape) != (kv.num_layers, kv.num_kv_heads, end - start, kv.head_dim):
             raise ExportError(f"export {load.export_id} holds K/V {tuple(keys.shape)}, the mapper's source "
                               f"{kv.num_layers} × {kv.num_kv_heads} × n × {kv.head_dim}")  # fmt: skip
         dtype = self.layers[0].kv_cache.dtype
-        mapped_k, mapped_v, flags = bound.map(keys, values, load.start, self.heads, dtype)  # [L_t, n, H, d_t]
+        mapped_k, mapped_v, flags = bound.map(keys, values, start, self.heads, dtype)  # [L_t, n, H, d_t]
         write_mapped(self.layers, mapped_k, mapped_v, torch.tensor(load.slots, device=self.device))
         bound_abs = self.config.policy.guard_max_abs
         peak = None if bound_abs is None else torch.maximum(mapped_k.abs().amax(), mapped_v.abs().amax()).float()
