@@ -145,6 +145,11 @@ def main(argv: list[str] | None = None) -> int:
     from tests.vllm_pair import ENV, engine, serving_pair
 
     os.environ.update(ENV)
+    # The engines' processes are spawned, not forked: the models were just built here with torch's CPU threads, and a
+    # fork after them hung the first engine's start on an H100 (2026-12-06). FlashInfer's sampler would be compiled
+    # by JIT at the engine's warm-up (no AOT kernels travel with the wheels); a greedy token does not need it.
+    os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
+    os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
     work = args.work or Path(tempfile.mkdtemp(prefix="kvrelay-ttft-"))
     lengths = [64, 128] if args.smoke else [int(n) for n in args.lengths.split(",")]
     exports = {"transport": str(work / "exports")}

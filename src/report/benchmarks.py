@@ -38,6 +38,7 @@ class Table:
 ROUTED, LEVERS, FITS = "routed-h200-2026-12-03", "routed2-h200-2026-12-03", "routed3-h200-2026-12-04"
 BF16 = "routed4-h200-2026-12-04"
 ENGINE = "engine-h200-2026-12-05"
+ENGINE_V2 = "engine-h100-2026-12-06"  # the engine with the receiver protocol and map_into, random weights, one H100
 GATE = "gate-h100-2026-12-06"  # scripts/device_quality.sh gate: 200-shot ARC, bf16, graph engine, item shards joined
 FRONTIER_CPU = "frontier-cpu-2026-12-06"  # issue 34 item 2: the passage frontier on the CPU, fp32
 FUSED = "fused-fit-h200-2026-12-03/bench_fused_fit.json"
@@ -61,6 +62,7 @@ TABLES: dict[str, Table] = {
     "routed_frontier_cpu": Table((FRONTIER_CPU,), routed),
     "routed_frontier_cpu_tasks": Table((FRONTIER_CPU,), routed_tasks),
     "engine": Table((ENGINE,), engine),
+    "engine_v2": Table((ENGINE_V2,), engine),
     "routed_gate": Table((GATE,), lambda rows: routed(joined(rows))),
     "routed_gate_tasks": Table((GATE,), lambda rows: routed_tasks(joined(rows))),
     "decision": Table((ROUTED, LEVERS, FITS, BF16, GATE), decision),
