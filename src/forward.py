@@ -9,7 +9,18 @@ from transformers import DynamicCache, PreTrainedModel
 
 def ids_problem(input_ids, vocab_size: int) -> str | None:
     """Why input_ids cannot be read by a model of this vocabulary — not a dense integer tensor [B, T ≥ 1] of ids in
-    [0, vocab_size) — or None when they can."""
+    [0, vocab_size) — or None when they can. The values are read on the host once (one copy of both ends: a device
+    sync for ids on a GPU, free for a tokenizer's host-side ids): check a handoff's ids once, where they enter."""
+    if problem := ids_form_problem(input_ids):
+        return problem
+    low, high = torch.stack(torch.aminmax(input_ids)).tolist()  # one host read of both ends
+    if low < 0 or high >= vocab_size:
+        return f"input_ids hold ids {low}..{high}, outside the vocabulary [0, {vocab_size})"
+    return None
+
+
+def ids_form_problem(input_ids) -> str | None:
+    """Why input_ids are not a dense integer tensor [B, T ≥ 1], or None: metadata only, no value read."""
     if not isinstance(input_ids, torch.Tensor):
         return f"input_ids is a {type(input_ids).__name__}, expected an integer tensor"
     if input_ids.dtype.is_floating_point or input_ids.dtype.is_complex or input_ids.dtype == torch.bool:
@@ -18,9 +29,6 @@ def ids_problem(input_ids, vocab_size: int) -> str | None:
         return "input_ids must be a dense tensor with data"
     if input_ids.dim() != 2 or input_ids.shape[1] == 0:
         return f"input_ids shape {tuple(input_ids.shape)}: expected [batch, tokens ≥ 1]"
-    low, high = int(input_ids.min()), int(input_ids.max())
-    if low < 0 or high >= vocab_size:
-        return f"input_ids hold ids {low}..{high}, outside the vocabulary [0, {vocab_size})"
     return None
 
 

@@ -37,11 +37,12 @@ def map_refusal(flags: Sequence[MapFlags]) -> str | None:
     magnitude guard — or None; one host read of every flag."""
     if not flags:
         return None
-    rows = [torch.cat([f.source.flatten(), f.target, f.beyond]) for f in flags]
-    host = torch.cat([row.to(rows[0].device) for row in rows]).cpu()  # the one device sync
+    parts = [t.reshape(-1).to(flags[0].target.device) for f in flags for t in (f.source, f.target, f.beyond)]
+    host = torch.cat(parts).cpu()  # the one device sync (one concatenation, one copy)
     if not host.any():
         return None
-    for f, row in zip(flags, host.split([len(r) for r in rows]), strict=True):
+    for f, row in zip(flags, host.split([f.source.numel() + f.target.numel() + f.beyond.numel() for f in flags]),
+                      strict=True):  # fmt: skip
         source, target, beyond = row.split([f.source.numel(), f.target.numel(), f.beyond.numel()])
         if source.any():
             layer, component = divmod(int(source.nonzero()[0]), 2)

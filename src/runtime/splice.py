@@ -15,7 +15,7 @@ import torch
 from transformers import DynamicCache
 
 from src.apply import KVTransfer
-from src.forward import check_ids, prefill
+from src.forward import check_ids, ids_form_problem, prefill
 from src.maps import TransferError, cache_layers, dropped_tokens, map_refusal
 from src.runtime.engine import Engine
 from src.runtime.plan import KV, Levers, SplicePlan, plan_splice
@@ -165,17 +165,25 @@ def engine_handoff(
     cache (`splice`, recompute fused into the turn's forward), then the turn [1, N ≥ 1] read; returns the turn's
     last logits [1, V] — what the receiver's first token is chosen from. The engine is emptied first; the map writes
     its slots with no host sync, and a map refused by its flags raises TransferError before the turn is read, the
-    engine emptied again. An engine that holds a session's conversation is refused (`Engine.claim`)."""
+    engine emptied again. An engine that holds a session's conversation is refused (`Engine.claim`).
+
+    Host reads (each a device sync on a GPU; tests/test_host_reads.py counts them): the ids are checked once, here,
+    on one host copy of the conversation — free for a tokenizer's host-side ids, one copy for ids on the device —
+    and only that copy is read on (the engine's forwards, a token-feature map; positions are built from ints on the
+    host). Pure transfer, a sink, a hold-back, native layers: the maps' flags are the one read of a device value
+    (`map_refusal`); a recompute adds the chosen positions (and a shrinking set its pick's range check)."""
     if input_ids.shape[0] != 1 or turn.shape[0] != 1 or turn.shape[1] == 0:
         raise ValueError(f"engine_handoff reads one conversation and a turn: ids [1, T], turn [1, N ≥ 1], got "
                          f"{tuple(input_ids.shape)} and {tuple(turn.shape)}")  # fmt: skip
+    for t in (input_ids, turn):  # metadata before the copy: nothing converted (a float turn is not truncated)
+        if problem := ids_form_problem(t):
+            raise ValueError(problem)
     if engine.owner is not None:
         raise ValueError("this engine holds a session's conversation: engine_handoff would empty it")
-    check_ids(transfer.target, input_ids)
-    check_ids(transfer.target, turn)
+    conversation = torch.cat([input_ids, turn.to(input_ids.device)], 1).cpu()  # [1, T + N] the one copy to the host
+    check_ids(transfer.target, conversation)  # the ids' one check, of both at once (a host read of a host copy)
     total = input_ids.shape[1]
     sink, end = _split(levers, total)
-    conversation = torch.cat([input_ids, turn.to(input_ids)], 1).cpu()  # [1, T + N]
     receiver = EngineReceiver(engine)
     plan = plan_splice(levers, 0, total, turn.shape[1], engine.keys.shape[0], transfer.token_features,
                        receiver.capabilities)  # fmt: skip
@@ -183,7 +191,8 @@ def engine_handoff(
     if end <= sink:
         return receiver.read(conversation)
     middle = [(k[:, :, sink:end], v[:, :, sink:end]) for k, v in cache_layers(source_cache)]
-    flags = transfer.into(engine.blocks(), middle, positions=torch.arange(sink, end), input_ids=input_ids[:, sink:end],
+    span_ids = conversation[:, sink:end] if transfer.token_features else None  # checked above: read only for features
+    flags = transfer.into(engine.blocks(), middle, positions=torch.arange(sink, end), input_ids=span_ids,
                           slots=engine.slot_mapping(sink, end))  # fmt: skip
     tail = conversation[:, end:]  # [1, hold + N]
     try:
