@@ -493,6 +493,35 @@ def test_every_timed_path_runs_under_inference_mode(pair, monkeypatch):
     assert hits == 4
 
 
+def test_no_timed_step_runs_on_cudnn_attention(pair, monkeypatch):
+    """Every timed switch (routed, re-prefill baseline, same work) and the prefix hit run with cuDNN's SDPA off: it
+    builds a graph per new sequence length inside the clock (≈ 40 ms per re-prefill on an H100,
+    results/gate-h100-2026-12-06); the untimed steps keep torch's choice."""
+    from src.runtime.session import Session
+
+    timed, forwards = [], []
+    honest = Session.switch_to
+
+    def spy(self, model, turn=()):
+        timed.append(torch.backends.cuda.cudnn_sdp_enabled())
+        return honest(self, model, turn)
+
+    def hook(module, args):
+        forwards.append((torch.is_inference_mode_enabled(), torch.backends.cuda.cudnn_sdp_enabled()))
+
+    monkeypatch.setattr(Session, "switch_to", spy)
+    handles = [model.register_forward_pre_hook(hook) for model in (pair.source, pair.target)]
+    try:
+        single_turn(run_of(pair), EXAMPLES)
+    finally:
+        for handle in handles:
+            handle.remove()
+    assert len(timed) == 4 * 2 + 2 and not any(timed)  # 4 items × (baseline + routed) + 2 sampled same-work switches
+    inside = [cudnn for inference, cudnn in forwards if inference]  # the switches' and the hits' forwards
+    assert inside and not any(inside)
+    assert all(cudnn for inference, cudnn in forwards if not inference)  # given back after each step
+
+
 def _spied(monkeypatch) -> list[tuple[str, dict]]:
     """Every timed switch: (the session's policy mode, its handoff record)."""
     import src.routed_runs as runners
