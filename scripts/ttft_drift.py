@@ -19,6 +19,7 @@ import argparse
 import re
 import statistics
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -77,7 +78,7 @@ def processes(items: list[dict], params: dict) -> list[int]:
     return found
 
 
-def first_uses(items: list[dict], process: list[int], warmup: int, key) -> list[bool]:
+def first_uses(items: list[dict], process: list[int], warmup: int, key: Callable[[dict], object]) -> list[bool]:
     """Per row, whether key(row) is new to its process (its rows in the order they ran; the first `warmup` of each
     ran once, untimed, before any was scored: their keys are seen)."""
     seen = {}
