@@ -5,6 +5,11 @@ the baseline's re-prefill / the same re-prefill timed in the routed session); th
 reasons); and the run's wall time per scored turn against what its `throughput.*` metrics count. A drift that moves
 every path, or a baseline slower than the same work inside the routed session, is the harness, not the transfer.
 
+First uses (`first_uses`): a cost paid once per shape inside a clock shows as turns slower on a shape their process
+had not run before. Single-turn rows split the re-prefill by whether its length (history + turn) is new to the
+shard's process (the warm-up items, the first `workload.warmup` of each shard, ran their shapes once untimed), and on
+a graph engine the routed and hit paths by whether the turn's CUDA-graph bucket is (captured on first use).
+
     python scripts/ttft_drift.py results/routed4-h200-2026-12-04/*fewshot* [--blocks 8] [--first 2]
 """
 
@@ -14,12 +19,14 @@ import argparse
 import re
 import statistics
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from src.eval.intervals import median_interval
 from src.routed import timing  # noqa: E402
+from src.runtime.engine import GRAPH_BUCKETS  # noqa: E402
 from src.tracking import ITEMS, RecordError, read_items, read_record, require  # noqa: E402
 
 PATHS = ("routed", "reprefill", "hit")
@@ -58,6 +65,60 @@ def drift(items: list[dict], blocks: int) -> list[str]:
     return lines
 
 
+def processes(items: list[dict], params: dict) -> list[int]:
+    """Per row, the shard whose process ran it: in a joined record (`workload.shard` "all") the row at position p of
+    its task came from shard p mod `workload.shards` (src/routed_merge.py `interleave`); else one process ran all."""
+    if params.get("workload.shard") != "all":
+        return [0] * len(items)
+    shards, position = int(params["workload.shards"]), {}
+    found = []
+    for row in items:
+        position[row["task"]] = position.get(row["task"], -1) + 1
+        found.append(position[row["task"]] % shards)
+    return found
+
+
+def first_uses(items: list[dict], process: list[int], warmup: int, key: Callable[[dict], object]) -> list[bool]:
+    """Per row, whether key(row) is new to its process (its rows in the order they ran; the first `warmup` of each
+    ran once, untimed, before any was scored: their keys are seen)."""
+    seen = {}
+    for n in set(process):
+        mine = [row for row, p in zip(items, process, strict=True) if p == n]
+        seen[n] = {key(row) for row in mine[:warmup]}
+    new = []
+    for row, n in zip(items, process, strict=True):
+        new.append(key(row) not in seen[n])
+        seen[n].add(key(row))
+    return new
+
+
+def _split(items: list[dict], new: list[bool], paths: tuple[str, ...]) -> str:
+    """p50 per path (ms) and the turn count, on the rows flagged new and on the others."""
+    parts = []
+    for flag, label in ((True, "new"), (False, "seen before")):
+        rows = [item for item, n in zip(items, new, strict=True) if n is flag and all(p in item["ttft"] for p in paths)]
+        p50 = " / ".join(f"{statistics.median(r['ttft'][p] for r in rows):.1f}" for p in paths) if rows else "—"
+        parts.append(f"{label} {p50} ms ({len(rows)} turns)")
+    return "; ".join(parts)
+
+
+def first_use_lines(items: list[dict], params: dict) -> list[str]:
+    """The first-use splits (module docstring) of single-turn rows; none for switches and conversations, whose
+    re-prefill length is not history + turn."""
+    rows = [item for item in items if item["ttft"] and "switches" not in item and "conversation" not in item]
+    if not rows:
+        return []
+    process, warmup = processes(rows, params), int(params.get("workload.warmup") or 0)
+    length = first_uses(rows, process, warmup, lambda row: row["history_tokens"] + row["turn_tokens"])
+    lines = [f"  re-prefill on a length new to its process / seen before: {_split(rows, length, ('reprefill',))}"]
+    if params.get("workload.engine_capacity") not in (None, "None"):
+        bucket = lambda row: next((b for b in GRAPH_BUCKETS if b >= row["turn_tokens"]), "eager")
+        graphs = first_uses(rows, process, warmup, bucket)
+        lines.append(f"  routed / hit on a turn whose graph bucket is new / seen before: "
+                     f"{_split(rows, graphs, ('routed', 'hit'))}")  # fmt: skip
+    return lines
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("runs", nargs="+", type=Path, help="record folders (results/<run-set>/<run>)")
@@ -82,7 +143,7 @@ def report(run: Path, blocks: int, first: int) -> None:
     print("\n".join(per_task(items)))
     for n, item in enumerate(items[:first]):
         print(f"  turn {n} ({item['history_tokens']:,} tokens): {_p50([item])}")
-    print("\n".join(drift(items, blocks)))
+    print("\n".join(drift(items, blocks) + first_use_lines(items, params)))
     found = timing(items, n_boot, seed)
     same = found.get("ttft.same_work_ratio")
     checked = f"{same:.2f}× on {found['ttft.same_work_items']:.0f} turns" if same else "—"

@@ -4,7 +4,7 @@ per-choice scores, TTFT per path and the handoff records. `rollback` replays eve
 items and checks the greedy outputs and caches against a session that never tried a transfer.
 
 TTFT, from "switch to the target" to its first token (argmax of the new turn's last logits), synchronized on CUDA, every
-timed step under `torch.inference_mode` (`_timed`): routed = map (or re-prefill, by policy) + new turn; reprefill = the
+timed step under `torch.inference_mode` and never on cuDNN attention (`_timed`, `TIMED_ATTENTION`): routed = map (or re-prefill, by policy) + new turn; reprefill = the
 target reads what it has not seen of the conversation (its own earlier reads kept, as the routed receiver's are: the
 whole history in fewshot / passage, the chunks since its last turn in switches and multiturn); hit = the target
 already holds its own history and reads the new turn. On every `same_work_every`-th scored item (conversation, in
@@ -23,6 +23,7 @@ from dataclasses import asdict, dataclass, field, replace
 from typing import TypeVar
 
 import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
 from transformers import DynamicCache, PreTrainedModel
 
 from src.artifact import Mapper
@@ -39,6 +40,11 @@ from src.workloads import Chat, Example, chunks, conversations, shot_ids
 
 LENGTH_EDGES = (512, 2048, 8192, 32768)  # context-length buckets of refusals and TTFT (tokens)
 MODES = ("routed", "native_target", "native_source")
+# every timed step's attention backends: not cuDNN, whose SDPA builds a graph per new sequence length inside the clock
+# (torch prefers it on sm90 — an H100 paid ≈ 40 ms on each re-prefill of a length its process had not run, and the
+# same work, timed right after on that length, did not: results/gate-h100-2026-12-06, scripts/ttft_drift.py); a
+# server's prefill (FlashAttention) has no per-length cost
+TIMED_ATTENTION = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 T = TypeVar("T")
 
 
@@ -61,10 +67,11 @@ def _peak_mb(model: PreTrainedModel) -> float:
 
 
 def _timed(model: PreTrainedModel, step: Callable[[], T]) -> tuple[T, float, float]:
-    """step() under torch.inference_mode, clocked from a device sync before it to its return (a step ends on a host
-    read of the first token: a device sync): (its result, ms, GPU peak MB). Every TTFT is taken here."""
+    """step() under torch.inference_mode on the `TIMED_ATTENTION` backends, clocked from a device sync before it to its
+    return (a step ends on a host read of the first token: a device sync): (its result, ms, GPU peak MB). Every TTFT
+    is taken here."""
     began = _clock(model)
-    with torch.inference_mode():
+    with torch.inference_mode(), sdpa_kernel(TIMED_ATTENTION):
         result = step()
     return result, (time.perf_counter() - began) * 1e3, _peak_mb(model)
 

@@ -42,6 +42,16 @@ def test_ttft_drift_shows_the_baseline_timed_apart_from_the_same_work():
     assert "auto estimates: map 60–2,257 ms; re-prefill 69–86 ms" in out
     assert "199 s, 0.83 s per scored turn (loads, fit, replay included): 1.66× the 0.50 s" in out
     assert "turn 0 (6,214 tokens):   31.0 /   47.5 /   27.8" in out  # the clean first turns BENCHMARKS quotes
+    assert "a length new to its process / seen before: new 98.3 ms (211 turns); seen before 51.2 ms" in out
+
+
+def test_ttft_drift_ties_the_gate_s_baseline_drift_to_lengths_new_to_each_shard():
+    """The gate's joined record (8 shard processes): the re-prefill is ≈ 2× on a length its shard's process had not run
+    (warm-up included), and the routed and hit paths spike only on a turn whose graph bucket is captured first."""
+    gate = next((REPO / "results/gate-h100-2026-12-06").glob("*shards8*"))
+    out = output("ttft_drift.py", str(gate))
+    assert "seen before: new 84.9 ms (766 turns); seen before 40.2 ms (34 turns)" in out
+    assert "bucket is new / seen before: new 53.5 / 64.2 ms (21 turns); seen before 8.0 / 3.9 ms (779 turns)" in out
 
 
 # --- damaged records: every reader names the file and what is missing --------------------------------------------
