@@ -121,8 +121,11 @@ class Run:
         return self.open[kind]
 
     def warmed(self) -> None:
-        """The warm-up turns are over: forget their clock (throughput) and their costs (the `auto` policy's line must
-        not fit kernel compilation and first allocations)."""
+        """The warm-up turns are over: capture every engine's remaining graph buckets (a first use would capture inside
+        a timed turn), then forget their clock (throughput) and their costs (the `auto` policy's line must not fit
+        kernel compilation and first allocations)."""
+        for engine in (e for kind in self.engines.values() for e in kind.values()):
+            engine.capture_all()
         self.seconds = dict.fromkeys(self.seconds, 0.0)
         self.costs = CostModel()
 

@@ -9,7 +9,7 @@ import torch
 import src.runtime.engine as engine_module
 from src.apply import KVTransfer
 from src.forward import prefill
-from src.runtime.engine import Engine
+from src.runtime.engine import GRAPH_BUCKETS, Engine
 from src.runtime.plan import Levers
 from src.runtime.splice import engine_handoff, spliced_cache
 from tests.conftest import calibration_ids, tiny
@@ -146,6 +146,27 @@ def test_the_attention_rule_is_refused_on_the_engine_before_it_is_touched(pair, 
         engine_handoff(transfers[0], engine, prefill(pair.source, ids[:, :30]), ids[:, :30],
                        Levers(recompute=0.2, recompute_rule="attention"), ids[:, 30:])  # fmt: skip
     assert engine.length == 5 and torch.equal(_engine_cache(engine, 40), before)
+
+
+@cuda
+@pytest.mark.gpu
+def test_capture_all_captures_every_bucket_and_leaves_the_cache_as_it_was():
+    """A server's start-up: every bucket captured before any timed forward, the held slots untouched (capture writes
+    only the scratch slot), and a forward afterwards captures nothing more."""
+    model = tiny("qwen2", hidden_size=256, num_attention_heads=4, num_key_value_heads=2).to("cuda", torch.bfloat16)
+    ids = calibration_ids(1, 40, seed=7)[0]
+    engine = Engine(model, 4200, graphs=True)
+    engine.forward(ids[:30], torch.arange(30))
+    before = _engine_cache(engine, 30).clone()
+    assert engine.capture_all() == len(GRAPH_BUCKETS) - 1  # the 30-token forward captured bucket 32 already
+    assert torch.equal(_engine_cache(engine, 30), before) and engine.capture_all() == 0
+    engine.forward(ids[30:33], torch.arange(30, 33))
+    assert len(engine._graphs) == len(GRAPH_BUCKETS)
+
+
+def test_capture_all_is_a_no_op_without_graphs():
+    engine = Engine(tiny("qwen2", hidden_size=64, num_attention_heads=4, num_key_value_heads=2), 64, graphs=False)
+    assert engine.capture_all() == 0 and engine._graphs == {}
 
 
 @cuda

@@ -42,7 +42,7 @@ from src.rope import rope_cos_sin
 from src.runtime.plan import Recompute, check_recompute, picked
 
 GRAPH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 192, 256, 384, 512, 768, 1024, 1536, 2048, 3072, 4096)  # token counts
-# captured as CUDA graphs (each on first use; ≤ 1.5× padding above 128); longer forwards run eagerly
+# captured as CUDA graphs (on first use, or all at once: capture_all; ≤ 1.5× padding above 128); longer forwards eager
 FLASH_MIN_TOKENS = 256  # a contiguous forward at least this long uses sdpa's causal flash path (eager)
 
 
@@ -284,6 +284,15 @@ class Engine:
         with torch.cuda.graph(graph, pool=self._pool):
             static["logits"] = run()  # [1, V]
         return graph, static
+
+    def capture_all(self) -> int:
+        """Capture every bucket's graph now (a server's start-up), so that no timed forward pays a capture; returns how
+        many were captured (0 without graphs). Capture writes only the scratch slot: the cache is unchanged."""
+        missing = [b for b in GRAPH_BUCKETS if b not in self._graphs] if self.graphs_enabled else []
+        with torch.inference_mode():
+            for bucket in missing:
+                self._graphs[bucket] = self._capture(bucket)
+        return len(missing)
 
     def _replay(self, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         count = ids.numel()
