@@ -61,6 +61,7 @@ TABLES: dict[str, Table] = {
     "routed_bf16_paired": Table((ROUTED, LEVERS, FITS, BF16), partial(routed_paired, run_set=BF16)),
     "routed_frontier_cpu": Table((FRONTIER_CPU,), routed),
     "routed_frontier_cpu_tasks": Table((FRONTIER_CPU,), routed_tasks),
+    "routed_frontier_cpu_paired": Table((FRONTIER_CPU,), routed_paired),  # the rules at equal prefill, same items
     "engine": Table((ENGINE,), engine),
     "engine_v2": Table((ENGINE_V2,), engine),
     "routed_gate": Table((GATE,), lambda rows: routed(joined(rows))),
