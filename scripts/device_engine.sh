@@ -2,6 +2,8 @@
 # The serving-grade receiver on the lent H200, random weights (timing only, never quality), one stage per call:
 #   bash scripts/device_engine.sh setup    wheels (.whl: hydra-core, omegaconf, antlr4) + data (.stage/data) carried
 #   bash scripts/device_engine.sh tests    the GPU tests of the engine and the turn-attention kernel
+#   bash scripts/device_engine.sh sdpa     scripts/sdpa_first_call.py: does an attention backend pay per new length
+#                                          (the gate baseline's ≈ 40 ms; BENCHMARKS § the timing harness)
 #   bash scripts/device_engine.sh probe    ../shared/tools/engine_probe.py (carried as .stage/engine_probe.py) beside
 #   bash scripts/device_engine.sh pair     +experiment=handoff, Qwen2.5-Coder 0.5B → 1.5B shapes, 1K–16K, three engines,
 #                                          fused recompute by deviation and by the turn rule
@@ -25,6 +27,8 @@ case $stage in
     python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_engine.py tests/test_kernels_attention.py \
       tests/test_kernels_engine.py 2>&1 |
       tee "$OUT/gpu-tests.txt" | tail -15 ;;
+  sdpa)
+    python3 scripts/sdpa_first_call.py 2>&1 | tee "$OUT/sdpa-first-call.txt" ;;
   probe)
     OUT=$OUT python3 .stage/engine_probe.py | tee "$OUT/probe.txt" ;;
   pair)
