@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-import time
 from contextlib import nullcontext
 from pathlib import Path
 
@@ -25,6 +24,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from src.eval.latency import time_ms  # noqa: E402
 from src.routed_runs import TIMED_ATTENTION  # noqa: E402
 
 SETS = {
@@ -36,15 +36,11 @@ SETS = {
 
 
 def _call_ms(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, length: int) -> float:
-    """One causal sdpa over slots 0..length − 1 (the engine's flash path), synchronized: ms."""
-    if q.device.type == "cuda":
-        torch.cuda.synchronize(q.device)
-    began = time.perf_counter()
-    F.scaled_dot_product_attention(q[:, :, :length], keys[None, :, :length], values[None, :, :length],
-                                   is_causal=True, enable_gqa=True)  # fmt: skip
-    if q.device.type == "cuda":
-        torch.cuda.synchronize(q.device)
-    return (time.perf_counter() - began) * 1e3
+    """One causal sdpa over slots 0..length − 1 (the engine's flash path), timed once, no warm-up: ms (a plan built
+    on the host before the launch lies between the clock's events)."""
+    attend = lambda: F.scaled_dot_product_attention(q[:, :, :length], keys[None, :, :length],
+                                                    values[None, :, :length], is_causal=True, enable_gqa=True)  # fmt: skip
+    return time_ms(attend, repeats=1, warmup=0, device=q.device)[0]
 
 
 def probe(lengths: list[int], q_heads: int, kv_heads: int, dim: int, device: torch.device, offset: int) -> list[str]:

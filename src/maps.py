@@ -37,13 +37,13 @@ def map_refusal(flags: Sequence[MapFlags]) -> str | None:
     magnitude guard — or None; one host read of every flag."""
     if not flags:
         return None
-    parts = [t.reshape(-1).to(flags[0].target.device) for f in flags for t in (f.source, f.target, f.beyond)]
-    host = torch.cat(parts).cpu()  # the one device sync (one concatenation, one copy)
+    tensors = [t for f in flags for t in (f.source, f.target, f.beyond)]
+    host = torch.cat([t.reshape(-1).to(tensors[0].device) for t in tensors]).cpu()  # the one device sync
     if not host.any():
         return None
-    for f, row in zip(flags, host.split([f.source.numel() + f.target.numel() + f.beyond.numel() for f in flags]),
-                      strict=True):  # fmt: skip
-        source, target, beyond = row.split([f.source.numel(), f.target.numel(), f.beyond.numel()])
+    pieces = iter(host.split([t.numel() for t in tensors]))  # each map's (source, target, beyond), in order
+    for f in flags:
+        source, target, beyond = next(pieces), next(pieces), next(pieces)
         if source.any():
             layer, component = divmod(int(source.nonzero()[0]), 2)
             return f"source cache layer {layer} {('keys', 'values')[component]} contains NaN or Inf"

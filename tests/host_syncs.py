@@ -28,6 +28,12 @@ READS = {
 }
 
 
+def _site() -> str:
+    """The src/ or kernels/ line that asked for a read ("runtime/engine.py:256 _inputs"), or "?"."""
+    frames = [f for f in traceback.extract_stack() if "/src/" in f.filename or "/kernels/" in f.filename]
+    return f"{'/'.join(frames[-1].filename.split('/')[-2:])}:{frames[-1].lineno} {frames[-1].name}" if frames else "?"
+
+
 class HostReads(TorchDispatchMode):
     """Records (op, file:line function) of every host read of a tensor value inside the block."""
 
@@ -37,10 +43,7 @@ class HostReads(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if func in READS:
-            frames = [f for f in traceback.extract_stack() if "/src/" in f.filename or "/kernels/" in f.filename]
-            where = f"{frames[-1].filename.split('/')[-2]}/{frames[-1].filename.split('/')[-1]}:{frames[-1].lineno} " \
-                    f"{frames[-1].name}" if frames else "?"  # fmt: skip
-            self.sites.append((func.__name__, where))
+            self.sites.append((func.__name__, _site()))
         return func(*args, **(kwargs or {}))
 
 
@@ -88,10 +91,7 @@ class DeviceReads(TorchFunctionMode):
             t.dtype == torch.bool and self.on_device(t) for t in tree_flatten(args[1])[0] if isinstance(t, torch.Tensor)
         )
         if (device and name in self.READS) or masked:
-            frames = [f for f in traceback.extract_stack() if "/src/" in f.filename or "/kernels/" in f.filename]
-            last = frames[-1] if frames else None
-            self.sites.append((name, f"{'/'.join(last.filename.split('/')[-2:])}:{last.lineno} {last.name}"
-                               if last else "?"))  # fmt: skip
+            self.sites.append((name, _site()))
         out = func(*args, **kwargs)
         if name == "cpu":
             return out if out is not args[0] else out.detach()  # a host copy (on the CPU .cpu() would be itself)

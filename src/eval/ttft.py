@@ -132,8 +132,8 @@ def engine_paths(
         work.truncate(0)
         return work.forward(conversation, torch.arange(capacity), graph=True)
 
-    host_prefix, host_turn = conversation[None, :count], conversation[None, count:]  # [1, P], [1, N]: as the hit's,
-    # a tokenizer's ids on the host (ids on the device would add one copy to the host: `engine_handoff`)
+    # [1, P], [1, N]: a tokenizer's ids on the host, as the hit's (device ids cost `engine_handoff` one copy)
+    host_prefix, host_turn = conversation[None, :count], conversation[None, count:]
     handoff = lambda levers: lambda: engine_handoff(transfer, work, source_cache, host_prefix, levers, host_turn)
     paths = {"map": handoff(NO_LEVERS), "reprefill": via_reprefill, "hit": via_hit}
     if capacity <= GRAPH_BUCKETS[-1]:
