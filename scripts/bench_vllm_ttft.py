@@ -3,7 +3,7 @@ mapped claim) against vLLM's own re-prefill and vLLM's own prefix hit — random
 only, never quality.
 
     python scripts/bench_vllm_ttft.py --pair conf/pair/qwen25coder_0p5b_to_1p5b_random.yaml \\
-        --lengths 1024,2048,4096,8192,16384 --out results/vllm_ttft.json          # GPU: two engines on one device
+        --lengths 1024,2048,4096,8192,16384 --export-memory device --out results/vllm_ttft.json   # GPU: one device
     python scripts/bench_vllm_ttft.py --smoke --out /tmp/vllm_ttft.json          # CPU: the tiny pair, 64 / 128
 
 Per length and repeat, a fresh history of n random tokens and a 16-token turn (prompts no engine has seen):
@@ -137,6 +137,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--work", type=Path, default=None, help="where models, mapper and exports go (default: temp)")
     parser.add_argument("--smoke", action="store_true", help="CPU: the tests' tiny pair at 64 and 128 tokens")
+    parser.add_argument("--export-memory", choices=("host", "device"), default="host",
+                        help="where the sender keeps its exports (src/serving/transport.py); device: CUDA only")  # fmt: skip
     args = parser.parse_args(argv)
     import os
 
@@ -153,6 +155,7 @@ def main(argv: list[str] | None = None) -> int:
     work = args.work or Path(tempfile.mkdtemp(prefix="kvrelay-ttft-"))
     lengths = [64, 128] if args.smoke else [int(n) for n in args.lengths.split(",")]
     exports = {"transport": str(work / "exports")}
+    sender = exports | {"export_memory": args.export_memory, "keep_exports": 4}  # device exports hold GPU memory
     policy = {"policy": {"length_guard": "off"}}  # random weights: no evidence to guard with; timing only
     if args.smoke:
         pair = serving_pair(work)
@@ -162,18 +165,19 @@ def main(argv: list[str] | None = None) -> int:
         settings = dict(dtype="bfloat16", max_model_len=max(lengths) + 2 * TURN, block_size=16, enforce_eager=False,
                         gpu_memory_utilization=0.35, kv_cache_memory_bytes=None)  # fmt: skip
     route = {"routes": [{"mapper": str(mapper_dir), "source": str(small_dir)}]}
-    small = engine(small_dir, exports, **settings)
+    small = engine(small_dir, sender, **settings)
     large = engine(large_dir, exports | route | policy, **settings)
     rows = measure(small, large, mapper_id(load_mapper(mapper_dir)), lengths, 1 if args.smoke else args.repeats, 300)
-    write(rows, "tests/vllm_pair.py (smoke)" if args.smoke else str(args.pair), args.out)
+    write(rows, "tests/vllm_pair.py (smoke)" if args.smoke else str(args.pair), args.export_memory, args.out)
     for row in rows:
         print(row["tokens"], {k: round(v, 2) for k, v in row["median_ms"].items()})
     return 0
 
 
-def write(rows: list[dict], pair: str, out: Path) -> dict:
+def write(rows: list[dict], pair: str, export_memory: str, out: Path) -> dict:
     """The bench's JSON record at `out` (written whole, then renamed into place); returns it."""
-    result = {"bench": "vllm_ttft", "pair": pair, "weights": "random", "machine": machine(), "turn": TURN, "rows": rows}
+    result = {"bench": "vllm_ttft", "pair": pair, "weights": "random", "export_memory": export_memory,
+              "machine": machine(), "turn": TURN, "rows": rows}  # fmt: skip
     out.parent.mkdir(parents=True, exist_ok=True)
     partial = out.with_suffix(".partial")
     partial.write_text(json.dumps(result, indent=2))

@@ -8,8 +8,10 @@
 #   D stage      one call per chunk: carry [".stage/vllm-wheels.tar.part-XX"], `bash scripts/device_vllm.sh stage`
 #   D install    joins, checks the sha256 (carry [".stage/vllm-wheels.tar.sha256"]), installs --no-index --no-deps into
 #                /tmp/site, imports vllm and the connector
-#   D test       the connector's parts; FlashAttention's own cache writer against kvrelay's layout (the gpu mark)
-#   D bench      scripts/bench_vllm_ttft.py, random weights of the 0.5B → 1.5B shapes, 1K–16K → $OUT/vllm_ttft.json
+#   D test       the connector's parts and the transport; FlashAttention's own cache writer against kvrelay's layout
+#                and a device export across two processes (the gpu mark)
+#   D bench      scripts/bench_vllm_ttft.py, random weights of the 0.5B → 1.5B shapes, 1K–16K, the sender's exports
+#                on its GPU (MEMORY=device, the default) or in files (MEMORY=host) → $OUT/vllm_ttft_<memory>.json
 # scripts/vllm_gpu_wheels.txt: vllm 0.26.0's Requires-Dist less the device image's packages (KINDS.md's list of
 # 2026-11-17), plus their own missing needs and three pins found on an H100 (2026-12-06): openai 2.29 (3.x imports
 # httpx2), xgrammar 0.2.1 (0.2.9 needs a newer apache-tvm-ffi than vllm's pin), pydantic-extra-types (mistral_common).
@@ -61,9 +63,11 @@ EOF
     python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site "$HOME"/stage/wheels/*.whl
     python3 -c "import torch, vllm, src.serving.vllm_connector; print(torch.__version__, vllm.__version__)" ;;
   test)
-    python3 -m pytest -q -p no:cacheprovider -m "gpu or not gpu" tests/test_vllm_parts.py 2>&1 | tee "$OUT/vllm-tests.txt" | tail -8 ;;
+    python3 -m pytest -q -p no:cacheprovider -m "gpu or not gpu" tests/test_vllm_parts.py tests/test_transport.py 2>&1 |
+      tee "$OUT/vllm-tests.txt" | tail -8 ;;
   bench)
-    python3 scripts/bench_vllm_ttft.py --out "$OUT/vllm_ttft.json" --work /tmp/vllm-bench 2>&1 |
-      tee "$OUT/vllm-bench.txt" | grep -v -E "^\(|^INFO|^WARNING" | tail -12 ;;
+    memory=${MEMORY:-device}  # the sender's exports: on its GPU (CUDA IPC), or MEMORY=host (files)
+    python3 scripts/bench_vllm_ttft.py --export-memory "$memory" --out "$OUT/vllm_ttft_$memory.json" \
+      --work /tmp/vllm-bench 2>&1 | tee "$OUT/vllm-bench-$memory.txt" | grep -v -E "^\(|^INFO|^WARNING" | tail -12 ;;
   *) echo "unknown stage $stage"; exit 2 ;;
 esac

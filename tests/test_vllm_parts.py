@@ -233,11 +233,12 @@ def test_an_export_round_trips_by_positions_and_ranks(tmp_path):
         )
     header = transport.header("e1")
     assert (header.ids, header.heads, header.ranks, header.mapped, header.layers) == ((5, 6, 7, 8, 9), 4, 2, (1, 3), 2)
-    k, v = transport.load("e1", 1, 4)
+    k, v, lease = transport.load("e1", 1, 4)
     assert torch.equal(k, keys[:, :, 1:4]) and torch.equal(v, values[:, :, 1:4])
+    lease.release()
     with pytest.raises(ExportError, match="does not hold positions"):
         transport.load("e1", 3, 9)
-    transport.remove("e1")
+    assert transport.remove("e1", 0, 2) and transport.remove("e1", 1, 2)  # each sender rank removes its own part
     with pytest.raises(ExportError, match="no export"):
         transport.header("e1")
     one_head = keys[:, :1], values[:, :1]

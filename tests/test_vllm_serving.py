@@ -156,7 +156,7 @@ def _refusal(served, kind: str) -> tuple[list[int], dict, str]:
     if kind == "tokenizer mismatch":
         export_id = export(served.small, prompt)
         header = served.transport.header(export_id)
-        keys, values = served.transport.load(export_id, 0, len(prompt))
+        keys, values, _ = served.transport.load(export_id, 0, len(prompt))
         served.transport.put(export_id + "t", keys, values, list(header.ids), header.source_fingerprint, "0" * 64,
                              (0, header.heads, header.heads))  # fmt: skip
         return conversation, handoff(export_id + "t", served.fitted), "tokenizer"
@@ -204,7 +204,7 @@ def test_a_late_refusal_recomputes_the_span(served, poison):
     conversation = prompt + fresh(6)
     export_id = export(served.small, prompt)
     header = served.transport.header(export_id)
-    keys, values = served.transport.load(export_id, 0, len(prompt))
+    keys, values, _ = served.transport.load(export_id, 0, len(prompt))
     bad = torch.full_like(keys, float("nan")) if poison == "nan" else keys * 1e6
     served.transport.put(export_id + "p", bad, values, list(header.ids), header.source_fingerprint,
                          header.tokenizer_hash, (0, header.heads, header.heads))  # fmt: skip
@@ -269,7 +269,7 @@ def test_the_ttft_bench_runs_its_paths_at_tiny_sizes(served, tmp_path):
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
     rows = bench.measure(served.small, served.large, served.fitted, [64, 128], repeats=1, vocab=VOCAB)
-    result = json.loads(json.dumps(bench.write(rows, "smoke", tmp_path / "ttft.json")))
+    result = json.loads(json.dumps(bench.write(rows, "smoke", "host", tmp_path / "ttft.json")))
     assert json.loads((tmp_path / "ttft.json").read_text()) == result
     assert [row["tokens"] for row in result["rows"]] == [64, 128]
     assert [row["mapped"] for row in result["rows"]] == [[64], [128]]

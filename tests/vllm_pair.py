@@ -174,7 +174,7 @@ def assert_spliced(llm, pair: ServingPair, transport, export_id: str, prompt: li
     parts = [pickle.loads(p) for p in llm.collective_rpc(paged_kv, args=(done["blocks"], len(conversation)))]
     keys, values = (torch.cat([p[i] for p in parts], 1) for i in (0, 1))  # [L_t, H_t, T, d]: the ranks' heads in order
     small, large = load_model(pair.small), load_model(pair.large)
-    source_k, source_v = transport.load(export_id, 0, len(prompt))  # [L_s, H_s, T, d]
+    source_k, source_v, _ = transport.load(export_id, 0, len(prompt))  # [L_s, H_s, T, d]
     native = small(torch.tensor([prompt]), use_cache=True).past_key_values
     for layer, (k, v) in enumerate(cache_layers(native)):
         torch.testing.assert_close(source_k[layer], k[0], atol=1e-4, rtol=1e-4)

@@ -2,6 +2,7 @@
 
     kv_connector_extra_config = {
         "transport": "/dev/shm/kvrelay",     # the export directory (src/serving/transport.py)
+        "export_memory": "host",             # host | device: where this engine's exports keep their K/V (transport.py)
         "routes": [{"mapper": "/mappers/0p5b_to_1p5b", "source": "/models/qwen25coder_0p5b"}],  # into this engine
         "policy": {"levers": {"hold_back": 16}},  # over conf/policy/default.yaml (mode, levers, guards)
         "fingerprint_dtype": "float32",     # the dtype the mapper's pair was fingerprinted in (its fit's pair.dtype)
@@ -30,7 +31,7 @@ import yaml
 from src.apply import BACKENDS
 from src.runtime.routing import Policy, policy_from
 from src.serving.claim import paged_plan
-from src.serving.transport import DEFAULT_DIRECTORY
+from src.serving.transport import DEFAULT_DIRECTORY, MEMORIES
 
 POLICY_DEFAULTS = Path(__file__).resolve().parents[2] / "conf" / "policy" / "default.yaml"
 DTYPES = ("float32", "bfloat16", "float16")
@@ -48,6 +49,7 @@ class RouteSpec:
 @dataclass(frozen=True)
 class ConnectorConfig:
     transport: str
+    export_memory: str
     routes: tuple[RouteSpec, ...]
     policy: Policy
     fingerprint_dtype: torch.dtype
@@ -58,6 +60,7 @@ class ConnectorConfig:
 
 DEFAULTS = {
     "transport": DEFAULT_DIRECTORY,
+    "export_memory": "host",
     "routes": [],
     "policy": {},
     "fingerprint_dtype": "float32",
@@ -82,6 +85,8 @@ def connector_config(extra: Mapping | None, load_failure_policy: str) -> Connect
     for key in ("transport",):
         if not isinstance(values[key], str) or not values[key]:
             raise ValueError(f"kvrelay: {key} must be a directory path, not {values[key]!r}")
+    if values["export_memory"] not in MEMORIES:
+        raise ValueError(f"kvrelay: export_memory must be one of {MEMORIES}, not {values['export_memory']!r}")
     for key in ("fingerprint_dtype", "compute_dtype"):
         if values[key] not in DTYPES:
             raise ValueError(f"kvrelay: {key} must be one of {DTYPES}, not {values[key]!r}")
@@ -92,6 +97,7 @@ def connector_config(extra: Mapping | None, load_failure_policy: str) -> Connect
         raise ValueError(f"kvrelay: keep_exports must be an integer ≥ 1, not {keep!r}")
     return ConnectorConfig(
         transport=values["transport"],
+        export_memory=values["export_memory"],
         routes=_routes(values["routes"]),
         policy=serving_policy(values["policy"]),
         fingerprint_dtype=getattr(torch, values["fingerprint_dtype"]),

@@ -1,26 +1,44 @@
 """Where a sender's exported K/V wait for a receiver: a directory of files, one per export and sender rank.
 
-The directory is the transport: `/dev/shm/kvrelay` by default — tmpfs, host memory every process of the host
-shares, so two engines (two `vllm serve` processes, or two `LLM` objects) hand K/V over without a network hop;
-any other directory works (a disk, a mount two hosts share). A file is written under a staging name, flushed
+The directory is the rendezvous: `/dev/shm/kvrelay` by default — tmpfs, which every process of the host shares, so
+two engines (two `vllm serve` processes, or two `LLM` objects) hand K/V over without a network hop; any other
+directory works for host exports (a disk, a mount two hosts share). A file is written under a staging name, flushed
 and fsynced, then renamed into place: a reader sees a complete export or none — nothing half-written ever loads.
 
     <export>.rank<r>-of-<n>.safetensors
         keys, values   [L_s, H_r, T, d_s]  the sender's cache dtype; H_r: the heads sender rank r holds
+                       (memory "host"; a "device" export holds no tensor bytes: see below)
         metadata       ids (JSON token ids), source_fingerprint, tokenizer_hash, heads ("first,count,of"),
-                       mapped ("start,end" of a span that holds mapped K/V — never mapped again — or "")
+                       mapped ("start,end" of a span that holds mapped K/V — never mapped again — or ""),
+                       memory ("host" | "device"), and for "device": shape ("L,H,T,d"), dtype, gpu (the sender
+                       GPU's UUID), keys / values (the CUDA IPC handles of the sender's two tensors, JSON)
 
-An export id is 1–64 characters of [A-Za-z0-9_-] (it names a file). A sender removes its own oldest exports
-(`remove`; the connector keeps `keep_exports` of them).
+Where the bytes live is the sender's choice (`memory`), read by every receiver from the file:
+- host: in the file. A copy to host memory and back: ≈ 100 MB per 8K tokens of a 0.5B sender, which cost more than
+  the re-prefill it saves on an H100 (BENCHMARKS, vLLM on the GPU).
+- device: on the sender's GPU, in two tensors [L_s, H_r, T, d_s] the sender keeps until it removes the export; the
+  file carries their CUDA IPC handles (torch's own: the receiver's stream waits on the sender's event, no host sync).
+  Receivers on the same host open them (the same GPU, or a peer GPU: the receiver copies its span over). No copy
+  through the host; the cost is the sender's GPU memory, L_s·H_r·T·d_s·2 elements per export, outside vLLM's KV
+  budget (keep `keep_exports` small).
+
+A receiver holds a shared lock (flock) on each file from `load` until `Lease.release` — once its reads of the span
+have completed on the device; a sender removes an export only under an exclusive lock taken without waiting, so it
+never frees device memory a receiver is still reading: a busy export stays, and the sender tries again later.
+
+An export id is 1–64 characters of [A-Za-z0-9_-] (it names a file). Each sender rank removes its own part of its
+oldest exports (`remove`; the connector keeps `keep_exports` of them); a receiver finding a part gone refuses.
 """
 
 from __future__ import annotations
 
+import base64
+import fcntl
 import json
 import os
 import re
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import safetensors
@@ -30,6 +48,7 @@ import torch
 DEFAULT_DIRECTORY = "/dev/shm/kvrelay"
 EXPORT_ID = re.compile(r"[A-Za-z0-9_-]{1,64}")
 SUFFIX = ".safetensors"
+MEMORIES = ("host", "device")
 SHARED = ("ids", "source_fingerprint", "tokenizer_hash", "mapped")  # metadata every rank's file repeats
 
 
@@ -52,6 +71,24 @@ class Header:
     mapped: tuple[int, int] | None  # positions whose K/V were mapped into the sender: never mapped again
 
 
+@dataclass
+class Lease:
+    """A receiver's shared locks on an export's files, and the sender's device memory it opened through them: held
+    until its reads of the span have completed on the device (after them, `release`)."""
+
+    descriptors: list[int] = field(default_factory=list)
+    opened: list[torch.Tensor] = field(default_factory=list)  # the sender's tensors, mapped into this process
+
+    def release(self) -> None:
+        self.opened.clear()
+        for descriptor in self.descriptors:
+            os.close(descriptor)  # closing drops the lock
+        self.descriptors.clear()
+
+    def __del__(self) -> None:  # a lease nobody released (a caller's error path) still lets its sender go
+        self.release()
+
+
 def check_id(export_id: object) -> str:
     """The export id, or an ExportError naming what is wrong with it."""
     if not isinstance(export_id, str) or not EXPORT_ID.fullmatch(export_id):
@@ -59,12 +96,58 @@ def check_id(export_id: object) -> str:
     return export_id
 
 
-class Transport:
-    """Exports in `directory` (module docstring)."""
+def _b64(data: bytes | None) -> str | None:
+    return None if data is None else base64.b64encode(data).decode()
 
-    def __init__(self, directory: str | Path = DEFAULT_DIRECTORY):
+
+def share_cuda(tensor: torch.Tensor) -> dict:
+    """A CUDA tensor's IPC description (JSON-able): torch's own handle, event and byte offsets. The sender gives its
+    reference count back at once: the file lock, not torch's count, keeps the memory alive (module docstring)."""
+    storage = tensor.untyped_storage()
+    device, handle, size, offset, counter, counter_offset, event, sync = storage._share_cuda_()
+    torch.UntypedStorage._release_ipc_counter_cuda(counter, counter_offset)
+    return {"device": device, "handle": _b64(handle), "bytes": size, "offset": offset, "counter": _b64(counter),
+            "counter_offset": counter_offset, "event": _b64(event), "sync": sync,
+            "storage_offset": tensor.storage_offset(), "stride": list(tensor.stride())}  # fmt: skip
+
+
+def open_cuda(shared: dict, shape: tuple[int, ...], dtype: torch.dtype, device: int) -> torch.Tensor:
+    """The tensor `share_cuda` described, mapped into this process on its device index `device`; the current stream
+    waits on the sender's event (no host sync)."""
+    decode = lambda key: None if shared[key] is None else base64.b64decode(shared[key])  # noqa: E731
+    torch.cuda._lazy_init()
+    storage = torch.UntypedStorage._new_shared_cuda(
+        device, decode("handle"), shared["bytes"], shared["offset"], decode("counter"), shared["counter_offset"],
+        decode("event"), shared["sync"],
+    )  # fmt: skip
+    return torch.empty(0, dtype=dtype, device=f"cuda:{device}").set_(
+        storage, shared["storage_offset"], shape, shared["stride"]
+    )
+
+
+def gpu_uuid(device: torch.device | int) -> str:
+    return str(torch.cuda.get_device_properties(device).uuid)
+
+
+def local_device(uuid: str) -> int:
+    """This process's index of the GPU whose UUID is `uuid`, or an ExportError: it cannot see the sender's GPU."""
+    for index in range(torch.cuda.device_count() if torch.cuda.is_available() else 0):
+        if gpu_uuid(index) == uuid:
+            return index
+    raise ExportError(f"the export lives on GPU {uuid}, which this process cannot see (another host, or "
+                      "CUDA_VISIBLE_DEVICES hides it): device exports need sender and receiver on one host")  # fmt: skip
+
+
+class Transport:
+    """Exports in `directory`, their bytes in the sender's `memory` (module docstring)."""
+
+    def __init__(self, directory: str | Path = DEFAULT_DIRECTORY, memory: str = "host"):
+        if memory not in MEMORIES:
+            raise ValueError(f"kvrelay: export memory must be one of {MEMORIES}, not {memory!r}")
         self.directory = Path(directory)
         self.directory.mkdir(parents=True, exist_ok=True)
+        self.memory = memory
+        self._held: dict[Path, tuple[torch.Tensor, torch.Tensor]] = {}  # a sender's device exports, kept alive
 
     def _path(self, export_id: str, rank: int, ranks: int) -> Path:
         return self.directory / f"{check_id(export_id)}.rank{rank}-of-{ranks}{SUFFIX}"
@@ -93,8 +176,19 @@ class Transport:
             "tokenizer_hash": tokenizer_hash,
             "heads": ",".join(str(n) for n in heads),
             "mapped": "" if mapped is None else f"{mapped[0]},{mapped[1]}",
+            "memory": self.memory,
         }
-        data = safetensors.torch.save({"keys": keys.contiguous(), "values": values.contiguous()}, metadata)
+        keys, values = keys.contiguous(), values.contiguous()
+        if self.memory == "device":
+            if not keys.is_cuda:
+                raise ExportError(f"export {export_id}: a device export holds CUDA tensors, not {keys.device} ones")
+            metadata |= {"shape": ",".join(str(n) for n in keys.shape), "dtype": str(keys.dtype).removeprefix("torch."),
+                         "gpu": gpu_uuid(keys.device), "keys": json.dumps(share_cuda(keys)),
+                         "values": json.dumps(share_cuda(values))}  # fmt: skip
+            tensors = {}
+        else:
+            tensors = {"keys": keys.cpu(), "values": values.cpu()}
+        data = safetensors.torch.save(tensors, metadata)
         path = self._path(export_id, rank, ranks)
         handle, staging = tempfile.mkstemp(prefix=".staging-", dir=self.directory)
         try:
@@ -106,6 +200,8 @@ class Transport:
         except BaseException:
             Path(staging).unlink(missing_ok=True)
             raise
+        if self.memory == "device":
+            self._held[path] = (keys, values)
         return path
 
     def _parts(self, export_id: str) -> list[Path]:
@@ -119,17 +215,27 @@ class Transport:
             raise ExportError(f"export {export_id!r} is incomplete: {[p.name for p in found]}")
         return expected
 
+    @staticmethod
+    def _info(export_id: str, path: Path) -> tuple[dict, list[int]]:
+        """A part's metadata and the shape [L_s, H_r, T, d_s] of its keys, or an ExportError."""
+        try:
+            with safetensors.safe_open(path, "pt") as handle:
+                metadata = handle.metadata() or {}
+                if metadata.get("memory", "host") == "host":
+                    return metadata, handle.get_slice("keys").get_shape()
+            if metadata["memory"] != "device":
+                raise ValueError(f"memory {metadata['memory']!r}")
+            return metadata, [int(n) for n in metadata["shape"].split(",")]
+        except (OSError, safetensors.SafetensorError) as error:
+            raise ExportError(f"export {export_id!r}: {path.name} is unreadable ({error})") from None
+        except (KeyError, ValueError) as error:
+            raise ExportError(f"export {export_id!r} has malformed metadata ({error!r})") from None
+
     def header(self, export_id: str) -> Header:
         """The export's header (rank 0's metadata, checked against every rank's); an ExportError if it is missing,
         incomplete or malformed."""
         parts = self._parts(export_id)
-        infos = []
-        for path in parts:
-            try:
-                with safetensors.safe_open(path, "pt") as handle:
-                    infos.append((handle.metadata() or {}, handle.get_slice("keys").get_shape()))
-            except (OSError, safetensors.SafetensorError) as error:
-                raise ExportError(f"export {export_id!r}: {path.name} is unreadable ({error})") from None
+        infos = [self._info(export_id, path) for path in parts]
         try:
             metadata, (layers, _, tokens, head_dim) = infos[0]
             ids = tuple(json.loads(metadata["ids"]))
@@ -147,29 +253,90 @@ class Transport:
             raise ExportError(f"export {export_id!r}: {len(ids)} token ids for {tokens} cached tokens")
         return header
 
+    @staticmethod
+    def _lock(export_id: str, path: Path) -> int:
+        """A descriptor of the part holding a shared lock, or an ExportError: its sender removed it meanwhile."""
+        try:
+            descriptor = os.open(path, os.O_RDONLY)
+        except FileNotFoundError:
+            raise ExportError(f"export {export_id!r} was removed by its sender (pruned) while being read") from None
+        fcntl.flock(descriptor, fcntl.LOCK_SH)
+        try:
+            same = os.stat(path).st_ino == os.fstat(descriptor).st_ino
+        except FileNotFoundError:
+            same = False
+        if not same:
+            os.close(descriptor)
+            raise ExportError(f"export {export_id!r} was removed by its sender (pruned) while being read")
+        return descriptor
+
     def load(
         self, export_id: str, start: int, end: int, device: torch.device | str = "cpu"
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    ) -> tuple[torch.Tensor, torch.Tensor, Lease]:
         """Keys and values [L_s, H_s, end − start, d_s] of positions start..end−1, the sender ranks' heads in order
-        (a head replicated over ranks once), on `device`; an ExportError when the export is missing, does not hold
-        those positions or every head."""
+        (a head replicated over ranks once), on `device`, and the lease to release once they have been read on the
+        device; an ExportError when the export is missing, does not hold those positions or every head."""
         keys, values, total = {}, {}, 0  # first head → [L_s, H_r, n, d_s]; ranks replicating a head hold the same
-        for path in self._parts(export_id):
+        lease = Lease()
+        try:
+            for path in self._parts(export_id):
+                lease.descriptors.append(self._lock(export_id, path))
+                metadata, shape = self._info(export_id, path)
+                if not 0 <= start < end <= shape[2]:
+                    raise ExportError(f"export {export_id!r} does not hold positions {start}..{end - 1}")
+                first, _, total = (int(n) for n in metadata["heads"].split(","))
+                keys[first], values[first] = self._span(export_id, path, metadata, shape, start, end, lease)
+            order = sorted(keys)
+            if [h for first in order for h in range(first, first + keys[first].shape[1])] != list(range(total)):
+                raise ExportError(f"export {export_id!r}: its ranks hold heads from {order}, not each of {total} once")
+            return (torch.cat([keys[f] for f in order], 1).to(device),
+                    torch.cat([values[f] for f in order], 1).to(device), lease)  # fmt: skip
+        except BaseException:
+            lease.release()
+            raise
+
+    @staticmethod
+    def _span(
+        export_id: str, path: Path, metadata: dict, shape: list[int], start: int, end: int, lease: Lease
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One part's keys and values [L_s, H_r, end − start, d_s]: read from the file, or views of the sender's
+        device memory (opened into `lease`)."""
+        if metadata.get("memory", "host") == "host":
             try:
                 with safetensors.safe_open(path, "pt") as handle:
-                    if not 0 <= start < end <= handle.get_slice("keys").get_shape()[2]:
-                        raise ExportError(f"export {export_id!r} does not hold positions {start}..{end - 1}")
-                    first, _, total = (int(n) for n in handle.metadata()["heads"].split(","))
-                    keys[first] = handle.get_slice("keys")[:, :, start:end]
-                    values[first] = handle.get_slice("values")[:, :, start:end]
+                    return handle.get_slice("keys")[:, :, start:end], handle.get_slice("values")[:, :, start:end]
             except (OSError, safetensors.SafetensorError) as error:
                 raise ExportError(f"export {export_id!r}: {path.name} is unreadable ({error})") from None
-        order = sorted(keys)
-        if [h for first in order for h in range(first, first + keys[first].shape[1])] != list(range(total)):
-            raise ExportError(f"export {export_id!r}: its ranks hold heads from {order}, not each of {total} once")
-        return torch.cat([keys[f] for f in order], 1).to(device), torch.cat([values[f] for f in order], 1).to(device)
+        try:
+            dtype = getattr(torch, metadata["dtype"])
+            if not isinstance(dtype, torch.dtype):
+                raise ValueError(f"dtype {metadata['dtype']!r}")
+            shared = [json.loads(metadata[key]) for key in ("keys", "values")]
+        except (KeyError, ValueError, AttributeError) as error:
+            raise ExportError(f"export {export_id!r} has malformed metadata ({error!r})") from None
+        index = local_device(metadata["gpu"])
+        try:
+            pair = [open_cuda(part, tuple(shape), dtype, index) for part in shared]
+        except (RuntimeError, KeyError, TypeError) as error:
+            raise ExportError(f"export {export_id!r}: the sender's device memory cannot be opened ({error})") from None
+        lease.opened.extend(pair)
+        return pair[0][:, :, start:end], pair[1][:, :, start:end]
 
-    def remove(self, export_id: str) -> None:
-        """Delete an export's files (a sender dropping its oldest; a missing export is no error)."""
-        for path in self.directory.glob(f"{check_id(export_id)}.rank*-of-*{SUFFIX}"):
-            path.unlink(missing_ok=True)
+    def remove(self, export_id: str, rank: int = 0, ranks: int = 1) -> bool:
+        """Delete a sender rank's part of an export and free the device memory it kept; False, nothing changed, while
+        a receiver holds it (try again later). A missing part is no error."""
+        path = self._path(export_id, rank, ranks)
+        try:
+            descriptor = os.open(path, os.O_RDONLY)
+        except FileNotFoundError:
+            self._held.pop(path, None)
+            return True
+        try:
+            fcntl.flock(descriptor, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(descriptor)
+            return False
+        path.unlink(missing_ok=True)
+        self._held.pop(path, None)
+        os.close(descriptor)
+        return True

@@ -21,11 +21,12 @@ kvrelay parameters gets a record in its output.
 Worker: `start_load_kv` (before the forward) reads each load's span plan.start..plan.end − 1 from the transport,
 maps it for this worker's KV heads (`routes.Bound.map`) and writes it into the paged blocks (`paged.write_mapped`),
 no host sync; the finiteness flags and the magnitude guard are read afterwards, in `get_block_ids_with_load_errors`,
-and a failed load's blocks are reported there — vLLM then recomputes them (kv_load_failure_policy "recompute"),
-discarding the step's output for that request. A load that cannot even start (export missing or malformed), or that
-the scheduler refused, is reported the same way. `wait_for_save` (after the forward, once per step) reads each
-save's slots from every layer and publishes the export. No per-layer hook: the forward itself is untouched (CUDA
-graphs included).
+where the export's lease is released (its reads have ended: transport.py) and a failed load's blocks are reported —
+vLLM then recomputes them (kv_load_failure_policy "recompute"), discarding the step's output for that request. A
+load that cannot even start (export missing or malformed), or that the scheduler refused, is reported the same way.
+`wait_for_save` (after the forward, once per step) reads each save's slots from every layer and publishes the export
+(in files, or kept on the GPU: `export_memory`). No per-layer hook: the forward itself is untouched (CUDA graphs
+included).
 """
 
 from __future__ import annotations
@@ -53,7 +54,7 @@ from src.serving.paged import check_layout, read_slots, slots_for, write_mapped
 from src.serving.params import KEY, Handoff, RelayParams, parse
 from src.serving.provenance import rekey
 from src.serving.routes import bound_routes, model_tokenizer_hash, scheduled_routes
-from src.serving.transport import ExportError, Header, Transport
+from src.serving.transport import ExportError, Header, Lease, Transport
 
 logger = init_logger(__name__)
 
@@ -120,7 +121,7 @@ class KVRelayConnector(KVConnectorBase_V1):
         transfer = vllm_config.kv_transfer_config
         self.config = connector_config(transfer.kv_connector_extra_config, transfer.kv_load_failure_policy)
         self.block_size = vllm_config.cache_config.block_size
-        self.transport = Transport(self.config.transport)
+        self.transport = Transport(self.config.transport, self.config.export_memory)
         model = vllm_config.model_config
         if role == KVConnectorRole.SCHEDULER:
             self.target_layers = model.get_total_num_hidden_layers()
@@ -136,12 +137,15 @@ class KVRelayConnector(KVConnectorBase_V1):
 
         self.rank, self.ranks = get_tensor_model_parallel_rank(), get_tensor_model_parallel_world_size()
         self.device = torch.device(vllm_config.device_config.device)
+        if self.config.export_memory == "device" and self.device.type != "cuda":
+            raise ValueError(f'kvrelay: export_memory "device" keeps exports in CUDA memory; this engine runs on '
+                             f"{self.device.type} (use \"host\")")  # fmt: skip
         self.identity, self.bound = bound_routes(
             self.config.routes, Path(model.model), self.config.fingerprint_dtype, self.config.compute_dtype,
             self.config.apply_backend, self.device,
         )  # fmt: skip
         self.layers: list[torch.nn.Module] = []
-        self._started: list[tuple[Load, torch.Tensor, torch.Tensor | None]] = []  # load, flags [L_t], peak
+        self._started: list[tuple[Load, torch.Tensor, torch.Tensor | None, Lease]] = []  # load, flags [L_t], peak
         self._failed: list[tuple[Load, str]] = []
         self._exports: collections.deque[str] = collections.deque()
 
@@ -308,27 +312,34 @@ class KVRelayConnector(KVConnectorBase_V1):
     def _load(self, load: Load) -> None:
         bound = self.bound[load.mapper_id]
         start, end = load.plan.start, load.plan.end
-        keys, values = self.transport.load(load.export_id, start, end, self.device)  # [L_s, H_s, n, d_s]
-        kv = bound.source_kv
-        if tuple(keys.shape) != (kv.num_layers, kv.num_kv_heads, end - start, kv.head_dim):
-            raise ExportError(f"export {load.export_id} holds K/V {tuple(keys.shape)}, the mapper's source "
-                              f"{kv.num_layers} × {kv.num_kv_heads} × n × {kv.head_dim}")  # fmt: skip
-        dtype = self.layers[0].kv_cache.dtype
-        mapped_k, mapped_v, flags = bound.map(keys, values, start, self.heads, dtype)  # [L_t, n, H, d_t]
-        write_mapped(self.layers, mapped_k, mapped_v, torch.tensor(load.slots, device=self.device))
+        keys, values, lease = self.transport.load(load.export_id, start, end, self.device)  # [L_s, H_s, n, d_s]
+        try:
+            kv = bound.source_kv
+            if tuple(keys.shape) != (kv.num_layers, kv.num_kv_heads, end - start, kv.head_dim):
+                raise ExportError(f"export {load.export_id} holds K/V {tuple(keys.shape)}, the mapper's source "
+                                  f"{kv.num_layers} × {kv.num_kv_heads} × n × {kv.head_dim}")  # fmt: skip
+            dtype = self.layers[0].kv_cache.dtype
+            mapped_k, mapped_v, flags = bound.map(keys, values, start, self.heads, dtype)  # [L_t, n, H, d_t]
+            write_mapped(self.layers, mapped_k, mapped_v, torch.tensor(load.slots, device=self.device))
+        except BaseException:
+            if self.device.type == "cuda":  # reads of the sender's memory may be queued: let them end first
+                torch.cuda.current_stream(self.device).synchronize()
+            lease.release()
+            raise
         bound_abs = self.config.policy.guard_max_abs
         peak = None if bound_abs is None else torch.maximum(mapped_k.abs().amax(), mapped_v.abs().amax()).float()
-        self._started.append((load, flags, peak))
+        self._started.append((load, flags, peak, lease))
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         """The blocks of every load refused on the worker this step (read once the forward is queued)."""
         failed = list(self._failed)
         guard = self.config.policy.guard_max_abs
-        for load, flags, peak in self._started:
-            if bool(flags.any()):
+        for load, flags, peak, lease in self._started:
+            if bool(flags.any()):  # a device read: the map, and its reads of the export before it, have ended
                 failed.append((load, f"mapped target layer {int(flags.nonzero()[0])} is not finite"))
             elif peak is not None and float(peak) > guard:
                 failed.append((load, f"guard: mapped |K|, |V| reach {float(peak):.3g} > {guard:g}"))
+            lease.release()
         self._started, self._failed = [], []
         for load, reason in failed:
             logger.warning("kvrelay: late refusal of request %s (export %s): %s — its %d blocks are recomputed",
@@ -351,15 +362,16 @@ class KVRelayConnector(KVConnectorBase_V1):
     def _export(self, save: Save) -> None:
         slots = torch.tensor(save.slots, device=self.device)
         pairs = [read_slots(layer.kv_cache, slots, self.layout) for layer in self.layers]  # ([T, H, d], [T, H, d])
-        keys = torch.stack([k for k, _ in pairs]).transpose(1, 2).cpu()  # [L, H, T, d]
-        values = torch.stack([v for _, v in pairs]).transpose(1, 2).cpu()
+        keys = torch.stack([k for k, _ in pairs]).transpose(1, 2)  # [L, H, T, d] (the transport copies to its memory)
+        values = torch.stack([v for _, v in pairs]).transpose(1, 2)
         heads = (self.heads.start, self.heads.stop - self.heads.start, self.total_heads)
         self.transport.put(save.export_id, keys, values, save.ids, self.identity.fingerprint,
                            self.identity.tokenizer_hash, heads, save.mapped, self.rank, self.ranks)  # fmt: skip
-        if self.rank == 0:
-            self._exports.append(save.export_id)
-            while len(self._exports) > self.config.keep_exports:
-                self.transport.remove(self._exports.popleft())
+        self._exports.append(save.export_id)  # each rank removes its own part (and frees its device memory)
+        while len(self._exports) > self.config.keep_exports and self.transport.remove(
+            self._exports[0], self.rank, self.ranks
+        ):  # a part a receiver still reads stays until a later save
+            self._exports.popleft()
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return

@@ -1,0 +1,141 @@
+"""The export transport's memories and leases (src/serving/transport.py): a receiver's lease keeps its sender from
+removing an export mid-read, a part removed under a reader is refused, a device export's metadata is checked before
+any memory is opened — and, on a GPU, a device export crosses processes through CUDA IPC with no copy to the host."""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import multiprocessing
+import os
+
+import pytest
+import safetensors.torch
+import torch
+
+from src.serving.config import connector_config
+from src.serving.transport import ExportError, Transport
+
+
+def _kv(layers=2, heads=2, tokens=6, d=4, seed=0, device="cpu"):
+    generator = torch.Generator().manual_seed(seed)
+    return tuple(torch.randn(layers, heads, tokens, d, generator=generator).to(device) for _ in range(2))
+
+
+def _put(transport: Transport, export_id: str, keys: torch.Tensor, values: torch.Tensor) -> None:
+    transport.put(
+        export_id, keys, values, list(range(10, 10 + keys.shape[2])), "fp", "tok", (0, keys.shape[1], keys.shape[1])
+    )
+
+
+def test_a_receivers_lease_defers_its_senders_removal(tmp_path):
+    transport = Transport(tmp_path)
+    _put(transport, "e1", *_kv())
+    _, _, lease = transport.load("e1", 0, 6)
+    assert transport.remove("e1") is False  # a receiver reads it: nothing changes
+    assert transport.header("e1").ids == tuple(range(10, 16))
+    lease.release()
+    assert transport.remove("e1") is True
+    with pytest.raises(ExportError, match="no export"):
+        transport.header("e1")
+    assert transport.remove("e1") is True  # already gone: no error
+
+
+def test_a_part_removed_while_a_receiver_opens_it_is_refused(tmp_path, monkeypatch):
+    transport = Transport(tmp_path)
+    _put(transport, "e2", *_kv())
+    real = fcntl.flock
+
+    def sender_first(descriptor, operation):  # the sender removes the part between the reader's open and its lock
+        if operation == fcntl.LOCK_SH:
+            assert Transport(tmp_path).remove("e2")
+        return real(descriptor, operation)
+
+    monkeypatch.setattr(fcntl, "flock", sender_first)
+    with pytest.raises(ExportError, match="removed by its sender"):
+        transport.load("e2", 0, 6)
+
+
+def test_export_memory_is_checked_before_anything_is_written(tmp_path):
+    with pytest.raises(ValueError, match="export memory must be one of"):
+        Transport(tmp_path, "gpu")
+    with pytest.raises(ValueError, match="export_memory must be one of"):
+        connector_config({"export_memory": "gpu"}, "recompute")
+    assert connector_config({"export_memory": "device"}, "recompute").export_memory == "device"
+    with pytest.raises(ExportError, match="a device export holds CUDA tensors"):
+        _put(Transport(tmp_path, "device"), "e3", *_kv())
+    assert list(tmp_path.iterdir()) == []
+
+
+def _device_file(tmp_path, export_id: str, **changes) -> None:
+    """A device export's file as a sender on another GPU writes it (its handles are never opened here)."""
+    shared = {"device": 0, "handle": "AAAA", "bytes": 384, "offset": 0, "counter": None, "counter_offset": 0,
+              "event": None, "sync": False, "storage_offset": 0, "stride": [48, 24, 4, 1]}  # fmt: skip
+    metadata = {"ids": json.dumps(list(range(6))), "source_fingerprint": "fp", "tokenizer_hash": "tok",
+                "heads": "0,2,2", "mapped": "", "memory": "device", "shape": "2,2,6,4", "dtype": "float32",
+                "gpu": "GPU-00000000-0000-0000-0000-000000000000", "keys": json.dumps(shared),
+                "values": json.dumps(shared)} | changes  # fmt: skip
+    (tmp_path / f"{export_id}.rank0-of-1.safetensors").write_bytes(safetensors.torch.save({}, metadata))
+
+
+def test_a_device_exports_header_reads_its_metadata_and_its_memory_opens_only_where_visible(tmp_path):
+    transport = Transport(tmp_path)
+    _device_file(tmp_path, "d1")
+    header = transport.header("d1")
+    assert (header.layers, header.heads, header.head_dim, header.ids) == (2, 2, 4, tuple(range(6)))
+    with pytest.raises(ExportError, match="which this process cannot see"):
+        transport.load("d1", 0, 6)
+    _device_file(tmp_path, "d2", dtype="Tensor")
+    with pytest.raises(ExportError, match="malformed metadata"):
+        transport.load("d2", 0, 6)
+    _device_file(tmp_path, "d3", memory="disk")
+    with pytest.raises(ExportError, match="malformed metadata"):
+        transport.header("d3")
+    _device_file(tmp_path, "d4", shape="2,2")
+    with pytest.raises(ExportError, match="malformed metadata"):
+        transport.header("d4")
+    assert transport.remove("d1")  # a failed load left no lock behind
+
+
+def _sender(directory: str, commands, replies) -> None:
+    """A sender process: publishes one device export, then removes it when told; replies what remove returned."""
+    transport = Transport(directory, "device")
+    keys, values = _kv(tokens=40, device="cuda")
+    _put(transport, "g1", keys, values)
+    replies.put((keys.cpu(), values.cpu()))
+    while commands.get() == "remove":
+        replies.put(transport.remove("g1"))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (CUDA IPC between two processes)")
+def test_a_device_export_crosses_processes_without_the_host_and_outlives_no_reader(tmp_path):
+    context = multiprocessing.get_context("spawn")
+    commands, replies = context.Queue(), context.Queue()
+    sender = context.Process(target=_sender, args=(str(tmp_path), commands, replies))
+    sender.start()
+    try:
+        keys, values = replies.get(timeout=120)
+        receiver = Transport(tmp_path)
+        got_k, got_v, lease = receiver.load("g1", 5, 37, "cuda")
+        assert (
+            got_k.is_cuda
+            and torch.equal(got_k.cpu(), keys[:, :, 5:37])
+            and torch.equal(got_v.cpu(), values[:, :, 5:37])
+        )
+        commands.put("remove")
+        assert replies.get(timeout=60) is False  # the receiver's lease holds it
+        torch.cuda.synchronize()
+        lease.release()
+        commands.put("remove")
+        assert replies.get(timeout=60) is True
+        with pytest.raises(ExportError, match="no export"):
+            receiver.load("g1", 0, 40, "cuda")
+    finally:
+        commands.put("stop")
+        sender.join(timeout=60)
+    assert (
+        sender.exitcode == 0
+        and not any(p.name.startswith("g1") for p in tmp_path.iterdir())
+        and os.path.isdir(tmp_path)
+    )
