@@ -229,3 +229,47 @@ def test_headline_numbers_are_the_benchmarks_tables_numbers():
     assert f"{gain.split(' | ')[-1].rstrip(' |')} pt up" in headline
     with pytest.raises(ValueError, match="no routed record labelled 'passage | x'"):
         _pick([], "passage | x")
+
+
+def _vllm_bench(repeats: int, routed_high: float | None = 0.5) -> dict:
+    """A scripts/bench_vllm_ttft.py record of one length: each path at its own constant time, so a column read from
+    the wrong path shows."""
+    at = lambda ms: [ms] * repeats  # noqa: E731
+    row = {"tokens": 1024, "reprefill_ms": at(20.0), "hit_ms": at(10.0), "map_ms": at(40.0), "export_ms": at(5.0)}
+    row["median_ms"] = {"reprefill": 20.0, "hit": 10.0, "map": 40.0, "routed": 45.0}
+    row["speedup"] = {"routed": [0.44, 0.4, routed_high], "hit": [2.0, 1.9, 2.1]}
+    machine = {"device": "NVIDIA X1", "torch": "2.0", "vllm": "0.1", "python": "3.12", "date": "2026-01-02"}
+    return {"bench": "vllm_ttft", "pair": "/x/conf/pair/p_random.yaml", "weights": "random", "machine": machine,
+            "turn": 16, "rows": [row]}  # fmt: skip
+
+
+def test_the_vllm_table_reads_every_path_of_each_length_and_names_what_the_record_lacks():
+    from src.report.vllm_table import BenchRun, vllm_ttft
+
+    runs = {"b/r.json": BenchRun("file, on disk", "bf16", "abc1234"), "b/s.json": BenchRun("file, tmpfs", "bf16", "c")}
+    table = vllm_ttft([], ("b/r.json", _vllm_bench(7)), ("b/s.json", _vllm_bench(3, None)), runs=runs)
+    header, *_ = table.splitlines()
+    for cell in ("p_random", "random weights", "bf16", "new turn 16", "7 repeats", "transport: file, on disk",
+                 "2026-01-02", "code abc1234", "vllm 0.1", "NVIDIA X1", "`results/b/r.json`"):  # fmt: skip
+        assert cell in header, cell
+    rows = [line for line in table.splitlines() if line.startswith("| 1,024 |")]
+    # re-prefill / hit / map / export / routed; routed, map alone (20 / 40 every repeat) and hit speedups
+    assert (
+        rows[0]
+        == "| 1,024 | 20.0 / 10.0 / 40.0 / 5.0 / 45.0 | 0.44× [0.40, 0.50] | 0.50× [0.50, 0.50] | 2.00× [1.90, 2.10] |"
+    )
+    assert rows[1] == "| 1,024 | 20.0 / 10.0 / 40.0 / 5.0 / 45.0 | 0.44× | 0.50× | 2.00× [1.90, 2.10] |"  # < 6 repeats
+
+
+def test_the_vllm_headline_says_slower_only_when_every_interval_is_below_one():
+    from src.report.vllm_table import BenchRun, vllm_brief
+
+    run = BenchRun("file, on disk", "bf16", "abc1234")
+    answer, on = vllm_brief(("b/r.json", _vllm_bench(7)), run)
+    assert answer.startswith("slower than re-prefill at every length") and "(file transport)" in answer
+    assert on == "random weights of the pair's shapes, bf16, vllm 0.1, X1, 2026-01-02"
+    for high in (None, 1.2):
+        assert not vllm_brief(("b/r.json", _vllm_bench(7, high)), run)[0].startswith("slower")
+    committed = benchmarks.build("vllm_ttft").splitlines()
+    routed = [line.split(" | ")[2] for line in committed if line.startswith(("| 1,024 |", "| 16,384 |"))][:2]
+    assert f"{routed[0]} at 1,024 to {routed[1]} at 16,384 tokens" in benchmarks.build("headline")  # the same cells

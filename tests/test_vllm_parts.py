@@ -326,7 +326,11 @@ def test_the_flash_layout_is_what_vllms_flash_cache_writer_writes(dtype):
     on a cache with its NHD strides writes what `write_slots_ref(..., "flash")` writes, and `read_slots` reads it."""
     from vllm import _custom_ops as ops
 
-    keys, values = (t[0].transpose(0, 1).to("cuda", dtype) for t in _kv(layers=1, heads=2, tokens=40, d=32))
+    # [40, 2, 32] token-major with heads adjacent, as vLLM hands the writer its inputs: the kernel reads a token's
+    # heads at one stride (key.stride(0)), so a transposed view (head stride 40 · 32) would be misread
+    keys, values = (
+        t[0].transpose(0, 1).contiguous().to("cuda", dtype) for t in _kv(layers=1, heads=2, tokens=40, d=32)
+    )
     slots = slots_for([2, 0], 32, 10, 50).cuda()  # [40]: positions 10..49 of a request holding blocks [2, 0]
     ours, theirs = _paged("NHD", dtype=dtype).cuda(), _paged("NHD", dtype=dtype).cuda()
     write_slots_ref(ours, keys, values, slots, "flash")

@@ -20,6 +20,7 @@ from src.report.quality_tables import quickstart
 from src.report.reliability import coverage
 from src.report.routed_tables import decision, routed, routed_paired, routed_switches, routed_tasks
 from src.report.rows import joined, record_rows
+from src.report.vllm_table import BenchRun, vllm_ttft
 
 ROOT = Path(__file__).resolve().parents[2]
 RESULTS, BENCHMARKS, README = ROOT / "results", ROOT / "BENCHMARKS.md", ROOT / "README.md"
@@ -39,10 +40,19 @@ ROUTED, LEVERS, FITS = "routed-h200-2026-12-03", "routed2-h200-2026-12-03", "rou
 BF16 = "routed4-h200-2026-12-04"
 ENGINE = "engine-h200-2026-12-05"
 ENGINE_V2 = "engine-h100-2026-12-06"  # the engine with the receiver protocol and map_into, random weights, one H100
+ENGINE_V2B = "engine-h100-2026-12-06b"  # the same pair job at 732d5f6: host reads cut, capture_all, timed attention
 GATE = "gate-h100-2026-12-06"  # scripts/device_quality.sh gate: 200-shot ARC, bf16, graph engine, item shards joined
 FRONTIER_CPU = "frontier-cpu-2026-12-06"  # issue 34 item 2: the passage frontier on the CPU, fp32
 FUSED = "fused-fit-h200-2026-12-03/bench_fused_fit.json"
 COVERAGE = "gate-coverage-cpu-2026-12-06/coverage.json"  # scripts/gate_coverage.py
+VLLM_FILE = "vllm-h100-2026-12-06/vllm_ttft_file.json"  # scripts/bench_vllm_ttft.py, one H100
+VLLM_SHM = "vllm-h100-2026-12-06/vllm_ttft_file_dev_shm.json"  # the same bench, the export directory on tmpfs
+# What the bench's JSON does not record, from the lease: the transport (its log, vllm-bench.txt: the connector's
+# `transport` a directory), the dtype (the bench's GPU setting) and the commit (the same lease's engine record)
+VLLM_RUNS = {
+    VLLM_FILE: BenchRun("file, exports on the machine's disk (/tmp/vllm-bench/exports)", "bf16", "732d5f6"),
+    VLLM_SHM: BenchRun("file, exports on /dev/shm (tmpfs)", "bf16", "732d5f6"),
+}
 
 
 TABLES: dict[str, Table] = {
@@ -64,10 +74,17 @@ TABLES: dict[str, Table] = {
     "routed_frontier_cpu_paired": Table((FRONTIER_CPU,), routed_paired),  # the rules at equal prefill, same items
     "engine": Table((ENGINE,), engine),
     "engine_v2": Table((ENGINE_V2,), engine),
+    "engine_v2b": Table((ENGINE_V2B,), engine),
+    "vllm_ttft": Table((), partial(vllm_ttft, runs=VLLM_RUNS), files=(VLLM_FILE, VLLM_SHM)),
     "routed_gate": Table((GATE,), lambda rows: routed(joined(rows))),
     "routed_gate_tasks": Table((GATE,), lambda rows: routed_tasks(joined(rows))),
     "decision": Table((ROUTED, LEVERS, FITS, BF16, GATE), decision),
-    "headline": Table((ROUTED, LEVERS, FITS, BF16, ENGINE, GATE), headline, README.name, (FUSED,)),
+    "headline": Table(
+        (ROUTED, LEVERS, FITS, BF16, ENGINE, GATE),
+        partial(headline, vllm_run=VLLM_RUNS[VLLM_FILE]),
+        README.name,
+        (FUSED, VLLM_FILE),
+    ),
     "decision_brief": Table((ROUTED, LEVERS, FITS, BF16, GATE), decision_brief, README.name),
     "gate_coverage": Table((), coverage, files=(COVERAGE,)),
 }

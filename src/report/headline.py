@@ -19,6 +19,7 @@ from datetime import UTC, datetime
 from src.gate_criteria import mean_loss, median_of, task_verdicts, thresholds
 from src.report.routed_tables import decided, gain, routed_label, run_of, verdicts
 from src.report.rows import Row, at_step, fmt, joined, metric
+from src.report.vllm_table import BenchRun, vllm_brief
 from src.routed import same_work_ratios, speedup_ratios
 
 BENCH = "BENCHMARKS.md"
@@ -108,8 +109,9 @@ def _link(anchor: str, text: str) -> str:
 UP, DOWN = "0.5b → 1.5b", "1.5b → 0.5b"
 
 
-def headline(rows: list[Row], fused: Document) -> str:
-    """One row per question; `rows`: the routed and engine record sets, `fused`: the Fused-Fit bench record."""
+def headline(rows: list[Row], fused: Document, vllm: Document, *, vllm_run: BenchRun) -> str:
+    """One row per question; `rows`: the routed and engine record sets, `fused`: the Fused-Fit bench record, `vllm`:
+    the vLLM TTFT bench record and what it does not hold (`vllm_run`)."""
     rows = joined(rows)  # a shard is read only in its join
     lines = ["| question | answer | measured on | more |", "|---|---|---|---|"]
     add = lambda question, answer, on, more: lines.append(f"| {question} | {answer} | {on} | {more} |")
@@ -191,6 +193,11 @@ def headline(rows: list[Row], fused: Document) -> str:
         f"{engine.get('tags.weights')} weights of the pair's shapes, {_dtype(engine)}, "
         f"{_gpu(engine.get('tags.gpu'))}, {_day(engine)}",
         _link("per-engine-a-serving-grade-receiver", "latency per engine"),
+    )
+    add(
+        "Handoff speedup vs re-prefill inside vLLM (two engines, the kvrelay connector)",
+        *vllm_brief(vllm, vllm_run),
+        _link("inside-vllm-handoff-ttft-on-one-h100-2026-12-06", "latency inside vLLM"),
     )
 
     # Levers: paired on the same test items, routed accuracy with the lever minus without.

@@ -1,0 +1,91 @@
+"""The vLLM TTFT table (scripts/bench_vllm_ttft.py records): per history length, each path's median time to first
+token inside vLLM and its speedup over vLLM's re-prefill, paired per repeat, with the median's 95 % interval."""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from src.eval.intervals import median_interval
+from src.report.rows import fmt
+
+Document = tuple[str, dict]  # (path under results/, the parsed JSON)
+
+
+@dataclass(frozen=True)
+class BenchRun:
+    """What a bench record does not hold about its run: the connector's transport, the dtype, the code commit."""
+
+    transport: str
+    dtype: str
+    commit: str
+
+
+def speedup(interval: Sequence[float | None]) -> str:
+    """'0.26× [0.23, 0.28]' from [median, low, high]; a bound None or infinite (fewer than 6 repeats): no interval."""
+    middle, low, high = (math.nan if x is None else x for x in interval)
+    bounds = f" [{fmt(low, 2)}, {fmt(high, 2)}]" if math.isfinite(low) and math.isfinite(high) else ""
+    return f"{fmt(middle, 2)}×{bounds}"
+
+
+def vllm_ttft(rows: list, *documents: Document, runs: dict[str, BenchRun]) -> str:
+    """One block per bench record: re-prefill, prefix hit, the receiver's mapped request ("map"), the sender's export
+    (its request with the export minus one without) and routed (map + export) TTFT medians (ms), then re-prefill /
+    routed, re-prefill / map and re-prefill / hit, each the median of the per-repeat ratios [95 % interval]."""
+    lines = []
+    for where, bench in documents:
+        run, machine = runs[where], bench["machine"]
+        repeats = {len(row["map_ms"]) for row in bench["rows"]}
+        lines += [
+            f"{Path(bench['pair']).stem}, {bench['weights']} weights, {run.dtype}, new turn {bench['turn']} tokens, "
+            f"{'/'.join(map(str, sorted(repeats)))} repeats, transport: {run.transport} — {machine['date']}, "
+            f"code {run.commit}, vllm {machine['vllm']}, torch {machine['torch']}, {machine['device']} "
+            f"(`results/{where}`)",
+            "",
+            "| history | re-prefill / hit / map / export / routed (ms, p50) | routed speedup [95 % CI] "
+            "| map alone: speedup [95 % CI] | hit speedup [95 % CI] |",
+            "|---|---|---|---|---|",
+        ]
+        for row in bench["rows"]:
+            median = row["median_ms"]
+            ms = [
+                median["reprefill"],
+                median["hit"],
+                median["map"],
+                statistics.median(row["export_ms"]),
+                median["routed"],
+            ]
+            mapped = median_interval([r / m for r, m in zip(row["reprefill_ms"], row["map_ms"], strict=True)])
+            lines.append(
+                f"| {row['tokens']:,} | {' / '.join(fmt(x, 1) for x in ms)} | {speedup(row['speedup']['routed'])} "
+                f"| {speedup(mapped)} "
+                f"| {speedup(row['speedup']['hit'])} |"
+            )
+        lines.append("")
+    return "\n".join(lines).rstrip()
+
+
+def vllm_brief(document: Document, run: BenchRun) -> tuple[str, str]:
+    """README's headline cells for a bench record: (the routed speedup at the shortest and longest history, with the
+    longest's medians; what it was measured on)."""
+    where, bench = document
+    first, last = bench["rows"][0], bench["rows"][-1]
+    median = last["median_ms"]
+    highs = [row["speedup"]["routed"][2] for row in bench["rows"]]
+    slower = all(high is not None and high < 1 for high in highs)
+    answer = (
+        ("slower than re-prefill at every length (each 95 % CI below 1): " if slower else "")
+        + f"{speedup(first['speedup']['routed'])} at {first['tokens']:,} to {speedup(last['speedup']['routed'])} at "
+        f"{last['tokens']:,} tokens; p50 {fmt(median['routed'])} vs {fmt(median['reprefill'])} ms at "
+        f"{last['tokens']:,} — the sender's export alone {fmt(statistics.median(last['export_ms']))} ms "
+        f"({run.transport.split(',')[0]} transport)"
+    )
+    machine = bench["machine"]
+    on = (
+        f"{bench['weights']} weights of the pair's shapes, {run.dtype}, vllm {machine['vllm']}, "
+        f"{machine['device'].removeprefix('NVIDIA ')}, {machine['date']}"
+    )
+    return answer, on
