@@ -139,6 +139,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--smoke", action="store_true", help="CPU: the tests' tiny pair at 64 and 128 tokens")
     parser.add_argument("--export-memory", choices=("host", "device"), default="host",
                         help="where the sender keeps its exports (src/serving/transport.py); device: CUDA only")  # fmt: skip
+    parser.add_argument("--apply-backend", choices=("torch", "auto", "triton"), default="torch",
+                        help="the receiver's map kernel (kv_connector_extra_config apply_backend)")  # fmt: skip
     args = parser.parse_args(argv)
     import os
 
@@ -164,20 +166,34 @@ def main(argv: list[str] | None = None) -> int:
         small_dir, large_dir, mapper_dir = build(args.pair, work, torch.bfloat16)
         settings = dict(dtype="bfloat16", max_model_len=max(lengths) + 2 * TURN, block_size=16, enforce_eager=False,
                         gpu_memory_utilization=0.35, kv_cache_memory_bytes=None)  # fmt: skip
-    route = {"routes": [{"mapper": str(mapper_dir), "source": str(small_dir)}]}
+    route = {"routes": [{"mapper": str(mapper_dir), "source": str(small_dir)}], "apply_backend": args.apply_backend}
     small = engine(small_dir, sender, **settings)
     large = engine(large_dir, exports | route | policy, **settings)
     rows = measure(small, large, mapper_id(load_mapper(mapper_dir)), lengths, 1 if args.smoke else args.repeats, 300)
-    write(rows, "tests/vllm_pair.py (smoke)" if args.smoke else str(args.pair), args.export_memory, args.out)
+    run = {"export_memory": args.export_memory, "apply_backend": args.apply_backend,
+           "dtype": "float32" if args.smoke else "bfloat16", "commit": commit()}  # fmt: skip
+    write(rows, "tests/vllm_pair.py (smoke)" if args.smoke else str(args.pair), run, args.out)
     for row in rows:
         print(row["tokens"], {k: round(v, 2) for k, v in row["median_ms"].items()})
     return 0
 
 
-def write(rows: list[dict], pair: str, export_memory: str, out: Path) -> dict:
-    """The bench's JSON record at `out` (written whole, then renamed into place); returns it."""
-    result = {"bench": "vllm_ttft", "pair": pair, "weights": "random", "export_memory": export_memory,
-              "machine": machine(), "turn": TURN, "rows": rows}  # fmt: skip
+def commit() -> str | None:
+    """The code's git commit (None where the tree travelled without its history, as to a lent GPU)."""
+    import subprocess
+
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True,
+                              check=True).stdout.strip()  # fmt: skip
+    except (OSError, subprocess.CalledProcessError):
+        return None
+
+
+def write(rows: list[dict], pair: str, run: dict, out: Path) -> dict:
+    """The bench's JSON record at `out` (written whole, then renamed into place); returns it. `run`: the sender's
+    export memory, the receiver's map kernel, the dtype, the commit."""
+    result = {"bench": "vllm_ttft", "pair": pair, "weights": "random", "run": run, "machine": machine(), "turn": TURN,
+              "rows": rows}  # fmt: skip
     out.parent.mkdir(parents=True, exist_ok=True)
     partial = out.with_suffix(".partial")
     partial.write_text(json.dumps(result, indent=2))

@@ -269,7 +269,7 @@ def test_the_ttft_bench_runs_its_paths_at_tiny_sizes(served, tmp_path):
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
     rows = bench.measure(served.small, served.large, served.fitted, [64, 128], repeats=1, vocab=VOCAB)
-    result = json.loads(json.dumps(bench.write(rows, "smoke", "host", tmp_path / "ttft.json")))
+    result = json.loads(json.dumps(bench.write(rows, "smoke", {"export_memory": "host"}, tmp_path / "ttft.json")))
     assert json.loads((tmp_path / "ttft.json").read_text()) == result
     assert [row["tokens"] for row in result["rows"]] == [64, 128]
     assert [row["mapped"] for row in result["rows"]] == [[64], [128]]

@@ -49,9 +49,16 @@ VLLM_FILE = "vllm-h100-2026-12-06/vllm_ttft_file.json"  # scripts/bench_vllm_ttf
 VLLM_SHM = "vllm-h100-2026-12-06/vllm_ttft_file_dev_shm.json"  # the same bench, the export directory on tmpfs
 # What the bench's JSON does not record, from the lease: the transport (its log, vllm-bench.txt: the connector's
 # `transport` a directory), the dtype (the bench's GPU setting) and the commit (the same lease's engine record)
+VLLM_DEVICE = "vllm-h100-2026-12-06/vllm_ttft_device.json"  # the sender's exports on its GPU (CUDA IPC)
+VLLM_TRITON = "vllm-h100-2026-12-06/vllm_ttft_device_triton.json"  # the same, the receiver's map by the Triton kernel
+# The device records name their export memory; the map kernel comes from the call (COMMANDS.md beside them)
 VLLM_RUNS = {
     VLLM_FILE: BenchRun("file, exports on the machine's disk (/tmp/vllm-bench/exports)", "bf16", "732d5f6"),
     VLLM_SHM: BenchRun("file, exports on /dev/shm (tmpfs)", "bf16", "732d5f6"),
+    VLLM_DEVICE: BenchRun("device, the sender's GPU (CUDA IPC), map kernel torch", "bf16", "a55f847"),
+    VLLM_TRITON: BenchRun(
+        "device, the sender's GPU (CUDA IPC), map kernel Triton (apply_backend auto)", "bf16", "a55f847"
+    ),  # fmt: skip
 }
 
 
@@ -75,15 +82,16 @@ TABLES: dict[str, Table] = {
     "engine": Table((ENGINE,), engine),
     "engine_v2": Table((ENGINE_V2,), engine),
     "engine_v2b": Table((ENGINE_V2B,), engine),
-    "vllm_ttft": Table((), partial(vllm_ttft, runs=VLLM_RUNS), files=(VLLM_FILE, VLLM_SHM)),
+    "vllm_ttft": Table((), partial(vllm_ttft, runs=VLLM_RUNS), files=(VLLM_TRITON, VLLM_DEVICE)),
+    "vllm_ttft_file": Table((), partial(vllm_ttft, runs=VLLM_RUNS), files=(VLLM_FILE, VLLM_SHM)),
     "routed_gate": Table((GATE,), lambda rows: routed(joined(rows))),
     "routed_gate_tasks": Table((GATE,), lambda rows: routed_tasks(joined(rows))),
     "decision": Table((ROUTED, LEVERS, FITS, BF16, GATE), decision),
     "headline": Table(
         (ROUTED, LEVERS, FITS, BF16, ENGINE, GATE),
-        partial(headline, vllm_run=VLLM_RUNS[VLLM_FILE]),
+        partial(headline, vllm_run=VLLM_RUNS[VLLM_TRITON]),
         README.name,
-        (FUSED, VLLM_FILE),
+        (FUSED, VLLM_TRITON),
     ),
     "decision_brief": Table((ROUTED, LEVERS, FITS, BF16, GATE), decision_brief, README.name),
     "gate_coverage": Table((), coverage, files=(COVERAGE,)),
