@@ -11,6 +11,7 @@ import torch
 
 from kernels.apply_map import HAVE_TRITON, default_config
 from src.apply import KVTransfer
+from src.eval.ttft import handoff_ttft
 from src.forward import prefill
 from src.maps import TransferError, cache_layers
 from src.runtime.engine import Engine
@@ -172,3 +173,12 @@ def test_the_engine_maps_eagerly_without_graphs(pair):
     assert engine.span_route(transfer, 17) == (None, "the engine runs without CUDA graphs")
     engine.map_span(transfer, _span(pair, 4, 21), 4, 21)
     assert engine.capture_all((transfer,)) == 0 and engine.map_graphs.replays == 0
+
+
+def test_the_ttft_record_says_the_maps_ran_eagerly_on_the_cpu(pair):
+    """`handoff_ttft` records how each engine's timed maps ran: here (no CUDA) eagerly on both engines."""
+    transfer = KVTransfer(pair.wrong, pair.source, pair.target, pair.tokenizer_hash)
+    ids = calibration_ids(1, 24, seed=8)
+    metrics = handoff_ttft(transfer, ids[:, :20], ids[:, 20:], 1, 1, 0, ("static", "graph"))
+    ran = [metrics[f"{name}.{what}"] for name in ("static", "graph") for what in ("map_graph", "map_bucket")]
+    assert ran == [0, 0, 0, 0]

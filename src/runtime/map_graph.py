@@ -11,13 +11,15 @@ graphs per mapper. Padding costs map work (≤ 25 % more rows); fewer buckets wo
 more buckets capture more graphs for little (the map is ≈ linear in its rows). Spans above 65,536 map eagerly. The
 bucket 64 is kept: the fused map's tile is 64 rows at ≤ 64 tokens, else 128 (kernels/apply_map.py `default_config`),
 and every n shares its bucket's side of 64, so a padded map computes each real row with the same tile as the unpadded
-one — bit for bit the same values.
+one — bit for bit the same values (the torch backend's GEMMs on a GPU may pick another algorithm for more rows: equal
+there to rounding).
 
 The pad rows repeat the span's last token — its source K/V and its position — and write the engine's scratch slot,
 which no query reads: the cache outside the span is untouched, and the flags (non-finite values, the largest |value|)
 are the unpadded map's, as a repeated row holds no value the span does not. The inputs are copied into the graph's
-static buffers (one per transfer, the largest bucket's size, viewed by every bucket): the source K/V by one gather
-per component, the positions, slots and gather rows by one host → device copy (built on the host from ints: no
+static buffers (per transfer, sized to the largest bucket it has used, viewed by every bucket — the span's source
+K/V once more, ≈ 200 MB at 16K tokens of a 0.5B source in bf16; kept while the engine is): the source K/V by one
+concatenation and one gather per component, the positions, slots and gather rows by one host → device copy (built on the host from ints: no
 device read). The graph writes the engine's cache in place and its flags into one static tensor, copied out per
 run (a later replay of the same graph — another piece, another handoff — must not change flags already returned).
 
@@ -117,17 +119,18 @@ class MapGraphs:
         return list(self._graphs)
 
     def _static(self, transfer: KVTransfer, bucket: int) -> Static:
-        """The bucket's views of the transfer's static inputs (allocated at the largest bucket on first use)."""
-        if transfer not in self._inputs:
-            kv, device = transfer.source_kv, transfer.device
-            size = kv.num_layers * kv.num_kv_heads * self.largest * kv.head_dim
-            dtype = next(transfer.source.parameters()).dtype
-            flat = [torch.zeros(size, dtype=dtype, device=device) for _ in range(2)]  # K, V
-            self._inputs[transfer] = (*flat, torch.zeros(3 * self.largest, dtype=torch.long, device=device))
-        keys, values, index = self._inputs[transfer]
+        """The bucket's views of the transfer's static inputs, sized to the largest bucket asked for so far: a larger
+        one reallocates them and drops the graphs that read the old ones (captured again on use; `capture` asks for
+        the largest first)."""
         kv = transfer.source_kv
         shape = (kv.num_layers, kv.num_kv_heads, bucket, kv.head_dim)
         count = shape[0] * shape[1] * bucket * shape[3]
+        if transfer not in self._inputs or self._inputs[transfer][0].numel() < count:
+            self._graphs.pop(transfer, None)
+            dtype = next(transfer.source.parameters()).dtype
+            flat = [torch.zeros(count, dtype=dtype, device=transfer.device) for _ in range(2)]  # K, V
+            self._inputs[transfer] = (*flat, torch.zeros(3 * bucket, dtype=torch.long, device=transfer.device))
+        keys, values, index = self._inputs[transfer]
         return Static(keys[:count].view(shape), values[:count].view(shape), index[: 3 * bucket].view(3, bucket))
 
     def _map(self, transfer: KVTransfer, static: Static, bound: float | None) -> torch.Tensor:
@@ -158,12 +161,18 @@ class MapGraphs:
         capture); returns how many (0 without graphs, or for a token-feature mapper, which maps eagerly)."""
         if not self.replay or transfer.token_features:
             return 0
-        graphs = self._graphs.setdefault(transfer, {})
-        missing = [bucket for bucket in self.buckets() if (bucket, bound) not in graphs]
+        captured = 0
         with torch.inference_mode():
-            for bucket in missing:
-                graphs[(bucket, bound)] = self._capture(transfer, bucket, bound)
-        return len(missing)
+            for bucket in reversed(self.buckets()):  # the largest first: its static inputs serve every bucket
+                if (bucket, bound) not in self._graphs.get(transfer, {}):
+                    self._keep(transfer, bucket, bound)
+                    captured += 1
+        return captured
+
+    def _keep(self, transfer: KVTransfer, bucket: int, bound: float | None) -> None:
+        """Capture the bucket's graph and keep it (after `_static` may have dropped the transfer's older ones)."""
+        captured = self._capture(transfer, bucket, bound)
+        self._graphs.setdefault(transfer, {})[(bucket, bound)] = captured
 
     @torch.inference_mode()
     def run(
@@ -176,9 +185,8 @@ class MapGraphs:
         if batch != 1 or count != end - start or not count <= bucket <= self.largest:
             raise TransferError(f"a span map reads one conversation's {end - start} tokens into a bucket of ≤ "
                                 f"{self.largest} rows: got batch {batch}, {count} tokens, bucket {bucket}")  # fmt: skip
-        graphs = self._graphs.setdefault(transfer, {}) if self.replay else {}
-        if self.replay and (bucket, bound) not in graphs:
-            graphs[(bucket, bound)] = self._capture(transfer, bucket, bound)
+        if self.replay and (bucket, bound) not in self._graphs.get(transfer, {}):
+            self._keep(transfer, bucket, bound)
         static = self._static(transfer, bucket)
         static.index.copy_(padding(start, end, bucket, self.scratch), non_blocking=True)  # [3, b] from the host
         for component, target in enumerate((static.keys, static.values)):
@@ -187,7 +195,7 @@ class MapGraphs:
         if not self.replay:
             packed = self._map(transfer, static, bound)
         else:
-            graph, packed = graphs[(bucket, bound)]
+            graph, packed = self._graphs[transfer][(bucket, bound)]
             graph.replay()
             self.replays += 1
         layers_t = transfer.target_kv.num_layers
