@@ -89,7 +89,7 @@ class KVTransfer:
         self.mapper = bound
         self.shared_heads = shares_heads(mapper)
 
-    def _check(self, layers: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> tuple[int, int]:
+    def check_cache(self, layers: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> tuple[int, int]:
         """(batch, seq) of a source cache whose every layer is a dense [B, H_s, T, d_s] tensor pair of the source
         model's dtype and device; else TransferError. Host metadata only: the values are the flags' (`MapFlags`)."""
         kv = self.source_kv
@@ -263,7 +263,7 @@ class KVTransfer:
     ) -> tuple[DynamicCache | None, MapFlags]:
         try:
             layers = cache_layers(source_cache)
-            batch, seq = self._check(layers)
+            batch, seq = self.check_cache(layers)
             positions = self._positions(positions, seq, dropped_tokens(source_cache))
             self._check_ids(input_ids, batch, seq)
             if out is not None and batch != 1:

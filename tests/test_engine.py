@@ -1,14 +1,17 @@
 """The receiver engine (src/runtime/engine.py) and the splice on it: the static-cache path equals the DynamicCache path
 (cache and logits) on every family and on the exact non-identity pair (where a leak of the receiver's native state
 shows); fused recompute of every token equals a native prefill, of none pure transfer, and the three-forward path on
-the same selection; graph replay equals eager (GPU)."""
+the same selection; graph replay equals eager (GPU), the span's map replayed as one graph too (GPU; its padding on
+the CPU: tests/test_map_graph.py)."""
 
 import pytest
 import torch
 
 import src.runtime.engine as engine_module
 from src.apply import KVTransfer
+from src.eval.ttft import handoff_ttft
 from src.forward import prefill
+from src.maps import cache_layers
 from src.runtime.engine import GRAPH_BUCKETS, Engine
 from src.runtime.plan import Levers
 from src.runtime.splice import engine_handoff, spliced_cache
@@ -199,3 +202,113 @@ def test_graph_replay_equals_eager(dtype):
     ).float()  # a 300-token prefill replayed (bucket 512)
     assert (long - hf).abs().max() < tolerance
     assert (graphed.forward(ids[299:300], torch.tensor([299])).float() - hf).abs().max() < tolerance
+
+
+def _cuda_pair(dtype: torch.dtype):
+    """The exact pair in `dtype` on CUDA and the wrong (non-identity) mapper's fused map (as the pair runs: Triton)."""
+    pair = exact_pair("llama", seed=0, dtype=dtype)
+    source, target = pair.source.to("cuda"), pair.target.to("cuda")
+    return source, target, KVTransfer(pair.wrong, source, target, pair.tokenizer_hash, backend="triton")
+
+
+def _random_engine(target, capacity: int, graphs: bool) -> Engine:
+    """An engine whose every slot, the scratch slot too, holds the same random values (any stray write shows)."""
+    engine = Engine(target, capacity, graphs=graphs)
+    generator = torch.Generator().manual_seed(3)
+    for t in (engine.keys, engine.values):
+        t.copy_(torch.randn(t.shape, generator=generator))
+    return engine
+
+
+def _launches(fn) -> dict[str, int]:
+    """Launches from the host during one call of fn (torch.profiler): graph launches and kernel launches."""
+    activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    with torch.profiler.profile(activities=activities) as profiler:
+        fn()
+        torch.cuda.synchronize()
+    names = [event.name for event in profiler.events()]
+    return {"graph": sum("GraphLaunch" in n for n in names), "kernel": sum("LaunchKernel" in n for n in names)}
+
+
+@cuda
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_map_replays_as_one_graph_bit_for_bit_the_eager_map(dtype):
+    """`map_span` on a graph engine: one replay of the span bucket's graph (spans of a bucket's own size, and padded
+    ones), equal bit for bit to the eager map on an engine without graphs — the span's slots and the flags —, every
+    slot outside the span unchanged; the host launches one graph and a few copies (the inputs, the flags) instead of
+    the eager map's per-layer kernels."""
+    source, target, transfer = _cuda_pair(dtype)
+    graphed, eager = _random_engine(target, 200, True), _random_engine(target, 200, False)
+    layers = cache_layers(prefill(source, calibration_ids(1, 150, seed=31).to("cuda")))  # [(K, V) [1, H_s, 150, d_s]]
+    scratch = graphed.scratch
+    for start, end in ((0, 64), (3, 70), (10, 130), (20, 100), (0, 128), (5, 18)):  # buckets 64, 80, 128, 80, 128, 16
+        span = [(k[:, :, start:end], v[:, :, start:end]) for k, v in layers]
+        bucket = graphed.span_route(transfer, end - start).bucket
+        before = graphed.keys.clone(), graphed.values.clone()
+        replays = graphed.map_graphs.replays
+        got = graphed.map_span(transfer, span, start, end)
+        want = eager.map_span(transfer, span, start, end)
+        assert graphed.map_graphs.replays == replays + 1 and eager.map_graphs.replays == 0, (start, end)
+        for name, a, b in zip(("source", "target", "beyond"), got, want, strict=False):
+            assert torch.equal(a, b), (start, end, name)
+        for a, b, old in zip((graphed.keys, graphed.values), (eager.keys, eager.values), before, strict=True):
+            assert torch.equal(a[:, :, :scratch], b[:, :, :scratch]), (start, end, bucket)  # the span, bit for bit
+            assert torch.equal(a[:, :, :start], old[:, :, :start])  # outside the span: unchanged
+            assert torch.equal(a[:, :, end:scratch], old[:, :, end:scratch])
+    span = [(k[:, :, 3:70], v[:, :, 3:70]) for k, v in layers]  # bucket 80, captured above
+    graph_launches = _launches(lambda: graphed.map_span(transfer, span, 3, 70))
+    eager_launches = _launches(lambda: eager.map_span(transfer, span, 3, 70))
+    assert graph_launches["graph"] == 1 and graph_launches["kernel"] <= 6, graph_launches  # cats, gathers, flags
+    assert eager_launches["graph"] == 0 and eager_launches["kernel"] > graph_launches["kernel"], eager_launches
+
+
+@cuda
+@pytest.mark.gpu
+def test_capture_all_captures_every_span_bucket_of_a_mapper_and_leaves_the_cache_as_it_was():
+    """A server's start-up: the forward's buckets and every span bucket of the mapper up to the capacity's, the slots
+    untouched (capture writes only the scratch slot); remembered, so a later capture_all and map capture nothing."""
+    source, target, transfer = _cuda_pair(torch.bfloat16)
+    engine = _random_engine(target, 200, True)
+    before = engine.keys.clone(), engine.values.clone()
+    spans = engine.map_graphs.buckets()
+    assert spans == (16, 20, 24, 28, 32, 40, 48, 56, 64, 80, 96, 112, 128, 160, 192, 224)  # span_bucket(200) = 224
+    assert engine.capture_all((transfer,)) == len(GRAPH_BUCKETS) + len(spans)
+    scratch = engine.scratch
+    assert torch.equal(engine.keys[:, :, :scratch], before[0][:, :, :scratch])
+    assert torch.equal(engine.values[:, :, :scratch], before[1][:, :, :scratch])
+    assert engine.capture_all() == 0
+    layers = cache_layers(prefill(source, calibration_ids(1, 150, seed=31).to("cuda")))
+    captured = {key: graph for key, (graph, _) in engine.map_graphs._graphs[transfer].items()}  # (bucket, bound) →
+    engine.map_span(transfer, [(k[:, :, :150], v[:, :, :150]) for k, v in layers], 0, 150)  # bucket 160
+    after = {key: graph for key, (graph, _) in engine.map_graphs._graphs[transfer].items()}
+    assert after.keys() == captured.keys() and all(after[k] is captured[k] for k in after)  # no capture: a replay
+    assert engine.map_graphs.replays == 1
+
+
+@cuda
+@pytest.mark.gpu
+def test_the_handoff_on_a_graph_engine_replays_its_map_once():
+    """`engine_handoff`'s pure transfer on a graph engine: its map one replay, the prefix's slots those of an engine
+    without graphs bit for bit, the turn's logits close (the turn's forward runs replayed on one, eager on the other)."""
+    source, target, transfer = _cuda_pair(torch.bfloat16)
+    ids = calibration_ids(1, 140, seed=8).to("cuda")
+    prefix, turn = ids[:, :130], ids[:, 130:]
+    source_cache = prefill(source, prefix)
+    graphed, eager = Engine(target, 160, graphs=True), Engine(target, 160, graphs=False)
+    logits = [engine_handoff(transfer, e, source_cache, prefix, Levers(), turn) for e in (graphed, eager)]
+    assert graphed.map_graphs.replays == 1 and graphed.span_route(transfer, 130).bucket == 160
+    assert torch.equal(_engine_cache(graphed, 130), _engine_cache(eager, 130))
+    assert (logits[0].float() - logits[1].float()).abs().max() < 0.1
+
+
+@cuda
+@pytest.mark.gpu
+def test_the_ttft_record_says_how_each_engines_maps_ran():
+    """The handoff experiment's record: the graph engine's timed maps each one replay (`graph.map_graph` 1, its
+    bucket), the static engine's eager (0)."""
+    source, target, transfer = _cuda_pair(torch.bfloat16)
+    ids = calibration_ids(1, 140, seed=8).to("cuda")
+    metrics = handoff_ttft(transfer, ids[:, :130], ids[:, 130:], 2, 1, 1, ("static", "graph"))
+    assert metrics["graph.map_graph"] == 1.0 and metrics["graph.map_bucket"] == 160.0
+    assert metrics["static.map_graph"] == 0.0 and metrics["static.map_bucket"] == 0.0

@@ -11,10 +11,11 @@ Paths (the vocabulary of the session, the routed workloads and the gate):
   reprefill_graph  the re-prefill replayed as one graph bucket (graph engine, ≤ 4,096 tokens): the baseline is the
                  engine's faster re-prefill (`reprefill_best`), so no launch overhead of the baseline flatters the map
 Engines: `hf` (Hugging Face eager forwards on a DynamicCache: the reference), `static` (src/runtime/engine.py, every
-forward eager) and `graph` (the same engine, forwards of ≤ 4,096 tokens but long prefills replayed as CUDA graphs:
-what a server runs). Each ratio is formed inside one engine. Beside TTFT: the map alone, the largest logit difference of each engine's
-paths from the hf re-prefill (a check that the fast paths compute the same thing), GPU peak memory of the hf paths,
-and the source cache's transport cost when S and T live apart — bytes, host staging (device → pinned host → device)
+forward eager) and `graph` (the same engine, forwards of ≤ 4,096 tokens but long prefills replayed as CUDA graphs, the
+map as one graph per span bucket — src/runtime/map_graph.py: what a server runs). Each ratio is formed inside one
+engine. Beside TTFT: the map alone, the largest logit difference of each engine's paths from the hf re-prefill (a
+check that the fast paths compute the same thing), GPU peak memory of the hf paths, and the source cache's transport
+cost when S and T live apart — bytes, host staging (device → pinned host → device)
 and device-to-device copies (to a second GPU when there is one, else within the one GPU, labelled by `d2d_peer`).
 """
 
@@ -175,8 +176,10 @@ def handoff_ttft(
 ) -> dict[str, float]:
     """TTFT p50/p95 (ms) of every path on every engine for prefix ids [1, P] and new-turn ids [1, N]:
     `ttft.<engine>.<path>_ms_p50`, the speedups `speedup.<engine>.<path>` (that engine's re-prefill / the path) and
-    `<engine>.map_over_hit` (routed TTFT / prefix hit), the map alone (`map_ms_p50`), the checks
-    `check.<engine>.<path>_logit_diff` (largest |Δ logit| from the hf re-prefill), hf peak memory and transport.
+    `<engine>.map_over_hit` (routed TTFT / prefix hit), how each engine's timed maps ran (`<engine>.map_graph`: graph
+    replays per call, 1 or 0; `<engine>.map_bucket`: the span's graph rows, 0: eager), the map alone (`map_ms_p50`),
+    the checks `check.<engine>.<path>_logit_diff` (largest |Δ logit| from the hf re-prefill), hf peak memory and
+    transport.
     profiles: filled with a profiler table (`profile_table`) of the map alone and of every path of the last engine.
     shares × rules at `progressive`: the recompute paths (`engine_paths`)."""
     unknown = set(engines) - set(ENGINES)
@@ -202,12 +205,16 @@ def handoff_ttft(
                     p: run for p, run in paths.items() if not p.startswith("recompute_") and p != "reprefill_graph"
                 }
         first_token = {path: (lambda run=run: run().argmax(-1)) for path, run in paths.items()}  # [1] each
+        work = built[1][1] if name != "hf" else None  # the engine the handoffs rebuild
         for path, run in paths.items():
             slow = path.startswith(("reprefill", "recompute"))
-            times = time_ms(
-                first_token[path], prefill_repeats if slow else repeats, min(warmup, 1) if slow else warmup, device
-            )
+            calls = (prefill_repeats, min(warmup, 1)) if slow else (repeats, warmup)
+            replays = work.map_graphs.replays if work is not None else 0
+            times = time_ms(first_token[path], *calls, device)
             metrics |= percentiles(times, f"ttft.{name}.{path}")
+            if work is not None and path == "map":  # how the timed maps ran: 1 each one graph replay, 0 eager
+                metrics[f"{name}.map_graph"] = (work.map_graphs.replays - replays) / sum(calls)
+                metrics[f"{name}.map_bucket"] = float(work.span_route(transfer, prefix.shape[1]).bucket or 0)
             metrics[f"check.{name}.{path}_logit_diff"] = float((run().float() - reference).abs().max())
         best = min(metrics[f"ttft.{name}.{path}_ms_p50"] for path in paths if path.startswith("reprefill"))
         metrics[f"ttft.{name}.reprefill_best_ms_p50"] = best  # the engine's fastest re-prefill: every speedup's base

@@ -8,6 +8,7 @@ weights shared, nothing copied).
     engine.write(keys, values, start)            # mapped K/V straight into slots start.. (start = its length)
     keys, values = engine.blocks()               # [L, 1, H_kv, capacity + 1, d]: a map writes there at slots
     engine.commit(start, end)                    # (`engine.slot_mapping(start, end)`), then commits them
+    flags = engine.map_span(transfer, layers, start, end)  # a span's map there: one graph replay (map_graph.py)
 
 One forward covers every path a server runs: a prefill (positions 0..n−1), the new turn or a prefix hit (n..n+T−1),
 a decode step (T = 1), and fused recompute — selected mapped positions + hold-back + turn in one forward: a recomputed
@@ -19,6 +20,7 @@ history length up to the capacity. Manual `torch.cuda.graph` capture rather than
 "reduce-overhead")`: no compile step on a bare lease, the same kernels eager and replayed (their equality is a test),
 and the bucket logic is ours to read. Long contiguous prefills run eagerly on sdpa's causal flash path (compute-bound,
 as a server's prefill), unless `forward(..., graph=True)` asks for the replayed kernel path.
+A span's map (`map_span`) replays one CUDA graph per (mapper, span bucket) in the same pool (src/runtime/map_graph.py).
 On CPU everything is eager, with the kernel's torch reference.
 A fused recompute (`Recompute`, src/runtime/plan.py) runs eagerly.
 """
@@ -37,8 +39,11 @@ from transformers import PreTrainedModel
 from kernels.rms_norm import rms_norm
 from kernels.rope_write import rope_write
 from kernels.turn_attention import turn_attention, turn_attention_weights
+from src.apply import KVTransfer
+from src.maps import MapFlags
 from src.models import describe_kv
 from src.rope import rope_cos_sin
+from src.runtime.map_graph import SPAN_BUCKETS, MapGraphs, SpanRoute, span_bucket, span_route
 from src.runtime.plan import Recompute, check_recompute, picked
 
 GRAPH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 192, 256, 384, 512, 768, 1024, 1536, 2048, 3072, 4096)  # token counts
@@ -102,7 +107,10 @@ class Engine:
         if self.graphs_enabled and self.device.type != "cuda":
             raise ValueError("CUDA graphs need the model on a CUDA device")
         self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, dict[str, torch.Tensor]]] = {}
-        self._pool = torch.cuda.graph_pool_handle() if self.graphs_enabled else None  # one pool for every bucket
+        cuda = self.device.type == "cuda"
+        self._pool = torch.cuda.graph_pool_handle() if cuda else None  # one pool for every graph, the maps' too
+        largest = span_bucket(capacity) or SPAN_BUCKETS[-1]  # a span's map: src/runtime/map_graph.py
+        self.map_graphs = MapGraphs(self.blocks(), self.scratch, largest, self._pool, replay=cuda)
 
     # --- the forward ---------------------------------------------------------------------------------------------
 
@@ -285,14 +293,18 @@ class Engine:
             static["logits"] = run()  # [1, V]
         return graph, static
 
-    def capture_all(self) -> int:
-        """Capture every bucket's graph now (a server's start-up), so that no timed forward pays a capture; returns how
-        many were captured (0 without graphs). Capture writes only the scratch slot: the cache is unchanged."""
-        missing = [b for b in GRAPH_BUCKETS if b not in self._graphs] if self.graphs_enabled else []
+    def capture_all(self, transfers: tuple[KVTransfer, ...] = ()) -> int:
+        """Capture every bucket's graph now (a server's start-up), so that no timed forward or map pays a capture: the
+        forward's, and the span maps' (`map_span`) of `transfers` and of every transfer mapped here already; returns
+        how many were captured (0 without graphs). Capture writes only the scratch slot: the cache is unchanged."""
+        if not self.graphs_enabled:
+            return 0
+        missing = [b for b in GRAPH_BUCKETS if b not in self._graphs]
         with torch.inference_mode():
             for bucket in missing:
                 self._graphs[bucket] = self._capture(bucket)
-        return len(missing)
+        mappers = dict.fromkeys((*transfers, *self.map_graphs.transfers()))  # once each, in order
+        return len(missing) + sum(self.map_graphs.capture(transfer) for transfer in mappers)
 
     def _replay(self, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         count = ids.numel()
@@ -341,6 +353,32 @@ class Engine:
             raise ValueError(f"cannot commit slots {start}..{end - 1}: the engine holds {self.length} of "
                              f"{self.capacity} (a commit continues at slot {self.length})")  # fmt: skip
         self.length = end
+
+    def span_route(self, transfer: KVTransfer, count: int) -> SpanRoute:
+        """How a span of `count` tokens maps here (`span_route`): one graph replay, or eagerly and why."""
+        return span_route(count, self.graphs_enabled, transfer.token_features)
+
+    def map_span(
+        self,
+        transfer: KVTransfer,
+        layers: list[tuple[torch.Tensor, torch.Tensor]],
+        start: int,
+        end: int,
+        input_ids: torch.Tensor | None = None,
+        bound: float | None = None,
+    ) -> MapFlags:
+        """Source K/V of positions start..end − 1 ([(keys, values) [1, H_s, n, d_s]] per source layer) mapped into
+        their slots with no host sync, by the route `span_route` decides: one replay of the span bucket's CUDA graph
+        (src/runtime/map_graph.py), else `KVTransfer.into` eagerly (input_ids [1, n]: read by a token-feature mapper,
+        checked otherwise). Returns the maps' device flags; a ValueError / TransferError before any slot is written
+        for what the host sees. `commit` the slots once the flags are decided."""
+        if start < 0 or end > self.capacity or end <= start:
+            raise ValueError(f"slots {start}..{end - 1} outside the engine's capacity {self.capacity}")
+        route = self.span_route(transfer, end - start)
+        if route.bucket is not None:
+            return self.map_graphs.run(transfer, layers, start, end, route.bucket, bound)
+        return transfer.into(self.blocks(), layers, positions=torch.arange(start, end), input_ids=input_ids,
+                             slots=self.slot_mapping(start, end), bound=bound)  # fmt: skip
 
     def blocks(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Every slot as one block, [L, 1, H_kv, capacity + 1, d] views (a map's destination: `KVTransfer.into`)."""

@@ -12,6 +12,7 @@ from typing import NamedTuple, Protocol
 import torch
 from transformers import DynamicCache, PreTrainedModel
 
+from src.apply import KVTransfer
 from src.forward import prefill_layers
 from src.maps import MapFlags, TransferError, cache_layers
 from src.runtime.engine import Engine
@@ -58,6 +59,9 @@ class Receiver(Protocol):
     """A target's cache that a splice builds, over conversation positions (B conversations, the engine's B = 1).
 
     read          ids [B, n] read natively on top of what it holds; the last logits [B, V]
+    map           a transfer's map of source layers [(K, V) [B, H_s, n, d_s]] at positions start..end − 1 (ids [B, n]
+                  of them, or None where the mapper reads none) as a `Piece`: its K/V, or written into its slots in
+                  place with its device flags (the engine: eagerly, or one replay of the span's CUDA graph)
     write         a mapped `Piece` into its slots (or the slots the map already wrote, committed)
     native_prefix the target's own K/V over ids [B, n] (positions 0..n − 1) in its first `depth` layers, from a
                   stopped prefill that leaves the cache untouched (and, queries > 0, the last `queries` tokens'
@@ -82,6 +86,8 @@ class Receiver(Protocol):
     def length(self) -> int: ...
 
     def read(self, ids: torch.Tensor) -> torch.Tensor: ...
+
+    def map(self, transfer: KVTransfer, layers: Layers, start: int, end: int, ids: torch.Tensor | None) -> Piece: ...
 
     def write(self, piece: Piece) -> None: ...
 
@@ -111,6 +117,10 @@ class CacheReceiver:
     def read(self, ids: torch.Tensor) -> torch.Tensor:
         out = self.model(ids.to(self.device), past_key_values=self.cache, use_cache=True, logits_to_keep=1)
         return out.logits[:, -1]  # [B, V]
+
+    def map(self, transfer: KVTransfer, layers: Layers, start: int, end: int, ids: torch.Tensor | None) -> Piece:
+        mapped = transfer(layers, positions=torch.arange(start, end), input_ids=ids)  # its flags read: checked
+        return Piece(start, end, cache_layers(mapped))
 
     def write(self, piece: Piece) -> None:
         if piece.layers is None:
@@ -149,6 +159,9 @@ class EngineReceiver:
     def read(self, ids: torch.Tensor) -> torch.Tensor:
         start = self.engine.length
         return self.engine.forward(ids[0].cpu(), torch.arange(start, start + ids.shape[1]))  # [1, V]
+
+    def map(self, transfer: KVTransfer, layers: Layers, start: int, end: int, ids: torch.Tensor | None) -> Piece:
+        return Piece(start, end, None, self.engine.map_span(transfer, layers, start, end, ids))  # decided later
 
     def write(self, piece: Piece) -> None:
         if piece.layers is None:  # the map wrote the slots in place

@@ -152,8 +152,8 @@ def spliced_cache(
     plan = plan_splice(levers, 0, total, 0, len(target.model.layers), transfer.token_features,
                        receiver.capabilities, queries.shape[1])  # fmt: skip
     middle = [(k[:, :, sink:end], v[:, :, sink:end]) for k, v in cache_layers(source_cache)]
-    mapped = transfer(middle, positions=torch.arange(sink, end), input_ids=input_ids[:, sink:end])
-    splice(plan, receiver, input_ids[:, :end], [Piece(sink, end, cache_layers(mapped))], input_ids[:, end:], queries)
+    piece = receiver.map(transfer, middle, sink, end, input_ids[:, sink:end])
+    splice(plan, receiver, input_ids[:, :end], [piece], input_ids[:, end:], queries)
     return receiver.cache
 
 
@@ -192,11 +192,10 @@ def engine_handoff(
         return receiver.read(conversation)
     middle = [(k[:, :, sink:end], v[:, :, sink:end]) for k, v in cache_layers(source_cache)]
     span_ids = conversation[:, sink:end] if transfer.token_features else None  # checked above: read only for features
-    flags = transfer.into(engine.blocks(), middle, positions=torch.arange(sink, end), input_ids=span_ids,
-                          slots=engine.slot_mapping(sink, end))  # fmt: skip
+    piece = receiver.map(transfer, middle, sink, end, span_ids)  # one graph replay where the engine has graphs
     tail = conversation[:, end:]  # [1, hold + N]
     try:
-        return splice(plan, receiver, conversation[:, :end], [Piece(sink, end, None, flags)], tail, tail)
+        return splice(plan, receiver, conversation[:, :end], [piece], tail, tail)
     except TransferError:
         engine.truncate(0)
         raise
