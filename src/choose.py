@@ -7,7 +7,8 @@ threshold, conf/gate/default.yaml): among the runs whose every task loses ≤ ma
 the least prefill; when none does, the one with the least mean loss (ties: less prefill). A run whose losses are not
 all finite (NaN) is never chosen. Reads no MLflow, so it runs on the GPU machine between the two stages. With
 `--data`, each run is re-scored on its items outside every reported test subsample (`tasks.reported`; records made
-before that split rule shared a few items with test runs).
+before that split rule shared a few items with test runs). Runs are compared on the same items: where their items
+differ, each is re-scored on those all of them scored.
 
     python -m src.choose RECORDS_DIR [--workload passage] [--direction qwen25coder_0.5b_to_1.5b] [--data shared/data]
 """
@@ -22,7 +23,7 @@ from pathlib import Path
 from src.gate import DEFAULTS, task_losses
 from src.routed import quality
 from src.tasks import load_task, reported
-from src.tracking import RecordError, metric_values, read_items, read_record, require
+from src.tracking import ITEMS, RecordError, metric_values, read_items, read_record, require
 
 LEVERS = "policy.levers."  # old records' levers too: read_record gives today's keys (tracking.current_params)
 
@@ -31,8 +32,10 @@ def validation_runs(
     directory: Path, workload: str | None = None, direction: str | None = None, data: Path | None = None
 ) -> list[dict]:
     """FINISHED routed records on validation items under `directory`: {name, params, tags, metrics}; with `data`
-    (the task files) the quality metrics are recomputed on the run's items that no reported test run scores. A
-    truncated record, or one without a key this needs, is a RecordError naming the file and the key."""
+    (the task files) the quality metrics are recomputed on the run's items that no reported test run scores. Runs
+    are compared paired: when their items differ (another limit, items dropped as test items), each is re-scored on
+    the items all of them scored (`paired`). A truncated record, or one without a key this needs, is a RecordError
+    naming the file and the key."""
     runs = []
     for path in sorted(Path(directory).glob("**/record.json")):
         record = read_record(path)
@@ -41,28 +44,57 @@ def validation_runs(
             continue
         if workload not in (None, tags.get("workload")) or direction not in (None, tags.get("direction")):
             continue
-        metrics = metric_values(record, path)
+        items = read_items(path.parent) if (path.parent / ITEMS).exists() else None
         if data is not None:
-            metrics |= held_out_quality(path.parent, record["params"], data)
-        runs.append({"name": record["name"], "params": record["params"], "tags": tags, "metrics": metrics})
-    return runs
+            if items is None:
+                raise RecordError(f"{path.parent / ITEMS}: missing (--data re-scores each run from its items)")
+            items = held_out(path.parent, record["params"], data, items)
+        run = {"name": record["name"], "params": record["params"], "tags": tags, "metrics": metric_values(record, path)}
+        runs.append(run | {"items": items, "where": path})
+    return [{key: run[key] for key in ("name", "params", "tags", "metrics")} for run in paired(runs, data is not None)]
 
 
-def held_out_quality(run: Path, params: dict, data: Path) -> dict[str, float]:
-    """The routed quality metrics of a run re-scored without the items a reported test run scores."""
-    items = read_items(run)
+def held_out(run: Path, params: dict, data: Path, items: list[dict]) -> list[dict]:
+    """A run's items less those a reported test run scores."""
     where = run / "record.json"
     limit = require(params, "workload.limit", where)
     limit = None if limit in (None, "None") else int(limit)
-    n_boot, seed = int(require(params, "eval.tasks.n_boot", where)), int(require(params, "seed", where))
     counts = {task: len(load_task(task, data)) for task in {item["task"] for item in items}}
     kept = [item for item in items if item["index"] not in reported(counts[item["task"]], limit, item["task"])]
     if len(kept) < len(items):
-        print(
-            f"{run.name}: {len(items) - len(kept)} of {len(items)} items are reported test items: dropped",
-            file=sys.stderr,
-        )
-    return quality(kept, n_boot, seed)
+        print(f"{run.name}: {len(items) - len(kept)} of {len(items)} items are reported test items: dropped",
+              file=sys.stderr)  # fmt: skip
+    return kept
+
+
+def paired(runs: list[dict], rescore: bool) -> list[dict]:
+    """The runs with quality metrics on the same items: re-scored on the items every run scored when their item sets
+    differ (or when `rescore`: items were dropped); logged metrics where no run kept its items. Runs of which only
+    some kept items cannot be paired: a ValueError names them, as does an empty intersection."""
+    keyed = {
+        run["name"]: None if run["items"] is None else {(i["task"], i["index"]) for i in run["items"]} for run in runs
+    }
+    if all(keys is None for keys in keyed.values()):
+        if len(runs) > 1:
+            print(
+                "choose: no run kept its items: compared by their logged metrics, pairing unverified", file=sys.stderr
+            )
+        return runs
+    if missing := sorted(name for name, keys in keyed.items() if keys is None):
+        raise ValueError(f"runs {missing} kept no items (artifacts/routed/items.json) while others did: not paired")
+    common = set.intersection(*keyed.values())
+    if not common:
+        raise ValueError("the validation runs share no item: their losses cannot be compared")
+    if not rescore and all(keys == common for keys in keyed.values()):
+        return runs
+    for run in runs:
+        if len(keyed[run["name"]]) > len(common):
+            print(f"{run['name']}: compared on the {len(common)} items every run scored (of its "
+                  f"{len(keyed[run['name']])})", file=sys.stderr)  # fmt: skip
+        n_boot, seed = (int(require(run["params"], key, run["where"])) for key in ("eval.tasks.n_boot", "seed"))
+        kept = [item for item in run["items"] if (item["task"], item["index"]) in common]
+        run["metrics"] = run["metrics"] | quality(kept, n_boot, seed)
+    return runs
 
 
 def _finite_losses(run: dict) -> bool:

@@ -68,7 +68,8 @@ def test_cli_prints_only_the_overrides_on_stdout(grid):
         cwd=REPO, capture_output=True, text=True, check=True,
     )  # fmt: skip
     assert done.stdout == "policy.levers.recompute=0.25\n"  # what `python -m src.run` takes today
-    assert "→ policy.levers.recompute=0.25" in done.stderr and done.stderr.count("\n") == 4
+    assert "→ policy.levers.recompute=0.25" in done.stderr and done.stderr.count("\n") == 5
+    assert "no run kept its items: compared by their logged metrics, pairing unverified" in done.stderr
 
 
 def test_cli_without_validation_runs_says_so(tmp_path):
@@ -124,3 +125,40 @@ def test_a_run_whose_losses_are_nan_is_never_chosen(tmp_path):
     assert choose(validation_runs(tmp_path))["name"] == "r25"  # 0.33 spent beats an unknown (NaN) spend
     with pytest.raises(ValueError, match="no validation run has finite losses on every task and the mean"):
         choose(runs[:2])
+
+
+def _with_items(root: Path, name: str, recompute: float, prefill: float, right: dict[int, bool]) -> None:
+    """A validation run that kept its items: boolq items `right` (index → routed right), its logged loss from them."""
+    loss = 100.0 * sum(not r for r in right.values()) / len(right)
+    _record(root, name, {"recompute": recompute}, {"boolq": loss}, prefill)
+    record = root / name / "record.json"
+    record.write_text(
+        record.read_text().replace('"fit.k": "24"', '"fit.k": "24", "eval.tasks.n_boot": "200", "seed": "0"')
+    )
+    (root / name / "artifacts/routed").mkdir(parents=True)
+    items = [_item(index, routed_right=r) for index, r in right.items()]
+    (root / name / "artifacts/routed/items.json").write_text(json.dumps({"items": items}))
+
+
+def test_runs_that_scored_different_items_are_compared_on_the_items_they_share(tmp_path, capsys):
+    """`cheap` lost 2 of its 200 items (logged: 1.0 point, within the 1-point bar, and the least prefill); `dear`
+    scored 100 of them and lost none. Paired on those 100, cheap loses 2.0 points: `dear` is chosen."""
+    shared = {i: True for i in range(100)}
+    _with_items(tmp_path, "cheap", 0.1, 0.1, shared | {0: False, 1: False} | {i: True for i in range(100, 200)})
+    _with_items(tmp_path, "dear", 0.4, 0.4, shared)
+    runs = validation_runs(tmp_path)
+    losses = {r["name"]: r["metrics"]["task.boolq.loss_points"] for r in runs}
+    assert losses == {"cheap": pytest.approx(2.0), "dear": 0.0}
+    assert choose(runs)["name"] == "dear"
+    assert "cheap: compared on the 100 items every run scored (of its 200)" in capsys.readouterr().err
+
+
+def test_runs_that_cannot_be_paired_are_refused(tmp_path):
+    _with_items(tmp_path, "a", 0.1, 0.1, {0: True, 1: True})
+    _record(tmp_path, "b_no_items", {"recompute": 0.2}, {"boolq": 0.0}, 0.2)
+    with pytest.raises(ValueError, match=r"runs \['b_no_items'\] kept no items"):
+        validation_runs(tmp_path)
+    (tmp_path / "b_no_items/record.json").unlink()
+    _with_items(tmp_path, "c", 0.2, 0.2, {5: True, 6: True})
+    with pytest.raises(ValueError, match="share no item"):
+        validation_runs(tmp_path)

@@ -69,7 +69,7 @@ def map_pieces(
     pieces: list[tuple[int, int, str]],
 ) -> tuple[list[Piece], int]:
     """Each piece of `conversation` [T] mapped at its own positions — its K/V, or on an engine receiver straight into
-    the slots past what it holds (no host sync: `KVTransfer.into`) — and the bytes read. What the host sees (the
+    the slots past what it holds (no host sync: `Engine.map_span`) — and the bytes read. What the host sees (the
     length guard, shapes, ids, on a DynamicCache receiver every flag) raises TransferError now, nothing changed; on an
     engine, non-finite values and the magnitude guard (`Policy.guard_max_abs`) stay device flags in the `Piece`,
     decided by the splice before the tail is read."""
@@ -87,9 +87,7 @@ def map_pieces(
             nonfinite, peak = layer_flags(cache)  # [L_t, 2], [L_t]
             beyond = peak > (float("inf") if bound is None else bound)  # [L_t]
             flags = MapFlags(nonfinite[:0], nonfinite.any(1), beyond, bound)
-        else:
-            slots = engine.slot_mapping(start, end)  # [n] on the device
-            into = dict(positions=positions, input_ids=ids, slots=slots, bound=bound)
-            cache, flags = None, route.transfer.into(engine.blocks(), layers, **into)
+        else:  # a replay of the span bucket's CUDA graph on a graph engine, else `KVTransfer.into`
+            cache, flags = None, engine.map_span(route.transfer, layers, start, end, ids, bound)
         mapped.append(Piece(start, end, cache, flags))
     return mapped, read
