@@ -7,7 +7,6 @@ from __future__ import annotations
 import fcntl
 import json
 import multiprocessing
-import os
 
 import pytest
 import safetensors.torch
@@ -69,8 +68,8 @@ def test_export_memory_is_checked_before_anything_is_written(tmp_path):
 
 def _device_file(tmp_path, export_id: str, **changes) -> None:
     """A device export's file as a sender on another GPU writes it (its handles are never opened here)."""
-    shared = {"device": 0, "handle": "AAAA", "bytes": 384, "offset": 0, "counter": None, "counter_offset": 0,
-              "event": None, "sync": False, "storage_offset": 0, "stride": [48, 24, 4, 1]}  # fmt: skip
+    shared = {"device": 0, "handle": "AAAA", "bytes": 384, "offset": 0, "event": None, "sync": False,
+              "storage_offset": 0, "stride": [48, 24, 4, 1]}  # fmt: skip
     metadata = {"ids": json.dumps(list(range(6))), "source_fingerprint": "fp", "tokenizer_hash": "tok",
                 "heads": "0,2,2", "mapped": "", "memory": "device", "shape": "2,2,6,4", "dtype": "float32",
                 "gpu": "GPU-00000000-0000-0000-0000-000000000000", "keys": json.dumps(shared),
@@ -98,44 +97,46 @@ def test_a_device_exports_header_reads_its_metadata_and_its_memory_opens_only_wh
 
 
 def _sender(directory: str, commands, replies) -> None:
-    """A sender process: publishes one device export, then removes it when told; replies what remove returned."""
+    """A sender process: publishes one device export (holding no other reference to it), then removes it when told;
+    replies what remove returned and how many bytes of CUDA memory that freed."""
     transport = Transport(directory, "device")
-    keys, values = _kv(tokens=40, device="cuda")
-    _put(transport, "g1", keys, values)
-    replies.put((keys.cpu(), values.cpu()))
+    _put(transport, "g1", *_kv(tokens=40, device="cuda"))
+    replies.put("published")
     while commands.get() == "remove":
-        replies.put(transport.remove("g1"))
+        torch.cuda.synchronize()
+        before = torch.cuda.memory_allocated()
+        removed = transport.remove("g1")
+        replies.put((removed, before - torch.cuda.memory_allocated()))
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (CUDA IPC between two processes)")
-def test_a_device_export_crosses_processes_without_the_host_and_outlives_no_reader(tmp_path):
+def test_a_device_export_crosses_processes_and_its_removal_frees_it_whoever_read_it(tmp_path):
+    """Read twice by another process (torch's own IPC count would go negative and park the block for good: the
+    sender's removal must free it), held by a lease (removal refused), then removed: its memory is freed."""
     context = multiprocessing.get_context("spawn")
     commands, replies = context.Queue(), context.Queue()
     sender = context.Process(target=_sender, args=(str(tmp_path), commands, replies))
     sender.start()
     try:
-        keys, values = replies.get(timeout=120)
+        assert replies.get(timeout=120) == "published"
+        keys, values = _kv(tokens=40)
         receiver = Transport(tmp_path)
-        got_k, got_v, lease = receiver.load("g1", 5, 37, "cuda")
-        assert (
-            got_k.is_cuda
-            and torch.equal(got_k.cpu(), keys[:, :, 5:37])
-            and torch.equal(got_v.cpu(), values[:, :, 5:37])
-        )
+        for _ in range(2):
+            got_k, got_v, lease = receiver.load("g1", 5, 37, "cuda")
+            assert got_k.is_cuda and torch.equal(got_k.cpu(), keys[:, :, 5:37])
+            assert torch.equal(got_v.cpu(), values[:, :, 5:37])
+            commands.put("remove")
+            assert replies.get(timeout=60) == (False, 0)  # the receiver's lease holds it: nothing changes
+            torch.cuda.synchronize()
+            del got_k, got_v
+            lease.release()
         commands.put("remove")
-        assert replies.get(timeout=60) is False  # the receiver's lease holds it
-        torch.cuda.synchronize()
-        lease.release()
-        commands.put("remove")
-        assert replies.get(timeout=60) is True
+        removed, freed = replies.get(timeout=60)
+        assert removed and freed >= keys.numel() * keys.element_size() * 2  # keys and values: no block kept in limbo
         with pytest.raises(ExportError, match="no export"):
             receiver.load("g1", 0, 40, "cuda")
     finally:
         commands.put("stop")
         sender.join(timeout=60)
-    assert (
-        sender.exitcode == 0
-        and not any(p.name.startswith("g1") for p in tmp_path.iterdir())
-        and os.path.isdir(tmp_path)
-    )
+    assert sender.exitcode == 0 and not any(p.name.startswith("g1") for p in tmp_path.iterdir())

@@ -100,26 +100,33 @@ def _b64(data: bytes | None) -> str | None:
     return None if data is None else base64.b64encode(data).decode()
 
 
+# torch counts a shared block's consumers in a shared-memory counter: 1 when shared, − 1 when a consumer's storage dies,
+# and a producer frees the block only at a count ≤ 0 — read as unsigned (torch ≥ 2.1), so one decrement too many
+# (a second receiver of one share) parks the block in the producer's "limbo" for good. A share here has any number
+# of receivers, or none: the sender gives its count back at once (0), and a receiver names a counter that does not
+# exist (its decrement finds nothing; torch takes that as a producer gone), so the count stays 0 and the sender's
+# removal frees the memory — the file locks alone keep it alive while it is read.
+NO_COUNTER = b"/kvrelay-no-ipc-counter"
+
+
 def share_cuda(tensor: torch.Tensor) -> dict:
-    """A CUDA tensor's IPC description (JSON-able): torch's own handle, event and byte offsets. The sender gives its
-    reference count back at once: the file lock, not torch's count, keeps the memory alive (module docstring)."""
+    """A CUDA tensor's IPC description (JSON-able): torch's own handle, event and byte offsets; torch's consumer count
+    given back (above)."""
     storage = tensor.untyped_storage()
     device, handle, size, offset, counter, counter_offset, event, sync = storage._share_cuda_()
     torch.UntypedStorage._release_ipc_counter_cuda(counter, counter_offset)
-    return {"device": device, "handle": _b64(handle), "bytes": size, "offset": offset, "counter": _b64(counter),
-            "counter_offset": counter_offset, "event": _b64(event), "sync": sync,
-            "storage_offset": tensor.storage_offset(), "stride": list(tensor.stride())}  # fmt: skip
+    return {"device": device, "handle": _b64(handle), "bytes": size, "offset": offset, "event": _b64(event),
+            "sync": sync, "storage_offset": tensor.storage_offset(), "stride": list(tensor.stride())}  # fmt: skip
 
 
 def open_cuda(shared: dict, shape: tuple[int, ...], dtype: torch.dtype, device: int) -> torch.Tensor:
-    """The tensor `share_cuda` described, mapped into this process on its device index `device`; the current stream
-    waits on the sender's event (no host sync)."""
-    decode = lambda key: None if shared[key] is None else base64.b64decode(shared[key])  # noqa: E731
+    """The tensor `share_cuda` described, mapped into this process on its device index `device`, counted by no one
+    (above); the current stream waits on the sender's event (no host sync)."""
+    decode = lambda key: b"" if shared[key] is None else base64.b64decode(shared[key])  # noqa: E731
     torch.cuda._lazy_init()
     storage = torch.UntypedStorage._new_shared_cuda(
-        device, decode("handle"), shared["bytes"], shared["offset"], decode("counter"), shared["counter_offset"],
-        decode("event"), shared["sync"],
-    )  # fmt: skip
+        device, decode("handle"), shared["bytes"], shared["offset"], NO_COUNTER, 0, decode("event"), shared["sync"]
+    )
     return torch.empty(0, dtype=dtype, device=f"cuda:{device}").set_(
         storage, shared["storage_offset"], shape, shared["stride"]
     )
