@@ -9,13 +9,13 @@ connectors: the scheduler side decides, once per step, and writes its decisions 
 side only executes them.
 
 Scheduler: a request asking for an export gets an id (returned in its output's `kv_transfer_params`), and when its
-prefill completes the step's metadata carries a `Save` of its prompt's slots. A handoff request is claimed in
+prefill completes the step's metadata carries a `Save` of its prompt's blocks. A handoff request is claimed in
 `get_num_new_matched_tokens` — after vLLM's own prefix hit, which comes first (the sink) — by `claim.claim`, whose
 decision is a `SplicePlan` (src/runtime/plan.py, the runtime's own `plan_splice` on a receiver without a forward),
 or refused (0 tokens: an ordinary prefill, the output vLLM gives without the connector). The tokens it matches are
 the plan's span, plan.end − plan.start; a claim re-keys the request's prefix-cache keys from its first mapped block
 (src/serving/provenance.py) and, once its blocks are allocated — vLLM counting exactly that span as loaded, else
-the claim is refused there too — becomes a `Load` that carries the plan and the span's slots. Every request with
+the claim is refused there too — becomes a `Load` that carries the plan and the span's blocks. Every request with
 kvrelay parameters gets a record in its output.
 
 Worker: `start_load_kv` (before the forward) reads each load's span plan.start..plan.end − 1 from the transport,
@@ -62,26 +62,26 @@ logger = init_logger(__name__)
 
 @dataclass
 class Load:
-    """Map the span of a request's plan, positions plan.start..plan.end − 1 of an export, into its slots
-    [plan.end − plan.start] — or, `refusal` set, nothing: the worker reports its blocks as failed."""
+    """Map the span of a request's plan, positions plan.start..plan.end − 1 of an export, into the blocks it fills
+    (the worker derives their slots on its device: block ids travel, not one slot per token) — or, `refusal` set,
+    nothing: the worker reports those blocks as failed."""
 
     request_id: str
     export_id: str
     mapper_id: str
     plan: SplicePlan
-    slots: list[int]
-    block_ids: list[int]  # the blocks the span fills (vLLM counts as loaded): reported if the load fails
+    block_ids: list[int]  # the request's blocks from the one holding plan.start (vLLM counts them as loaded)
     refusal: str | None = None  # why the scheduler refused it after vLLM allocated its blocks
 
 
 @dataclass
 class Save:
-    """Publish the K/V of a request's prompt (token ids, slots of positions 0..T−1) as an export."""
+    """Publish the K/V of a request's prompt (token ids, positions 0..T−1, in blocks `block_ids`) as an export."""
 
     request_id: str
     export_id: str
     ids: list[int]
-    slots: list[int]
+    block_ids: list[int]
     mapped: tuple[int, int] | None
 
 
@@ -228,11 +228,9 @@ class KVRelayConnector(KVConnectorBase_V1):
                        f"{plan.start}..{plan.end - 1}: its blocks are recomputed")  # fmt: skip
             logger.error("kvrelay: request %s: %s", request_id, refusal)
             tracked.record["handoff"] = {"status": "recomputed", "reason": refusal, "hit": plan.held, "mapped": 0}
-            self._loads.append(Load(request_id, handoff.export_id, handoff.mapper_id, plan, [], counted,
-                                    refusal))  # fmt: skip
+            self._loads.append(Load(request_id, handoff.export_id, handoff.mapper_id, plan, counted, refusal))
             return
-        load = Load(request_id, handoff.export_id, handoff.mapper_id, plan,
-                    slots_for(block_ids, self.block_size, plan.start, plan.end).tolist(), counted)  # fmt: skip
+        load = Load(request_id, handoff.export_id, handoff.mapper_id, plan, counted)
         tracked.load_blocks = set(load.block_ids)
         prompt_blocks = block_ids[: -(-len(tracked.prompt) // self.block_size)]  # the prompt's blocks (tests read them)
         tracked.record["handoff"] = {"status": "mapped", "reason": f"policy: {self.config.policy.mode}",
@@ -266,8 +264,8 @@ class KVRelayConnector(KVConnectorBase_V1):
             spans = [(s.start, s.end) for s in (held, now) if s is not None]
             mapped = (min(a for a, _ in spans), max(b for _, b in spans)) if spans else None  # never mapped again
             with self.timings.phase("export", request_id, len(tracked.prompt)):
-                slots = slots_for(tracked.blocks, self.block_size, 0, len(tracked.prompt)).tolist()
-                meta.saves.append(Save(request_id, tracked.export_id, tracked.prompt, slots, mapped))
+                blocks = tracked.blocks[: -(-len(tracked.prompt) // self.block_size)]  # the prompt's
+                meta.saves.append(Save(request_id, tracked.export_id, tracked.prompt, blocks, mapped))
             tracked.exported = True
             tracked.record["export_tokens"] = len(tracked.prompt)
 
@@ -333,8 +331,8 @@ class KVRelayConnector(KVConnectorBase_V1):
                 raise ExportError(f"export {load.export_id} holds K/V {tuple(keys.shape)}, the mapper's source "
                                   f"{kv.num_layers} × {kv.num_kv_heads} × n × {kv.head_dim}")  # fmt: skip
             dtype = self.layers[0].kv_cache.dtype
-            with phase("slots"):
-                slots = torch.tensor(load.slots, device=self.device)  # [n]
+            with phase("slots"):  # block_ids[0] holds position start: a claim starts on a block (provenance.py)
+                slots = slots_for(load.block_ids, self.block_size, 0, end - start, self.device)  # [n]
             with phase("map"):
                 mapped_k, mapped_v, flags = bound.map(keys, values, start, self.heads, dtype)  # [L_t, n, H, d_t]
             with phase("write"):
@@ -381,7 +379,7 @@ class KVRelayConnector(KVConnectorBase_V1):
                          (time.perf_counter() - began) * 1e3)  # fmt: skip
 
     def _export(self, save: Save) -> None:
-        slots = torch.tensor(save.slots, device=self.device)
+        slots = slots_for(save.block_ids, self.block_size, 0, len(save.ids), self.device)  # [T]
         pairs = [read_slots(layer.kv_cache, slots, self.layout) for layer in self.layers]  # ([T, H, d], [T, H, d])
         keys = torch.stack([k for k, _ in pairs]).transpose(1, 2)  # [L, H, T, d] (the transport copies to its memory)
         values = torch.stack([v for _, v in pairs]).transpose(1, 2)
