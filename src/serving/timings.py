@@ -4,13 +4,14 @@
     {"role": "scheduler" | "worker", "phase": "claim", "request": "<vLLM's request id>", "tokens": 4096,
      "ms": 0.41, "pid": 1234}
 
-tokens: the span the phase handles (the mapped span of a handoff, the prompt of an export). ms: host wall time
-(`time.perf_counter`) around the phase's Python — the GPU work it queues is not included, and no host sync is added
-(a phase that syncs by design, the worker's "check", includes its wait). Every process of an engine appends to the
+tokens: the request's prompt on the scheduler, the mapped span on the worker (an export: its prompt). ms: host wall
+time (`time.perf_counter`) around the phase's Python — the GPU work it queues is not included, and no host sync is
+added (a phase that waits by design includes its wait: the worker's "check" reads device flags; on a GPU the "slots"
+copy of the block ids from pageable memory waits for the stream, as the copy of the slots it replaced did). Every process of an engine appends to the
 same file (one `os.write` of one line, O_APPEND). Unset, `phase` hands back one shared null context: no clock read,
 no file. The phases, in the order one handoff meets them:
 
-    scheduler  header   the export's metadata (Transport.header)            export  the Save of a prompt's slots
+    scheduler  header   the export's metadata (Transport.header)            export  the Save of a prompt's blocks
                claim    the decision (claim.claim)
                rekey    the provenance keys from the first mapped block (provenance.rekey)
                alloc    the Load, once vLLM allocated the span's blocks
