@@ -5,6 +5,7 @@ only, never quality.
     python scripts/bench_vllm_ttft.py --pair conf/pair/qwen25coder_0p5b_to_1p5b_random.yaml \\
         --lengths 1024,2048,4096,8192,16384 --export-memory device --out results/vllm_ttft.json   # GPU: one device
     python scripts/bench_vllm_ttft.py --smoke --out /tmp/vllm_ttft.json          # CPU: the tiny pair, 64 / 128
+    python scripts/bench_vllm_ttft.py --smoke --lengths 512,2048,8192 --repeats 5 --timings --out /tmp/t.json
 
 Per length and repeat, a fresh history of n random tokens and a 16-token turn (prompts no engine has seen):
     re-prefill  the receiver reads history + turn, nothing cached                      (plain request)
@@ -14,12 +15,15 @@ Per length and repeat, a fresh history of n random tokens and a 16-token turn (p
                 (its request with the export minus the same request of another fresh history without)
 A request's TTFT is the wall time of `LLM.generate` for one greedy token. Plain requests run on the receiver
 engine itself (no kvrelay parameters: the connector declines them). Writes one JSON: every measurement, the
-medians, the paired speedups with their intervals, the machine and the versions.
+medians, the paired speedups with their intervals, the machine and the versions. `--timings` adds, per length, the
+median host time of each phase of the handoff on both engines (src/serving/timings.py: host wall time, GPU work
+queued not included), over the measured repeats.
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 import math
 import platform
@@ -52,14 +56,20 @@ def _timed(llm, prompt: list[int], params: dict | None = None) -> tuple[float, d
     return (time.perf_counter() - began) * 1e3, (output.kv_transfer_params or {}).get("kvrelay", {})
 
 
-def measure(small, large, mapper: str, lengths: list[int], repeats: int, vocab: int, seed: int = 0) -> list[dict]:
-    """One row per length: every repeat's ms per path, and what the receiver mapped (module docstring)."""
+def measure(
+    small, large, mapper: str, lengths: list[int], repeats: int, vocab: int, seed: int = 0, timings: Path | None = None
+) -> list[dict]:
+    """One row per length: every repeat's ms per path, and what the receiver mapped (module docstring); with
+    `timings` (the engines' KVRELAY_TIMINGS file), the median host ms of each phase (`host_ms`)."""
     rng = random.Random(seed)
     fresh = lambda n: rng.choices(range(2, vocab), k=n)
     rows = []
     for n in lengths:
         row = {"tokens": n, "reprefill_ms": [], "hit_ms": [], "map_ms": [], "export_ms": [], "mapped": []}
+        offset = 0  # where the measured repeats' timing lines begin
         for repeat in range(repeats + 1):  # the first round warms each path up and is dropped
+            if repeat == 1 and timings is not None and timings.exists():
+                offset = timings.stat().st_size
             turn = fresh(TURN)
             reprefill, _ = _timed(large, fresh(n) + turn)
             held = fresh(n)
@@ -78,6 +88,8 @@ def measure(small, large, mapper: str, lengths: list[int], repeats: int, vocab: 
                 row["export_ms"].append(with_export - without)
                 row["map_ms"].append(mapped)
                 row["mapped"].append(record["handoff"]["mapped"])
+        if timings is not None:
+            row["host_ms"] = phase_medians(timings, offset)
         routed = [m + max(e, 0.0) for m, e in zip(row["map_ms"], row["export_ms"], strict=True)]
         row["median_ms"] = {
             "reprefill": statistics.median(row["reprefill_ms"]),
@@ -94,6 +106,24 @@ def measure(small, large, mapper: str, lengths: list[int], repeats: int, vocab: 
         }
         rows.append(row)
     return rows
+
+
+def phase_medians(path: Path, offset: int) -> dict:
+    """{role: {phase: median ms}} over the requests whose timing lines follow byte `offset` of `path` (a request's
+    lines of one phase summed first: a phase met twice counts once)."""
+    total: dict[tuple[str, str, str], float] = collections.defaultdict(float)
+    with path.open("rb") as stream:
+        stream.seek(offset)
+        for line in stream.read().decode().splitlines():
+            entry = json.loads(line)
+            total[entry["role"], entry["phase"], entry["request"]] += entry["ms"]
+    phases: dict[tuple[str, str], list[float]] = collections.defaultdict(list)
+    for (role, phase, _), ms in total.items():
+        phases[role, phase].append(ms)
+    medians: dict[str, dict[str, float]] = collections.defaultdict(dict)
+    for (role, phase), ms in sorted(phases.items()):
+        medians[role][phase] = round(statistics.median(ms), 4)
+    return dict(medians)
 
 
 def machine() -> dict:
@@ -132,11 +162,14 @@ def build(pair: Path, work: Path, dtype: torch.dtype) -> tuple[Path, Path, Path]
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--pair", type=Path, default=ROOT / "conf/pair/qwen25coder_0p5b_to_1p5b_random.yaml")
-    parser.add_argument("--lengths", default="1024,2048,4096,8192,16384")
-    parser.add_argument("--repeats", type=int, default=11)  # ≥ 6: the speedups get a 95 % interval
+    parser.add_argument("--lengths", default=None, help="default 1024,...,16384 (--smoke: 64,128)")
+    parser.add_argument("--repeats", type=int, default=None, help="default 11 (≥ 6: the speedups get a 95 %% "
+                        "interval; --smoke: 1)")  # fmt: skip
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--work", type=Path, default=None, help="where models, mapper and exports go (default: temp)")
-    parser.add_argument("--smoke", action="store_true", help="CPU: the tests' tiny pair at 64 and 128 tokens")
+    parser.add_argument("--smoke", action="store_true", help="CPU: the tests' tiny pair (at 64 and 128 tokens)")
+    parser.add_argument("--timings", action="store_true",
+                        help="the handoff's host time per phase (KVRELAY_TIMINGS), medians per length")  # fmt: skip
     parser.add_argument("--export-memory", choices=("host", "device"), default="host",
                         help="where the sender keeps its exports (src/serving/transport.py); device: CUDA only")  # fmt: skip
     parser.add_argument("--apply-backend", choices=("torch", "auto", "triton"), default="torch",
@@ -155,13 +188,23 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
     os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
     work = args.work or Path(tempfile.mkdtemp(prefix="kvrelay-ttft-"))
-    lengths = [64, 128] if args.smoke else [int(n) for n in args.lengths.split(",")]
+    default = "64,128" if args.smoke else "1024,2048,4096,8192,16384"
+    lengths = [int(n) for n in (args.lengths or default).split(",")]
+    repeats = args.repeats or (1 if args.smoke else 11)
+    timings = None
+    if args.timings:  # before the engines start: their processes read it
+        timings = work / "timings.jsonl"
+        timings.unlink(missing_ok=True)
+        os.environ["KVRELAY_TIMINGS"] = str(timings)
     exports = {"transport": str(work / "exports")}
     sender = exports | {"export_memory": args.export_memory, "keep_exports": 4}  # device exports hold GPU memory
     policy = {"policy": {"length_guard": "off"}}  # random weights: no evidence to guard with; timing only
     if args.smoke:
         pair = serving_pair(work)
         small_dir, large_dir, mapper_dir, settings = pair.small, pair.large, pair.fitted, {}
+        if max(lengths) + 2 * TURN > 512:  # the tiny pair's 1024 positions are a config value, not a RoPE limit
+            longest = max(lengths) + 2 * TURN
+            settings = dict(max_model_len=longest, hf_overrides={"max_position_embeddings": longest})
     else:
         small_dir, large_dir, mapper_dir = build(args.pair, work, torch.bfloat16)
         settings = dict(dtype="bfloat16", max_model_len=max(lengths) + 2 * TURN, block_size=16, enforce_eager=False,
@@ -169,12 +212,14 @@ def main(argv: list[str] | None = None) -> int:
     route = {"routes": [{"mapper": str(mapper_dir), "source": str(small_dir)}], "apply_backend": args.apply_backend}
     small = engine(small_dir, sender, **settings)
     large = engine(large_dir, exports | route | policy, **settings)
-    rows = measure(small, large, mapper_id(load_mapper(mapper_dir)), lengths, 1 if args.smoke else args.repeats, 300)
+    rows = measure(small, large, mapper_id(load_mapper(mapper_dir)), lengths, repeats, 300, timings=timings)
     run = {"export_memory": args.export_memory, "apply_backend": args.apply_backend,
-           "dtype": "float32" if args.smoke else "bfloat16", "commit": commit()}  # fmt: skip
+           "dtype": "float32" if args.smoke else "bfloat16", "commit": commit(), "timings": args.timings}  # fmt: skip
     write(rows, "tests/vllm_pair.py (smoke)" if args.smoke else str(args.pair), run, args.out)
     for row in rows:
         print(row["tokens"], {k: round(v, 2) for k, v in row["median_ms"].items()})
+        for role, phases in row.get("host_ms", {}).items():
+            print(f"  {role:9s}", {k: round(v, 3) for k, v in phases.items()})
     return 0
 
 

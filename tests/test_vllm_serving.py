@@ -2,8 +2,8 @@
 
 Three engines per module: `small` (the sender: exports), `large` (the receiver: routes
 small → large, a mapper fitted by the project's own fit on random calibration, and large → large, an identity map;
-hold-back 4, factor rule 3 × the 64-token calibration, magnitude guard 1e3) and `plain` (large without the
-connector: what every refusal must reproduce bit for bit). Tiny random-weight models (tests/vllm_pair.py), float32,
+hold-back 4, factor rule 3 × the 64-token calibration, magnitude guard 1e3; its host timings on, KVRELAY_TIMINGS:
+src/serving/timings.py) and `plain` (large without the connector: what every refusal must reproduce bit for bit). Tiny random-weight models (tests/vllm_pair.py), float32,
 blocks of 32. Each test uses prompts no engine has seen, so prefix caching never changes a reference. Skipped only
 where vLLM is not importable.
 """
@@ -25,6 +25,8 @@ pytest.importorskip("vllm", reason="vLLM is not installed (pip install -e '.[ser
 from src.artifact import load_mapper  # noqa: E402
 from src.runtime.routing import mapper_id  # noqa: E402
 from src.serving.router import Router  # noqa: E402
+from src.serving.timings import ENV as TIMINGS  # noqa: E402
+from src.serving.timings import PHASES  # noqa: E402
 from src.serving.transport import Transport  # noqa: E402
 from tests.vllm_pair import (  # noqa: E402
     ENV,
@@ -53,12 +55,14 @@ class Served:
     fitted: str  # mapper ids
     identity: str
     pair: object
+    timings: Path  # the receiver's KVRELAY_TIMINGS (the sender's is unset)
 
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
-    saved = {key: os.environ.get(key) for key in ENV}
+    saved = {key: os.environ.get(key) for key in (*ENV, TIMINGS)}
     os.environ.update(ENV)
+    os.environ.pop(TIMINGS, None)
     root = tmp_path_factory.mktemp("serving")
     pair = serving_pair(root)
     exports = str(root / "exports")
@@ -68,9 +72,14 @@ def served(tmp_path_factory):
                    {"mapper": str(pair.identity), "source": str(pair.large)}],
         "policy": POLICY,
     }  # fmt: skip
-    engines = [engine(pair.small, {"transport": exports}), engine(pair.large, receiver), engine(pair.large, None)]
+    timings = root / "timings.jsonl"
+    engines = [engine(pair.small, {"transport": exports})]
+    os.environ[TIMINGS] = str(timings)  # read by the engine's processes as they start: the receiver's only
+    engines.append(engine(pair.large, receiver))
+    del os.environ[TIMINGS]
+    engines.append(engine(pair.large, None))
     ids = [mapper_id(load_mapper(path)) for path in (pair.fitted, pair.identity)]
-    yield Served(*engines, Transport(exports), *ids, pair)
+    yield Served(*engines, Transport(exports), *ids, pair, timings)
     for llm in engines:  # now, not at interpreter exit
         llm.llm_engine.engine_core.shutdown()
     for key, value in saved.items():
@@ -259,6 +268,33 @@ def test_a_refused_switch_continues_exactly_as_plain_vllm(served):
     assert answer == tokens(generate(served.plain, router.ids[:-4]))
 
 
+# ---------------------------------------------------------------------------------------------------- timings
+
+
+def _timed_phases(served, output) -> list[tuple[str, str, int]]:
+    """(role, phase, tokens) of every timing line of the request behind `output` (vLLM's id: the output's + a suffix)."""
+    lines = [json.loads(line) for line in served.timings.read_text().splitlines()] if served.timings.exists() else []
+    return [(e["role"], e["phase"], e["tokens"]) for e in lines if e["request"].startswith(output.request_id + "-")]
+
+
+def test_timings_name_every_phase_of_a_handoff_where_set_and_nothing_where_unset(served):
+    """The receiver (KVRELAY_TIMINGS set) writes one line per phase of a handoff, each its span or prompt long, and
+    the phases of its own export; the sender (unset) writes none of its export's."""
+    prompt = fresh(100)
+    conversation = prompt + fresh(5)
+    before = served.timings.read_text() if served.timings.exists() else ""
+    export_id = export(served.small, prompt)
+    assert (served.timings.read_text() if served.timings.exists() else "") == before
+    out = generate(served.large, conversation, handoff(export_id, served.fitted), n=1)
+    assert record(out)["handoff"]["status"] == "mapped"
+    timed = _timed_phases(served, out)
+    want = [("scheduler", p, len(conversation)) for p in PHASES["scheduler"]]
+    want += [("worker", p, 96) for p in PHASES["worker"]]
+    assert sorted(timed) == sorted(want)
+    own = generate(served.large, fresh(70), {"kvrelay": {"export": True}}, n=1)
+    assert sorted(_timed_phases(served, own)) == [("scheduler", "export", 70), ("worker", "export", 70)]
+
+
 # ---------------------------------------------------------------------------------------------------- the TTFT bench
 
 
@@ -268,7 +304,7 @@ def test_the_ttft_bench_runs_its_paths_at_tiny_sizes(served, tmp_path):
     spec = importlib.util.spec_from_file_location("bench_vllm_ttft", ROOT / "scripts" / "bench_vllm_ttft.py")
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
-    rows = bench.measure(served.small, served.large, served.fitted, [64, 128], repeats=1, vocab=VOCAB)
+    rows = bench.measure(served.small, served.large, served.fitted, [64, 128], 1, VOCAB, timings=served.timings)
     result = json.loads(json.dumps(bench.write(rows, "smoke", {"export_memory": "host"}, tmp_path / "ttft.json")))
     assert json.loads((tmp_path / "ttft.json").read_text()) == result
     assert [row["tokens"] for row in result["rows"]] == [64, 128]
@@ -276,3 +312,6 @@ def test_the_ttft_bench_runs_its_paths_at_tiny_sizes(served, tmp_path):
     for row in result["rows"]:
         assert set(row["median_ms"]) == {"reprefill", "hit", "map", "routed"}
         assert all(value > 0 for value in row["median_ms"].values())
+        assert {role: set(phases) for role, phases in row["host_ms"].items()} == {
+            role: set(phases) for role, phases in PHASES.items()
+        }  # the receiver's phases (its sender's timings are off)

@@ -40,10 +40,13 @@ def layout_of(layer: torch.nn.Module) -> str:
     return LAYOUTS[name]
 
 
-def slots_for(block_ids: Sequence[int], block_size: int, start: int, end: int) -> torch.Tensor:
-    """Slots [end − start] (int64) of positions start..end−1 of a request whose blocks are `block_ids`."""
-    positions = torch.arange(start, end)  # [n]
-    blocks = torch.as_tensor(list(block_ids), dtype=torch.long)[positions // block_size]  # [n]
+def slots_for(
+    block_ids: Sequence[int], block_size: int, start: int, end: int, device: torch.device | str = "cpu"
+) -> torch.Tensor:
+    """Slots [end − start] (int64, on `device`) of positions start..end−1 of a request whose blocks are `block_ids`
+    (computed there: one id per block crosses from the host, not one slot per token)."""
+    positions = torch.arange(start, end, device=device)  # [n]
+    blocks = torch.as_tensor(list(block_ids), dtype=torch.long, device=device)[positions // block_size]  # [n]
     return blocks * block_size + positions % block_size
 
 

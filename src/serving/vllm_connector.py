@@ -9,13 +9,13 @@ connectors: the scheduler side decides, once per step, and writes its decisions 
 side only executes them.
 
 Scheduler: a request asking for an export gets an id (returned in its output's `kv_transfer_params`), and when its
-prefill completes the step's metadata carries a `Save` of its prompt's slots. A handoff request is claimed in
+prefill completes the step's metadata carries a `Save` of its prompt's blocks. A handoff request is claimed in
 `get_num_new_matched_tokens` — after vLLM's own prefix hit, which comes first (the sink) — by `claim.claim`, whose
 decision is a `SplicePlan` (src/runtime/plan.py, the runtime's own `plan_splice` on a receiver without a forward),
 or refused (0 tokens: an ordinary prefill, the output vLLM gives without the connector). The tokens it matches are
 the plan's span, plan.end − plan.start; a claim re-keys the request's prefix-cache keys from its first mapped block
 (src/serving/provenance.py) and, once its blocks are allocated — vLLM counting exactly that span as loaded, else
-the claim is refused there too — becomes a `Load` that carries the plan and the span's slots. Every request with
+the claim is refused there too — becomes a `Load` that carries the plan and the span's blocks. Every request with
 kvrelay parameters gets a record in its output.
 
 Worker: `start_load_kv` (before the forward) reads each load's span plan.start..plan.end − 1 from the transport,
@@ -54,6 +54,7 @@ from src.serving.paged import check_layout, read_slots, slots_for, write_mapped
 from src.serving.params import KEY, Handoff, RelayParams, parse
 from src.serving.provenance import rekey
 from src.serving.routes import bound_routes, model_tokenizer_hash, scheduled_routes
+from src.serving.timings import Timings
 from src.serving.transport import ExportError, Header, Lease, Transport
 
 logger = init_logger(__name__)
@@ -61,26 +62,26 @@ logger = init_logger(__name__)
 
 @dataclass
 class Load:
-    """Map the span of a request's plan, positions plan.start..plan.end − 1 of an export, into its slots
-    [plan.end − plan.start] — or, `refusal` set, nothing: the worker reports its blocks as failed."""
+    """Map the span of a request's plan, positions plan.start..plan.end − 1 of an export, into the blocks it fills
+    (the worker derives their slots on its device: block ids travel, not one slot per token) — or, `refusal` set,
+    nothing: the worker reports those blocks as failed."""
 
     request_id: str
     export_id: str
     mapper_id: str
     plan: SplicePlan
-    slots: list[int]
-    block_ids: list[int]  # the blocks the span fills (vLLM counts as loaded): reported if the load fails
+    block_ids: list[int]  # the request's blocks from the one holding plan.start (vLLM counts them as loaded)
     refusal: str | None = None  # why the scheduler refused it after vLLM allocated its blocks
 
 
 @dataclass
 class Save:
-    """Publish the K/V of a request's prompt (token ids, slots of positions 0..T−1) as an export."""
+    """Publish the K/V of a request's prompt (token ids, positions 0..T−1, in blocks `block_ids`) as an export."""
 
     request_id: str
     export_id: str
     ids: list[int]
-    slots: list[int]
+    block_ids: list[int]
     mapped: tuple[int, int] | None
 
 
@@ -116,12 +117,15 @@ def _refuse(tracked: _Tracked, reason: str, hit: int) -> None:
 class KVRelayConnector(KVConnectorBase_V1):
     """The kvrelay connector (module docstring)."""
 
+    timings = Timings("off")  # src/serving/timings.py: off unless the engine's environment asks (__init__)
+
     def __init__(self, vllm_config, role: KVConnectorRole, kv_cache_config=None):
         super().__init__(vllm_config, role, kv_cache_config)
         transfer = vllm_config.kv_transfer_config
         self.config = connector_config(transfer.kv_connector_extra_config, transfer.kv_load_failure_policy)
         self.block_size = vllm_config.cache_config.block_size
         self.transport = Transport(self.config.transport, self.config.export_memory)
+        self.timings = Timings.from_environment("scheduler" if role == KVConnectorRole.SCHEDULER else "worker")
         model = vllm_config.model_config
         if role == KVConnectorRole.SCHEDULER:
             self.target_layers = model.get_total_num_hidden_layers()
@@ -176,25 +180,28 @@ class KVRelayConnector(KVConnectorBase_V1):
         if tracked is None or tracked.params.handoff is None:
             return 0, False
         handoff = tracked.params.handoff
-        plan = self._decide(tracked, handoff, num_computed_tokens)
+        plan = self._decide(request.request_id, tracked, handoff, num_computed_tokens)
         if isinstance(plan, str):
             _refuse(tracked, plan, num_computed_tokens)
             return 0, False
-        rekey(request, plan.start, handoff.mapper_id, self.block_size)
+        with self.timings.phase("rekey", request.request_id, len(tracked.prompt)):
+            rekey(request, plan.start, handoff.mapper_id, self.block_size)
         tracked.plan, tracked.handoff = plan, handoff
         return plan.end - plan.start, False  # plan.start is the hit: the tokens past it that the plan maps
 
-    def _decide(self, tracked: _Tracked, handoff: Handoff, hit: int) -> SplicePlan | str:
+    def _decide(self, request_id: str, tracked: _Tracked, handoff: Handoff, hit: int) -> SplicePlan | str:
         route = self.routes.get(handoff.mapper_id)
         if route is None:
             return f"unknown mapper id {handoff.mapper_id!r}: this engine serves {sorted(self.routes)}"
         if tracked.header is None or tracked.header.export_id != handoff.export_id:
             try:
-                tracked.header = self.transport.header(handoff.export_id)
+                with self.timings.phase("header", request_id, len(tracked.prompt)):
+                    tracked.header = self.transport.header(handoff.export_id)
             except ExportError as error:
                 return str(error)
-        return claim(tracked.prompt, hit, tracked.header, route.route, route.source_fingerprint, self.config.policy,
-                     self.tokenizer_hash, self.block_size, self.target_layers)  # fmt: skip
+        with self.timings.phase("claim", request_id, len(tracked.prompt)):
+            return claim(tracked.prompt, hit, tracked.header, route.route, route.source_fingerprint,
+                         self.config.policy, self.tokenizer_hash, self.block_size, self.target_layers)  # fmt: skip
 
     def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
         """The claim's plan becomes a `Load`, once vLLM has allocated its blocks and counted exactly its span,
@@ -205,6 +212,10 @@ class KVRelayConnector(KVConnectorBase_V1):
         tracked = self._tracked.get(request.request_id)
         if tracked is None or tracked.plan is None:
             return
+        with self.timings.phase("alloc", request.request_id, len(tracked.prompt)):
+            self._allocated(request.request_id, tracked, blocks, num_external_tokens)
+
+    def _allocated(self, request_id: str, tracked: _Tracked, blocks, num_external_tokens: int) -> None:
         plan, handoff = tracked.plan, tracked.handoff
         if num_external_tokens == 0:
             _refuse(tracked, "vLLM loads none of the claimed span (its own prefix hit, or the request reads none)",
@@ -215,13 +226,11 @@ class KVRelayConnector(KVConnectorBase_V1):
         if num_external_tokens != plan.end - plan.start:
             refusal = (f"vLLM counts {num_external_tokens} tokens from {plan.start} as loaded, the plan maps "
                        f"{plan.start}..{plan.end - 1}: its blocks are recomputed")  # fmt: skip
-            logger.error("kvrelay: request %s: %s", request.request_id, refusal)
+            logger.error("kvrelay: request %s: %s", request_id, refusal)
             tracked.record["handoff"] = {"status": "recomputed", "reason": refusal, "hit": plan.held, "mapped": 0}
-            self._loads.append(Load(request.request_id, handoff.export_id, handoff.mapper_id, plan, [], counted,
-                                    refusal))  # fmt: skip
+            self._loads.append(Load(request_id, handoff.export_id, handoff.mapper_id, plan, counted, refusal))
             return
-        load = Load(request.request_id, handoff.export_id, handoff.mapper_id, plan,
-                    slots_for(block_ids, self.block_size, plan.start, plan.end).tolist(), counted)  # fmt: skip
+        load = Load(request_id, handoff.export_id, handoff.mapper_id, plan, counted)
         tracked.load_blocks = set(load.block_ids)
         prompt_blocks = block_ids[: -(-len(tracked.prompt) // self.block_size)]  # the prompt's blocks (tests read them)
         tracked.record["handoff"] = {"status": "mapped", "reason": f"policy: {self.config.policy.mode}",
@@ -254,8 +263,9 @@ class KVRelayConnector(KVConnectorBase_V1):
             held, now = tracked.params.mapped, tracked.plan  # an earlier handoff's span, this request's own
             spans = [(s.start, s.end) for s in (held, now) if s is not None]
             mapped = (min(a for a, _ in spans), max(b for _, b in spans)) if spans else None  # never mapped again
-            slots = slots_for(tracked.blocks, self.block_size, 0, len(tracked.prompt)).tolist()
-            meta.saves.append(Save(request_id, tracked.export_id, tracked.prompt, slots, mapped))
+            with self.timings.phase("export", request_id, len(tracked.prompt)):
+                blocks = tracked.blocks[: -(-len(tracked.prompt) // self.block_size)]  # the prompt's
+                meta.saves.append(Save(request_id, tracked.export_id, tracked.prompt, blocks, mapped))
             tracked.exported = True
             tracked.record["export_tokens"] = len(tracked.prompt)
 
@@ -312,22 +322,29 @@ class KVRelayConnector(KVConnectorBase_V1):
     def _load(self, load: Load) -> None:
         bound = self.bound[load.mapper_id]
         start, end = load.plan.start, load.plan.end
-        keys, values, lease = self.transport.load(load.export_id, start, end, self.device)  # [L_s, H_s, n, d_s]
+        phase = lambda name: self.timings.phase(name, load.request_id, end - start)  # noqa: E731
+        with phase("load"):
+            keys, values, lease = self.transport.load(load.export_id, start, end, self.device)  # [L_s, H_s, n, d_s]
         try:
             kv = bound.source_kv
             if tuple(keys.shape) != (kv.num_layers, kv.num_kv_heads, end - start, kv.head_dim):
                 raise ExportError(f"export {load.export_id} holds K/V {tuple(keys.shape)}, the mapper's source "
                                   f"{kv.num_layers} × {kv.num_kv_heads} × n × {kv.head_dim}")  # fmt: skip
             dtype = self.layers[0].kv_cache.dtype
-            mapped_k, mapped_v, flags = bound.map(keys, values, start, self.heads, dtype)  # [L_t, n, H, d_t]
-            write_mapped(self.layers, mapped_k, mapped_v, torch.tensor(load.slots, device=self.device))
+            with phase("slots"):  # block_ids[0] holds position start: a claim starts on a block (provenance.py)
+                slots = slots_for(load.block_ids, self.block_size, 0, end - start, self.device)  # [n]
+            with phase("map"):
+                mapped_k, mapped_v, flags = bound.map(keys, values, start, self.heads, dtype)  # [L_t, n, H, d_t]
+            with phase("write"):
+                write_mapped(self.layers, mapped_k, mapped_v, slots)
         except BaseException:
             if self.device.type == "cuda":  # reads of the sender's memory may be queued: let them end first
                 torch.cuda.current_stream(self.device).synchronize()
             lease.release()
             raise
-        bound_abs = self.config.policy.guard_max_abs
-        peak = None if bound_abs is None else torch.maximum(mapped_k.abs().amax(), mapped_v.abs().amax()).float()
+        with phase("guard"):
+            bound_abs = self.config.policy.guard_max_abs
+            peak = None if bound_abs is None else torch.maximum(mapped_k.abs().amax(), mapped_v.abs().amax()).float()
         self._started.append((load, flags, peak, lease))
 
     def get_block_ids_with_load_errors(self) -> set[int]:
@@ -335,11 +352,12 @@ class KVRelayConnector(KVConnectorBase_V1):
         failed = list(self._failed)
         guard = self.config.policy.guard_max_abs
         for load, flags, peak, lease in self._started:
-            if bool(flags.any()):  # a device read: the map, and its reads of the export before it, have ended
-                failed.append((load, f"mapped target layer {int(flags.nonzero()[0])} is not finite"))
-            elif peak is not None and float(peak) > guard:
-                failed.append((load, f"guard: mapped |K|, |V| reach {float(peak):.3g} > {guard:g}"))
-            lease.release()
+            with self.timings.phase("check", load.request_id, load.plan.end - load.plan.start):
+                if bool(flags.any()):  # a device read: the map, and its reads of the export before it, have ended
+                    failed.append((load, f"mapped target layer {int(flags.nonzero()[0])} is not finite"))
+                elif peak is not None and float(peak) > guard:
+                    failed.append((load, f"guard: mapped |K|, |V| reach {float(peak):.3g} > {guard:g}"))
+                lease.release()
         self._started, self._failed = [], []
         for load, reason in failed:
             logger.warning("kvrelay: late refusal of request %s (export %s): %s — its %d blocks are recomputed",
@@ -352,7 +370,8 @@ class KVRelayConnector(KVConnectorBase_V1):
         for save in self._get_connector_metadata().saves:
             began = time.perf_counter()
             try:
-                self._export(save)
+                with self.timings.phase("export", save.request_id, len(save.ids)):
+                    self._export(save)
             except Exception as error:  # noqa: BLE001 — an export that fails is absent: receivers refuse it
                 logger.error("kvrelay: export %s of request %s failed: %s", save.export_id, save.request_id, error)
                 continue
@@ -360,7 +379,7 @@ class KVRelayConnector(KVConnectorBase_V1):
                          (time.perf_counter() - began) * 1e3)  # fmt: skip
 
     def _export(self, save: Save) -> None:
-        slots = torch.tensor(save.slots, device=self.device)
+        slots = slots_for(save.block_ids, self.block_size, 0, len(save.ids), self.device)  # [T]
         pairs = [read_slots(layer.kv_cache, slots, self.layout) for layer in self.layers]  # ([T, H, d], [T, H, d])
         keys = torch.stack([k for k, _ in pairs]).transpose(1, 2)  # [L, H, T, d] (the transport copies to its memory)
         values = torch.stack([v for _, v in pairs]).transpose(1, 2)

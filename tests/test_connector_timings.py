@@ -1,0 +1,63 @@
+"""The connector's opt-in host timings (src/serving/timings.py) and the TTFT bench's fold of them, without an engine
+(a handoff over real engines writing every phase: tests/test_vllm_serving.py)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+from src.serving.timings import ENV, PHASES, Timings
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_unset_the_timings_read_no_clock_and_write_nothing(tmp_path, monkeypatch):
+    monkeypatch.delenv(ENV, raising=False)
+    monkeypatch.chdir(tmp_path)
+    timings = Timings.from_environment("worker")
+    assert timings.path is None
+    first, second = timings.phase("map", "r", 64), timings.phase("write", "s", 32)
+    assert first is second  # one shared null context: nothing allocated, no clock read
+    with first:
+        pass
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_set_every_phase_appends_one_line_even_when_it_raises(tmp_path, monkeypatch):
+    path = tmp_path / "timings.jsonl"
+    monkeypatch.setenv(ENV, str(path))
+    timings = Timings.from_environment("scheduler")
+    with timings.phase("claim", "r-1", 4096):
+        pass
+    with pytest.raises(KeyError), timings.phase("header", "r-2", 128):
+        raise KeyError("export")
+    lines = [json.loads(line) for line in path.read_text().splitlines()]
+    assert [(e["role"], e["phase"], e["request"], e["tokens"]) for e in lines] == [
+        ("scheduler", "claim", "r-1", 4096),
+        ("scheduler", "header", "r-2", 128),
+    ]
+    assert all(e["ms"] >= 0 and isinstance(e["pid"], int) for e in lines)
+
+
+def test_the_bench_folds_a_requests_phase_once_and_skips_lines_before_its_offset(tmp_path):
+    spec = importlib.util.spec_from_file_location("bench_vllm_ttft", ROOT / "scripts" / "bench_vllm_ttft.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    path = tmp_path / "timings.jsonl"
+    warm = Timings("worker", str(path))
+    warm.write("map", "w", 8, 1000.0)  # the warm-up round: dropped
+    offset = path.stat().st_size
+    scheduler, worker = Timings("scheduler", str(path)), Timings("worker", str(path))
+    for request, ms in (("a", 1.0), ("b", 3.0), ("c", 2.0)):
+        worker.write("map", request, 8, ms)
+        scheduler.write("claim", request, 8, ms / 2)
+        scheduler.write("claim", request, 8, ms / 2)  # met twice (a request scheduled later): summed
+    assert bench.phase_medians(path, offset) == {"scheduler": {"claim": 2.0}, "worker": {"map": 2.0}}
+
+
+def test_the_phases_are_named_once_per_role():
+    assert set(PHASES) == {"scheduler", "worker"}
+    assert all(len(set(names)) == len(names) and "export" not in names for names in PHASES.values())
