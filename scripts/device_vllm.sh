@@ -67,7 +67,8 @@ EOF
       tee "$OUT/vllm-tests.txt" | tail -8 ;;
   bench)
     memory=${MEMORY:-device}  # the sender's exports: on its GPU (CUDA IPC), or MEMORY=host (files)
-    python3 scripts/bench_vllm_ttft.py --export-memory "$memory" --apply-backend auto --out "$OUT/vllm_ttft_$memory.json" \
+    python3 scripts/bench_vllm_ttft.py --export-memory "$memory" --apply-backend auto --timings \
+      --out "$OUT/vllm_ttft_$memory.json" \
       --work /tmp/vllm-bench 2>&1 | tee "$OUT/vllm-bench-$memory.txt" | grep -v -E "^\(|^INFO|^WARNING" | tail -12 ;;
   *) echo "unknown stage $stage"; exit 2 ;;
 esac
