@@ -104,3 +104,10 @@ def test_phases_of_different_items_are_refused():
     ran, hf = runtime_pair(0, 0.0)
     with pytest.raises(ValueError, match="different items"):
         parity.judged([{"key": "boolq#1", **ran}], [{"key": "boolq#2", **hf}])
+
+
+def test_the_gap_is_the_worst_of_vllms_top_ids():
+    """Over every id of vLLM's top (not its first alone), at kvrelay's value of that id; ids outside it unread."""
+    reference = torch.tensor([-0.1, -2.0, -3.0, -9.0])
+    assert parity.logprob_gap({0: -0.1, 1: -2.5, 2: -3.0}, reference) == pytest.approx(0.5)
+    assert parity.logprob_gap({1: -2.0, 0: -0.1}, reference) < 1e-6
