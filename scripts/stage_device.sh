@@ -11,7 +11,7 @@
 #   models && …` (device_quality.sh joins the chunks, checks the sha256 and converts on the GPU machine)
 set -euo pipefail
 cd "$(dirname "$0")/.."
-tree_mb=$(( ($(git ls-files -z | xargs -0 cat | wc -c) >> 20) + 1 ))
+tree_mb=$(git ls-files -z | xargs -0 stat -c %s | awk '{k += int(($1 + 4095) / 4096)} END {print int(k / 256) + 1}')
 chunk_mb=${1:-$((64 - tree_mb - 2))}
 
 mkdir -p .whl
