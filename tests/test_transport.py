@@ -70,11 +70,12 @@ def _device_file(tmp_path, export_id: str, **changes) -> None:
     """A device export's file as a sender on another GPU writes it (its handles are never opened here)."""
     shared = {"device": 0, "handle": "AAAA", "bytes": 384, "offset": 0, "event": None, "sync": False,
               "storage_offset": 0, "stride": [48, 24, 4, 1]}  # fmt: skip
-    metadata = {"ids": json.dumps(list(range(6))), "source_fingerprint": "fp", "tokenizer_hash": "tok",
+    metadata = {"source_fingerprint": "fp", "tokenizer_hash": "tok",
                 "heads": "0,2,2", "mapped": "", "memory": "device", "shape": "2,2,6,4", "dtype": "float32",
                 "gpu": "GPU-00000000-0000-0000-0000-000000000000", "keys": json.dumps(shared),
                 "values": json.dumps(shared)} | changes  # fmt: skip
-    (tmp_path / f"{export_id}.rank0-of-1.safetensors").write_bytes(safetensors.torch.save({}, metadata))
+    tensors = {"ids": torch.arange(6)}  # [T] int64
+    (tmp_path / f"{export_id}.rank0-of-1.safetensors").write_bytes(safetensors.torch.save(tensors, metadata))
 
 
 def test_a_device_exports_header_reads_its_metadata_and_its_memory_opens_only_where_visible(tmp_path):
@@ -140,3 +141,20 @@ def test_a_device_export_crosses_processes_and_its_removal_frees_it_whoever_read
         commands.put("stop")
         sender.join(timeout=60)
     assert sender.exitcode == 0 and not any(p.name.startswith("g1") for p in tmp_path.iterdir())
+
+
+def test_token_ids_travel_as_a_tensor_every_rank_repeats(tmp_path):
+    transport = Transport(tmp_path)
+    keys, values = _kv(heads=2)
+    for rank, ids in enumerate(([1, 2, 3, 4, 5, 6], [1, 2, 3, 4, 5, 7])):  # rank 1 holds other tokens
+        transport.put("r1", keys[:, rank : rank + 1], values[:, rank : rank + 1], ids, "fp", "tok", (rank, 1, 2),
+                      None, rank, 2)  # fmt: skip
+    with pytest.raises(ExportError, match="its ranks disagree"):
+        transport.header("r1")
+    _device_file(tmp_path, "r2")
+    path = tmp_path / "r2.rank0-of-1.safetensors"
+    with safetensors.safe_open(path, "pt") as handle:
+        metadata = handle.metadata()
+    path.write_bytes(safetensors.torch.save({"ids": torch.arange(6.0)}, metadata))  # float ids
+    with pytest.raises(ExportError, match="token ids torch.float32"):
+        transport.header("r2")

@@ -8,7 +8,8 @@ and fsynced, then renamed into place: a reader sees a complete export or none �
     <export>.rank<r>-of-<n>.safetensors
         keys, values   [L_s, H_r, T, d_s]  the sender's cache dtype; H_r: the heads sender rank r holds
                        (memory "host"; a "device" export holds no tensor bytes: see below)
-        metadata       ids (JSON token ids), source_fingerprint, tokenizer_hash, heads ("first,count,of"),
+        ids            [T] int64: the token ids whose K/V it holds (every rank's file repeats them)
+        metadata       source_fingerprint, tokenizer_hash, heads ("first,count,of"),
                        mapped ("start,end" of a span that holds mapped K/V — never mapped again — or ""),
                        memory ("host" | "device"), and for "device": shape ("L,H,T,d"), dtype, gpu (the sender
                        GPU's UUID), keys / values (the CUDA IPC handles of the sender's two tensors, JSON)
@@ -49,7 +50,7 @@ DEFAULT_DIRECTORY = "/dev/shm/kvrelay"
 EXPORT_ID = re.compile(r"[A-Za-z0-9_-]{1,64}")
 SUFFIX = ".safetensors"
 MEMORIES = ("host", "device")
-SHARED = ("ids", "source_fingerprint", "tokenizer_hash", "mapped")  # metadata every rank's file repeats
+SHARED = ("source_fingerprint", "tokenizer_hash", "mapped")  # metadata every rank's file repeats (and the ids)
 
 
 class ExportError(ValueError):
@@ -178,7 +179,6 @@ class Transport:
             raise ExportError(f"export {export_id}: keys {tuple(keys.shape)} / values {tuple(values.shape)} do not "
                               f"hold {heads[1]} heads of {len(ids)} tokens")  # fmt: skip
         metadata = {
-            "ids": json.dumps([int(i) for i in ids]),
             "source_fingerprint": source_fingerprint,
             "tokenizer_hash": tokenizer_hash,
             "heads": ",".join(str(n) for n in heads),
@@ -195,6 +195,7 @@ class Transport:
             tensors = {}
         else:
             tensors = {"keys": keys.cpu(), "values": values.cpu()}
+        tensors["ids"] = torch.tensor(ids, dtype=torch.int64)  # [T] (a tensor: no JSON of T numbers to parse)
         data = safetensors.torch.save(tensors, metadata)
         path = self._path(export_id, rank, ranks)
         handle, staging = tempfile.mkstemp(prefix=".staging-", dir=self.directory)
@@ -223,16 +224,18 @@ class Transport:
         return expected
 
     @staticmethod
-    def _info(export_id: str, path: Path) -> tuple[dict, list[int]]:
-        """A part's metadata and the shape [L_s, H_r, T, d_s] of its keys, or an ExportError."""
+    def _info(export_id: str, path: Path, ids: bool = False) -> tuple[dict, list[int], torch.Tensor | None]:
+        """A part's metadata, the shape [L_s, H_r, T, d_s] of its keys and (`ids`) its token ids [T], or an
+        ExportError."""
         try:
             with safetensors.safe_open(path, "pt") as handle:
                 metadata = handle.metadata() or {}
+                tokens = handle.get_tensor("ids") if ids else None
                 if metadata.get("memory", "host") == "host":
-                    return metadata, handle.get_slice("keys").get_shape()
+                    return metadata, handle.get_slice("keys").get_shape(), tokens
             if metadata["memory"] != "device":
                 raise ValueError(f"memory {metadata['memory']!r}")
-            return metadata, [int(n) for n in metadata["shape"].split(",")]
+            return metadata, [int(n) for n in metadata["shape"].split(",")], tokens
         except (OSError, safetensors.SafetensorError) as error:
             raise ExportError(f"export {export_id!r}: {path.name} is unreadable ({error})") from None
         except (KeyError, ValueError) as error:
@@ -242,13 +245,19 @@ class Transport:
         """The export's header (rank 0's metadata, checked against every rank's); an ExportError if it is missing,
         incomplete or malformed."""
         parts = self._parts(export_id)
-        infos = [self._info(export_id, path) for path in parts]
+        infos = [self._info(export_id, path, ids=True) for path in parts]
         try:
-            metadata, (layers, _, tokens, head_dim) = infos[0]
-            ids = tuple(json.loads(metadata["ids"]))
+            metadata, (layers, _, tokens, head_dim), first = infos[0]
+            if first.dtype != torch.int64 or first.shape != (tokens,):
+                raise ExportError(f"export {export_id!r}: token ids {first.dtype} {tuple(first.shape)} for {tokens} "
+                                  "cached tokens")  # fmt: skip
+            ids = tuple(first.tolist())
             mapped = tuple(int(n) for n in metadata["mapped"].split(",")) if metadata["mapped"] else None
             total = int(metadata["heads"].split(",")[2])
-            if any([other.get(key) for key in SHARED] != [metadata[key] for key in SHARED] for other, _ in infos):
+            if any(
+                [other.get(key) for key in SHARED] != [metadata[key] for key in SHARED] or not torch.equal(rank, first)
+                for other, _, rank in infos
+            ):
                 raise ExportError(f"export {export_id!r}: its ranks disagree on what they hold")
             header = Header(export_id, ids, metadata["source_fingerprint"], metadata["tokenizer_hash"], layers, total,
                             head_dim, len(parts), mapped)  # fmt: skip
@@ -256,8 +265,6 @@ class Transport:
             if isinstance(error, ExportError):
                 raise
             raise ExportError(f"export {export_id!r} has malformed metadata ({error!r})") from None
-        if len(ids) != tokens or any(not isinstance(i, int) for i in ids):
-            raise ExportError(f"export {export_id!r}: {len(ids)} token ids for {tokens} cached tokens")
         return header
 
     @staticmethod
@@ -288,7 +295,7 @@ class Transport:
         try:
             for path in self._parts(export_id):
                 lease.descriptors.append(self._lock(export_id, path))
-                metadata, shape = self._info(export_id, path)
+                metadata, shape, _ = self._info(export_id, path)
                 if not 0 <= start < end <= shape[2]:
                     raise ExportError(f"export {export_id!r} does not hold positions {start}..{end - 1}")
                 first, _, total = (int(n) for n in metadata["heads"].split(","))
