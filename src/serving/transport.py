@@ -231,10 +231,10 @@ class Transport:
             with safetensors.safe_open(path, "pt") as handle:
                 metadata = handle.metadata() or {}
                 tokens = handle.get_tensor("ids") if ids else None
-                if metadata.get("memory", "host") == "host":
+                if metadata["memory"] not in MEMORIES:
+                    raise ValueError(f"memory {metadata['memory']!r}")
+                if metadata["memory"] == "host":
                     return metadata, handle.get_slice("keys").get_shape(), tokens
-            if metadata["memory"] != "device":
-                raise ValueError(f"memory {metadata['memory']!r}")
             return metadata, [int(n) for n in metadata["shape"].split(",")], tokens
         except (OSError, safetensors.SafetensorError) as error:
             raise ExportError(f"export {export_id!r}: {path.name} is unreadable ({error})") from None
@@ -315,7 +315,7 @@ class Transport:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """One part's keys and values [L_s, H_r, end − start, d_s]: read from the file, or views of the sender's
         device memory (opened into `lease`)."""
-        if metadata.get("memory", "host") == "host":
+        if metadata["memory"] == "host":  # checked by `_info`
             try:
                 with safetensors.safe_open(path, "pt") as handle:
                     return handle.get_slice("keys")[:, :, start:end], handle.get_slice("values")[:, :, start:end]
