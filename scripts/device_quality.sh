@@ -261,8 +261,11 @@ PY
       for ((k = 0; k < ${SHARDS:-4}; k++)); do step $((n += 1)) "${G[@]}" "$direction" "workload.shard=$k"; done
       parts=$(grep -l "\"workload.shards\": \"${SHARDS:-4}\"" "$HOME"/valid/*shard*/record.json 2>/dev/null |
         xargs -r grep -l "\"pair.name\": \"${direction#pair=}\"" | xargs -r -n1 dirname || true)
-      [ "$(echo "$parts" | grep -c .)" -eq "${SHARDS:-4}" ] && python3 -m src.routed_merge "$OUT/trk" $parts 2>&1 |
-        tee -a "$OUT/log.txt" || echo "not joined yet: ${direction#pair=}" | tee -a "$OUT/log.txt"
+      joined=$HOME/gate.joined.${direction#pair=}  # a direction joins once: a later call must not write a re-run
+      if [ -e "$joined" ]; then echo "joined earlier: ${direction#pair=}" | tee -a "$OUT/log.txt"
+      elif [ "$(echo "$parts" | grep -c .)" -eq "${SHARDS:-4}" ] &&
+        python3 -m src.routed_merge "$OUT/trk" $parts 2>&1 | tee -a "$OUT/log.txt"; then touch "$joined"
+      else echo "not joined yet: ${direction#pair=}" | tee -a "$OUT/log.txt"; fi
     done
     echo "gate queue done" | tee -a "$OUT/log.txt" ;;
   length)  # issue 25: quality vs history length on VALIDATION items — fewshot_long (ARC-Easy + HellaSwag, shot counts

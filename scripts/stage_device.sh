@@ -21,9 +21,9 @@ mkdir -p .stage/data && cp -r ../shared/data/. .stage/data/
 
 home=${KVRELAY_HOME:-$HOME/.cache/kvrelay}
 python3 scripts/fetch_models.py --gguf-only --home "$home" qwen25coder_0p5b qwen25coder_1p5b
-rm -f .stage/*.part-*
+rm -f .stage/*.gguf.part-*  # the GGUF chunks only (vLLM's wheel chunks are staged by device_vllm.sh)
 for gguf in "$home"/gguf/qwen25coder_0p5b/*.gguf "$home"/gguf/qwen25coder_1p5b/*.gguf; do
   bash ../shared/tools/split-for-device "$gguf" "$chunk_mb" > /dev/null
 done
-echo "tracked tree ${tree_mb} MiB, chunks ${chunk_mb} MiB: $(ls .stage/*.part-* | wc -l) chunk calls, in this order:"
-ls .stage/*.part-* | sed 's|^|  |'
+echo "tracked tree ${tree_mb} MiB, chunks ${chunk_mb} MiB: $(ls .stage/*.gguf.part-* | wc -l) chunk calls, in this order:"
+ls .stage/*.gguf.part-* | sed 's|^|  |'
