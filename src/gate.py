@@ -24,7 +24,8 @@ its own items, as one-sided tests a statistician would sign (thresholds: conf/ga
 Nothing passes by default: a criterion with no measurement, or a non-finite one, is MISSING. Runs are grouped per
 workload × direction × operating point (src/gate_plan.py: history length, dtype, shots, levers, policy, engine); a
 point is judged on the run its plan entry named before it ran (results/gate_plans.yaml), later runs of it counted and
-never judged; a point without an entry is shown on its latest run as UNREGISTERED. Test-item runs only where a
+never judged, its verdict the worst of its criteria (FAIL, MISSING, UNDERPOWERED, PASS); a point without an entry
+is shown on its latest run as UNREGISTERED. Test-item runs only where a
 (workload, direction) has them; a shard (tag `shard`, or params workload.shards > 1) is never judged alone. The exit
 status is 0 only when every judged point PASSes; `--summary` ends with the decision as one table.
 
@@ -44,7 +45,7 @@ from pathlib import Path
 
 from omegaconf import OmegaConf
 
-from src.gate_criteria import DEFAULTS, Thresholds, Verdict, judge_run, thresholds
+from src.gate_criteria import DEFAULTS, Thresholds, Verdict, judge_run, run_status, thresholds
 from src.gate_evidence import Evidence, evidence, is_shard
 from src.gate_plan import Pick, Plans, load_plans, operating_point, pick, registered
 
@@ -68,8 +69,8 @@ def task_losses(metrics: dict[str, float]) -> dict[str, tuple[float, float | Non
 @dataclass(frozen=True)
 class Decision:
     """One workload × direction × operating point: the run judged (`chosen`), its criteria, and the verdict — PASS,
-    FAIL, or UNREGISTERED (no plan entry named a run of it) — with the (workload, direction)'s runs on validation
-    items and without a split tag, never judged."""
+    FAIL, MISSING, UNDERPOWERED (the worst criterion), or UNREGISTERED (no plan entry named a run of it) — with the
+    (workload, direction)'s runs on validation items and without a split tag, never judged."""
 
     workload: str
     direction: str
@@ -86,12 +87,13 @@ class Decision:
 
 
 def outcome(chosen: Pick, verdicts: list[Verdict], plans: Plans) -> str:
-    """PASS / FAIL for a registered run; UNREGISTERED (why; what its criteria say) for any other."""
-    passed = all(v.passed for v in verdicts)
+    """The worst criterion (`run_status`: FAIL, MISSING, UNDERPOWERED or PASS) for a registered run; UNREGISTERED
+    (why; what its criteria say) for any other."""
+    status = run_status([v.status for v in verdicts])
     if chosen.plan is not None:
-        return "PASS" if passed else "FAIL"
+        return status
     why = "predates plans" if chosen.predates(plans) else "no plan entry"
-    return f"UNREGISTERED ({why}; criteria {'PASS' if passed else 'FAIL'})"
+    return f"UNREGISTERED ({why}; criteria {status})"
 
 
 def decide(

@@ -146,8 +146,12 @@ def decide_task(counts: Paired, limits: Thresholds) -> TaskVerdict:
 
 
 def run_status(statuses: list[str]) -> str:
-    """A run's quality from its tasks': FAIL if one fails, else UNDERPOWERED if one is, else PASS — every task must."""
-    return next(s for s in ("FAIL", "UNDERPOWERED", "PASS") if s in statuses)
+    """The worst of several statuses — a run's quality from its tasks', a point's verdict from its criteria: FAIL if
+    one fails, else MISSING if evidence is absent (or none is given), else UNDERPOWERED if one is undecided, else
+    PASS (REPORTED is printed, never judged). Only PASS passes; UNDERPOWERED says "not shown", never "shown worse"."""
+    if not statuses:
+        return "MISSING"
+    return next((s for s in ("FAIL", "MISSING", "UNDERPOWERED") if s in statuses), "PASS")
 
 
 def still_needed(counts: Paired, limits: Thresholds) -> int:

@@ -75,6 +75,21 @@ def test_a_re_run_to_pass_is_never_judged(tmp_path):
     assert alone.outcome == "PASS"
 
 
+def test_a_point_reads_its_worst_criterion_and_undecided_is_never_fail(tmp_path):
+    """A registered run whose only open criterion is quality reads UNDERPOWERED (not shown either way), one with a
+    failing criterion FAIL; neither passes. Unregistered, the criteria say the same in parentheses."""
+    plans = load_plans(plans_file(tmp_path, entry("p1", {})))
+    undecided = run(passing(200, lost=20, gained=20))
+    (decision,) = decide([undecided], plans, LIMITS)
+    statuses = {v.criterion.split(":")[0]: v.status for v in decision.verdicts}
+    assert statuses.pop("quality") == "UNDERPOWERED" and set(statuses.values()) == {"PASS"}, statuses
+    assert decision.outcome == "UNDERPOWERED" and not decision.passed
+    (failed,) = decide([run(LOST)], plans, LIMITS)
+    assert failed.outcome == "FAIL" and not failed.passed
+    (shown,) = decide([run(passing(200, lost=20, gained=20))], NO_PLANS, LIMITS)
+    assert shown.outcome == "UNREGISTERED (no plan entry; criteria UNDERPOWERED)"
+
+
 def test_an_unregistered_point_is_reported_never_passed(tmp_path):
     """No plan entry: the latest run is shown, its criteria too, and the verdict is UNREGISTERED — 'predates plans'
     for a run that started before pre-registration began."""

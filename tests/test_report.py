@@ -186,7 +186,7 @@ def test_the_decision_table_judges_as_the_gate_groups(tmp_path):
     assert len(lines) == 2, lines
     hf, graph = sorted(lines, key=lambda line: "engine graph" in line)
     assert "2.50× [" in hf and "1.50×" not in hf and "9.00×" not in hf  # the latest test run, not validation items
-    assert "| latest of 2 |" in hf and hf.endswith("| UNREGISTERED (no plan entry; criteria FAIL) |")
+    assert "| latest of 2 |" in hf and hf.endswith("| UNREGISTERED (no plan entry; criteria MISSING) |")
     assert "engine graph" in graph and "6.99× [" in graph  # 70 ms / ≈ 10.03 ms
 
 

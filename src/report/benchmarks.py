@@ -41,7 +41,12 @@ BF16 = "routed4-h200-2026-12-04"
 ENGINE = "engine-h200-2026-12-05"
 ENGINE_V2 = "engine-h100-2026-12-06"  # the engine with the receiver protocol and map_into, random weights, one H100
 ENGINE_V2B = "engine-h100-2026-12-06b"  # the same pair job at 732d5f6: host reads cut, capture_all, timed attention
-GATE = "gate-h100-2026-12-06"  # scripts/device_quality.sh gate: 200-shot ARC, bf16, graph engine, item shards joined
+GATE_FIRST = (
+    "gate-h100-2026-12-06"  # the first gate run (8 shards, before its plan named 4): unregistered, harness FAIL
+)
+GATE = (
+    "gate-h100-2026-12-06b"  # scripts/device_quality.sh gate as registered: 200-shot ARC, bf16, graph engine, 4 shards
+)
 FRONTIER_CPU = "frontier-cpu-2026-12-06"  # issue 34 item 2: the passage frontier on the CPU, fp32
 FUSED = "fused-fit-h200-2026-12-03/bench_fused_fit.json"
 COVERAGE = "gate-coverage-cpu-2026-12-06/coverage.json"  # scripts/gate_coverage.py
@@ -86,14 +91,15 @@ TABLES: dict[str, Table] = {
     "vllm_ttft_file": Table((), partial(vllm_ttft, runs=VLLM_RUNS), files=(VLLM_FILE, VLLM_SHM)),
     "routed_gate": Table((GATE,), lambda rows: routed(joined(rows))),
     "routed_gate_tasks": Table((GATE,), lambda rows: routed_tasks(joined(rows))),
-    "decision": Table((ROUTED, LEVERS, FITS, BF16, GATE), decision),
+    "routed_gate_first": Table((GATE_FIRST,), lambda rows: routed(joined(rows))),
+    "decision": Table((ROUTED, LEVERS, FITS, BF16, GATE_FIRST, GATE), decision),
     "headline": Table(
-        (ROUTED, LEVERS, FITS, BF16, ENGINE, GATE),
+        (ROUTED, LEVERS, FITS, BF16, ENGINE, GATE_FIRST, GATE),
         partial(headline, vllm_run=VLLM_RUNS[VLLM_TRITON]),
         README.name,
         (FUSED, VLLM_TRITON),
     ),
-    "decision_brief": Table((ROUTED, LEVERS, FITS, BF16, GATE), decision_brief, README.name),
+    "decision_brief": Table((ROUTED, LEVERS, FITS, BF16, GATE_FIRST, GATE), decision_brief, README.name),
     "gate_coverage": Table((), coverage, files=(COVERAGE,)),
 }
 

@@ -14,9 +14,10 @@ the gate reads the latest run of a group. A label that matches no record is an e
 from __future__ import annotations
 
 import re
+from collections import Counter
 from datetime import UTC, datetime
 
-from src.gate_criteria import mean_loss, median_of, task_verdicts, thresholds
+from src.gate_criteria import mean_loss, median_of, run_status, task_verdicts, thresholds
 from src.report.routed_tables import decided, gain, routed_label, run_of, verdicts
 from src.report.rows import Row, at_step, fmt, joined, metric
 from src.report.vllm_table import BenchRun, vllm_brief
@@ -118,13 +119,14 @@ def headline(rows: list[Row], fused: Document, vllm: Document, *, vllm_run: Benc
 
     points = decided(rows)
     planned = sum(1 for d in points if d.chosen.plan is not None)
-    failed = sum(1 for d in points if not all(v.passed for v in d.verdicts))
+    criteria = Counter(run_status([v.status for v in d.verdicts]) for d in points)
     add(
         "**Promote the mapping layer?** (the gate)",
         f"**{'yes' if all(d.passed for d in points) else 'no'}**: {sum(d.passed for d in points)} of {len(points)} "
         f"workload × direction × operating points pass — {planned} pre-registered"
         + (" (the runs so far predate plans)" if all("predates plans" in d.outcome for d in points) else "")
-        + f", and {failed} of {len(points)} fail on their criteria",
+        + f"; on their criteria {criteria['FAIL'] + criteria['MISSING']} fail, {criteria['UNDERPOWERED']} are "
+        "undecided (UNDERPOWERED)",
         _span([row for row in rows if row.get("tags.job") == "routed"]),
         _link("the-decision", "the decision"),
     )

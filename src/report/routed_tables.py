@@ -9,7 +9,7 @@ from pathlib import Path
 from omegaconf import OmegaConf
 
 from src.gate import ROOT, Decision, decide, summary_table
-from src.gate_criteria import DEFAULTS, Verdict, judge_run, thresholds
+from src.gate_criteria import DEFAULTS, Verdict, judge_run, run_status, thresholds
 from src.gate_evidence import Evidence, evidence
 from src.gate_plan import lever_names, load_plans
 from src.report.rows import Row, fmt, metric, slashed
@@ -98,7 +98,7 @@ def _gate(row: Row) -> str:
         "record: logged = items": "record",
     }
     reasons = ", ".join(f"{names.get(v.criterion, v.criterion)} {v.status}" for v in failing)
-    return f"FAIL ({reasons})" if failing else "PASS"
+    return f"{run_status([v.status for v in failing])} ({reasons})" if failing else "PASS"
 
 
 def _floor(row: Row) -> str:
