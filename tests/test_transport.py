@@ -66,6 +66,25 @@ def test_export_memory_is_checked_before_anything_is_written(tmp_path):
     assert list(tmp_path.iterdir()) == []
 
 
+def test_a_worker_on_a_cpu_refuses_device_exports_before_any_model_loads(tmp_path, monkeypatch):
+    """export_memory "device" on an engine that is not on CUDA: the worker side refuses at its start, naming the
+    setting, before the TP group is read or any model loads (both would fail or cost minutes first)."""
+    base = pytest.importorskip("vllm.distributed.kv_transfer.kv_connector.v1.base")
+    from types import SimpleNamespace as NS
+
+    from src.serving import routes, vllm_connector
+
+    monkeypatch.setattr(routes, "load_model", lambda *a, **k: pytest.fail("a model loaded before the refusal"))
+    extra = {"export_memory": "device", "transport": str(tmp_path)}
+    config = NS(kv_transfer_config=NS(kv_connector_extra_config=extra, kv_load_failure_policy="recompute"),
+                cache_config=NS(block_size=32), model_config=NS(model=str(tmp_path), tokenizer=None),
+                device_config=NS(device=torch.device("cpu")))  # fmt: skip
+    with pytest.raises(
+        ValueError, match='export_memory "device" keeps exports in CUDA memory; this engine runs on cpu'
+    ):
+        vllm_connector.KVRelayConnector(config, base.KVConnectorRole.WORKER)
+
+
 def _device_file(tmp_path, export_id: str, **changes) -> None:
     """A device export's file as a sender on another GPU writes it (its handles are never opened here)."""
     shared = {"device": 0, "handle": "AAAA", "bytes": 384, "offset": 0, "event": None, "sync": False,

@@ -133,16 +133,16 @@ class KVRelayConnector(KVConnectorBase_V1):
             self._tracked: dict[str, _Tracked] = {}
             self._loads: list[Load] = []
             return
+        self.device = torch.device(vllm_config.device_config.device)
+        if self.config.export_memory == "device" and self.device.type != "cuda":  # before any model loads
+            raise ValueError(f'kvrelay: export_memory "device" keeps exports in CUDA memory; this engine runs on '
+                             f"{self.device.type} (use \"host\")")  # fmt: skip
         from vllm.distributed.parallel_state import (
             get_tensor_model_parallel_rank,
             get_tensor_model_parallel_world_size,
         )
 
         self.rank, self.ranks = get_tensor_model_parallel_rank(), get_tensor_model_parallel_world_size()
-        self.device = torch.device(vllm_config.device_config.device)
-        if self.config.export_memory == "device" and self.device.type != "cuda":
-            raise ValueError(f'kvrelay: export_memory "device" keeps exports in CUDA memory; this engine runs on '
-                             f"{self.device.type} (use \"host\")")  # fmt: skip
         self.identity, self.bound = bound_routes(
             self.config.routes, Path(model.model), self.config.fingerprint_dtype, self.config.compute_dtype,
             self.config.apply_backend, self.device,
