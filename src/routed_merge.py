@@ -3,7 +3,8 @@
 A device call lasts at most 10 minutes, fewer than the items a ±2-point CI needs; so the routed job scores item shard
 `workload.shard` of `workload.shards` per call (src/routed_workloads.py `shard`: per task, the items ≡ shard mod
 shards) and each call writes its own record (tag `shard` = "i/n"), which the gate never judges alone. This joins
-them: every shard present once, each finished, the same code, models, mapper and config but the shard index, no
+them: every shard present once, each finished, the same code (`code_digest`: the commits may differ, so one run's
+shards may span leases), models, mapper, machine and config but the shard index, no
 item scored twice, each shard's rows whole (every key the join reads, and as many items per task and handoffs per
 status as the shard's own record logged: a lost or added row is refused, naming the shard and both counts); the
 per-item rows and handoff records concatenated; every metric the run's items carry recomputed
@@ -41,6 +42,10 @@ from src.tracking import (
 )
 
 SHARD_PARAMS = ("workload.shard", "tracking.json_dir")  # the only params shards of one run may differ in
+# the only tags they may differ in besides `shard`: the commit a lease's copy of the tree named — its code is the
+# `code_digest` (src/, conf/, kernels/ by content), which every shard must carry and share, so shards of one run may
+# come from several leases whose commits changed only docs, tests or scripts
+COMMIT_TAGS = ("git_commit", "git_dirty")
 RECOMPUTED = ("task.", "ttft.", "ttft_speedup", "gpu_peak_mb.", "handoffs.", "refusals.", "handoff_frequency",
               "prefill_fraction", "mapped_bytes_per_handoff", "read_error.")  # fmt: skip  # from the items and handoff records
 ITEM_KEYS = ("task", "index", "label", "lengths", "history_tokens", "turn_tokens", "scores", "nll", "ttft", "handoff")
@@ -68,8 +73,10 @@ def _check_parts(records: list[dict], paths: list[Path]) -> int:
     for record, path in zip(records, paths, strict=True):
         if record.get("status") != "FINISHED":
             raise ValueError(f"{path}: status {record.get('status')!r}: only finished shards join")
-        tags = {k: v for k, v in record["tags"].items() if k != "shard"}
-        expected = {k: v for k, v in first["tags"].items() if k != "shard"}
+        if not record["tags"].get("code_digest"):
+            raise ValueError(f"{path}: no code_digest tag: shards join only where their code is known to be one")
+        tags = {k: v for k, v in record["tags"].items() if k not in ("shard", *COMMIT_TAGS)}
+        expected = {k: v for k, v in first["tags"].items() if k not in ("shard", *COMMIT_TAGS)}
         if differ := sorted(k for k in tags.keys() | expected.keys() if tags.get(k) != expected.get(k)):
             raise ValueError(f"{path} and {where} differ in tags {differ}: not shards of one run")
         params = {k: v for k, v in record["params"].items() if k not in SHARD_PARAMS}
@@ -175,9 +182,12 @@ def merge(paths: list[Path]) -> tuple[dict, dict]:
                 metrics[f"throughput.{kind}_{unit}"] = metrics[count] / seconds
     names = [r["name"] for r in records]
     name = names[0].rsplit(":shard", 1)[0] + f":shards{shards}"
+    commits = sorted({r["tags"].get("git_commit", "") for r in records})
     tags = {k: v for k, v in records[0]["tags"].items() if k != "shard"} | {
         "merged_shards": str(shards),
         "merged_from": ",".join(sorted(names)),
+        "merged_commits": ",".join(commits),  # one code_digest; the commits its leases' trees named
+        "git_dirty": str(any(r["tags"].get("git_dirty") == "True" for r in records)),
     }
     record = {
         "name": name,

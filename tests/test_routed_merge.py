@@ -128,6 +128,15 @@ def test_the_join_refuses_what_is_not_one_runs_shards(records, tmp_path, capsys)
     other_model = _copy(one, tmp_path / "b", lambda r: r["tags"].update({"target_fingerprint": "0" * 64}))
     with pytest.raises(ValueError, match=r"tags \['target_fingerprint'\]"):
         merge([zero, other_model])
+    other_code = _copy(one, tmp_path / "b2", lambda r: r["tags"].update({"code_digest": "0" * 16}))
+    with pytest.raises(ValueError, match=r"tags \['code_digest'\]"):
+        merge([zero, other_code])
+    unknown_code = _copy(one, tmp_path / "b3", lambda r: r["tags"].pop("code_digest"))
+    with pytest.raises(ValueError, match="no code_digest tag"):
+        merge([zero, unknown_code])
+    other_card = _copy(one, tmp_path / "b4", lambda r: r["tags"].update({"gpu": "NVIDIA H200"}))
+    with pytest.raises(ValueError, match=r"tags \['gpu'\]"):
+        merge([zero, other_card])
     unfinished = _copy(one, tmp_path / "c", lambda r: r.update({"status": "FAILED"}))
     with pytest.raises(ValueError, match="only finished"):
         merge([zero, unfinished])
@@ -149,6 +158,17 @@ def test_the_join_refuses_what_is_not_one_runs_shards(records, tmp_path, capsys)
     with pytest.raises(FileNotFoundError):
         write(tmp_path / "g", record, document, tmp_path / "no-config.yaml")
     assert not any((tmp_path / "g").iterdir())  # the staging folder went with the failure
+
+
+def test_shards_of_one_code_from_two_leases_join_and_name_both_commits(records, tmp_path):
+    """A run's shards may span leases: the commits their trees named may differ (docs, tests, scripts changed between
+    leases) as long as the code digest is one; the joined record names every commit."""
+    later = _copy(records["1"], tmp_path, lambda r: r["tags"].update({"git_commit": "f" * 40,
+                                                                                            "git_dirty": "True"}))  # fmt: skip
+    record, _ = merge([records["0"], later])
+    first = json.loads((records["0"] / "record.json").read_text())["tags"]
+    assert record["tags"]["merged_commits"] == ",".join(sorted({first["git_commit"], "f" * 40}))
+    assert record["tags"]["git_dirty"] == "True" and record["tags"]["code_digest"] == first["code_digest"]
 
 
 def test_a_shard_whose_rows_disagree_with_its_record_or_lack_a_key_is_refused(records, tmp_path, capsys):
