@@ -41,12 +41,8 @@ BF16 = "routed4-h200-2026-12-04"
 ENGINE = "engine-h200-2026-12-05"
 ENGINE_V2 = "engine-h100-2026-12-06"  # the engine with the receiver protocol and map_into, random weights, one H100
 ENGINE_V2B = "engine-h100-2026-12-06b"  # the same pair job at 732d5f6: host reads cut, capture_all, timed attention
-GATE_FIRST = (
-    "gate-h100-2026-12-06"  # the first gate run (8 shards, before its plan named 4): unregistered, harness FAIL
-)
-GATE = (
-    "gate-h100-2026-12-06b"  # scripts/device_quality.sh gate as registered: 200-shot ARC, bf16, graph engine, 4 shards
-)
+GATE_FIRST = "gate-h100-2026-12-06"  # the first gate run: 8 shards, before its plan named 4 (unregistered)
+GATE = "gate-h100-2026-12-06b"  # scripts/device_quality.sh gate as registered: 200-shot ARC, bf16, graph engine
 FRONTIER_CPU = "frontier-cpu-2026-12-06"  # issue 34 item 2: the passage frontier on the CPU, fp32
 FUSED = "fused-fit-h200-2026-12-03/bench_fused_fit.json"
 COVERAGE = "gate-coverage-cpu-2026-12-06/coverage.json"  # scripts/gate_coverage.py
