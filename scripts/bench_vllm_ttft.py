@@ -1,13 +1,23 @@
 """Time to first token inside vLLM, per history length: the routed handoff (the sender's export + the receiver's
-mapped claim) against vLLM's own re-prefill and vLLM's own prefix hit — random weights of a pair's shapes, timing
-only, never quality.
+mapped claim) against vLLM's own re-prefill and vLLM's own prefix hit — timing only, never quality: random weights
+of a pair's shapes, or (`--models`, `--mapper`) a real pair and its fitted mapper.
 
     python scripts/bench_vllm_ttft.py --pair conf/pair/qwen25coder_0p5b_to_1p5b_random.yaml \\
         --lengths 1024,2048,4096,8192,16384 --export-memory device --out results/vllm_ttft.json   # GPU: one device
+    python scripts/bench_vllm_ttft.py --models /tmp/kvh/models/qwen25coder_0p5b /tmp/kvh/models/qwen25coder_1p5b \\
+        --mapper /tmp/kvh/mappers/<id> --lengths 1024,2048,4096,8192 --export-memory device --out /tmp/real.json
     python scripts/bench_vllm_ttft.py --smoke --out /tmp/vllm_ttft.json          # CPU: the tiny pair, 64 / 128
     python scripts/bench_vllm_ttft.py --smoke --lengths 512,2048,8192 --repeats 5 --timings --out /tmp/t.json
 
-Per length and repeat, a fresh history of n random tokens and a 16-token turn (prompts no engine has seen):
+Real pair (`--models SENDER RECEIVER --mapper DIR`): checked before any engine starts — both directories hold a
+model, the mapper maps this sender into this receiver (tokenizer, fingerprints in the dtype it was fitted in) and
+the connector's length guard (default policy) maps every length — each refusal a clear error. The engines run the
+mapper's fitted dtypes (src/serving/config.py `fitted_dtypes`) and the default policy; on a GPU bf16, blocks of 16,
+CUDA graphs; on the CPU float32, blocks of 32, eager. Histories are consecutive windows of real text (`--text`, a
+corpus of src/corpus.py, by default Gutenberg part 2, which no calibration budget reads), so no two prompts share a
+block; random weights get random tokens.
+
+Per length and repeat, a fresh history of n tokens and a 16-token turn (prompts no engine has seen):
     re-prefill  the receiver reads history + turn, nothing cached                      (plain request)
     hit         the receiver read the history before; it computes the turn on its own blocks   (plain request)
     map         the sender reads the history and exports it; the receiver claims the mapped history and
@@ -32,6 +42,7 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -57,12 +68,12 @@ def _timed(llm, prompt: list[int], params: dict | None = None) -> tuple[float, d
 
 
 def measure(
-    small, large, mapper: str, lengths: list[int], repeats: int, vocab: int, seed: int = 0, timings: Path | None = None
-) -> list[dict]:
-    """One row per length: every repeat's ms per path, and what the receiver mapped (module docstring); with
-    `timings` (the engines' KVRELAY_TIMINGS file), the median host ms of each phase (`host_ms`)."""
-    rng = random.Random(seed)
-    fresh = lambda n: rng.choices(range(2, vocab), k=n)
+    small, large, mapper: str, lengths: list[int], repeats: int, fresh: Callable[[int], list[int]],
+    timings: Path | None = None,
+) -> list[dict]:  # fmt: skip
+    """One row per length: every repeat's ms per path, and what the receiver mapped (module docstring); `fresh(n)`:
+    n tokens no engine has seen (`random_tokens`, `text_tokens`); with `timings` (the engines' KVRELAY_TIMINGS
+    file), the median host ms of each phase (`host_ms`)."""
     rows = []
     for n in lengths:
         row = {"tokens": n, "reprefill_ms": [], "hit_ms": [], "map_ms": [], "export_ms": [], "mapped": []}
@@ -106,6 +117,67 @@ def measure(
         }
         rows.append(row)
     return rows
+
+
+def random_tokens(vocab: int, seed: int = 0) -> Callable[[int], list[int]]:
+    """`fresh(n)`: n random token ids in 2..vocab−1."""
+    rng = random.Random(seed)
+    return lambda n: rng.choices(range(2, vocab), k=n)
+
+
+def tokens_needed(lengths: list[int], repeats: int) -> int:
+    """How many tokens `measure` draws: per length and round (the warm-up too) four histories and one turn."""
+    return sum((repeats + 1) * (4 * n + TURN) for n in lengths)
+
+
+def text_tokens(data: Path, corpus: str, tokenizer, count: int) -> Callable[[int], list[int]]:
+    """`fresh(n)`: the next n tokens of the first `count` tokens of a real corpus (src/corpus.py), consecutive and
+    never repeated; a ValueError when the corpus holds fewer."""
+    from src.corpus import token_sequences
+
+    stream = token_sequences(data, corpus, 1, count, tokenizer, len(tokenizer))[0].tolist()
+    at = 0
+
+    def fresh(n: int) -> list[int]:
+        nonlocal at
+        if at + n > len(stream):
+            raise ValueError(f"the text histories ran out: {len(stream)} tokens of {corpus} drawn, {at + n} needed")
+        at += n
+        return stream[at - n : at]
+
+    return fresh
+
+
+def check_real(sender: Path, receiver: Path, mapper: Path, lengths: list[int], block: int) -> dict[str, str]:
+    """The connector's dtype settings of `mapper` (`fitted_dtypes`) once, before any engine starts, both
+    directories hold a model, the mapper maps `sender` into `receiver` (its tokenizer, then both fingerprints in the
+    dtype it was fitted in) and the default policy's length guard maps a history of every length (the span it
+    claims: whole blocks of `block`); else a ValueError that names what is wrong."""
+    from src.artifact import ArtifactError, load_mapper
+    from src.runtime.routing import length_refusal
+    from src.serving.config import RouteSpec, fitted_dtypes, serving_policy
+    from src.serving.routes import loaded, model_tokenizer_hash, scheduled_routes
+
+    for role, path in (("sender", sender), ("receiver", receiver)):
+        if not (path / "config.json").is_file():
+            raise ValueError(f"--models: no {role} model at {path} (no config.json there)")
+    try:
+        manifest = load_mapper(mapper).manifest  # its bytes against its manifest
+    except (ArtifactError, FileNotFoundError, OSError) as error:
+        raise ValueError(f"--mapper {mapper}: not a mapper artifact ({error})") from None
+    (route,) = scheduled_routes((RouteSpec(mapper, sender),), model_tokenizer_hash(receiver)).values()
+    dtypes = fitted_dtypes(manifest)
+    for role, path, key in (("sender", sender, "source_fingerprint"), ("receiver", receiver, "target_fingerprint")):
+        _, identity = loaded(path, getattr(torch, dtypes["fingerprint_dtype"]))
+        if identity.fingerprint != manifest.get(key):
+            raise ValueError(f"--mapper {mapper} does not map {sender} → {receiver}: its {key} "
+                             f"{str(manifest.get(key))[:12]} ≠ the {role} {path}'s {identity.fingerprint[:12]} "
+                             f"(in {dtypes['fingerprint_dtype']}, the dtype it was fitted in)")  # fmt: skip
+    policy = serving_policy({})
+    for n in lengths:
+        if why := length_refusal(policy, route.route, n, n // block * block):
+            raise ValueError(f"--lengths: a {n}-token history would not be mapped: {why}")
+    return dtypes
 
 
 def phase_medians(path: Path, offset: int) -> dict:
@@ -162,6 +234,11 @@ def build(pair: Path, work: Path, dtype: torch.dtype) -> tuple[Path, Path, Path]
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--pair", type=Path, default=ROOT / "conf/pair/qwen25coder_0p5b_to_1p5b_random.yaml")
+    parser.add_argument("--models", type=Path, nargs=2, metavar=("SENDER", "RECEIVER"), default=None,
+                        help="a real pair's model directories (with --mapper; instead of --pair)")  # fmt: skip
+    parser.add_argument("--mapper", type=Path, default=None, help="the real pair's fitted mapper directory")
+    parser.add_argument("--text", default="gutenberg_part2", help="--models: the corpus of the histories")
+    parser.add_argument("--data", type=Path, default=ROOT.parent / "shared" / "data", help="--models: its root")
     parser.add_argument("--lengths", default=None, help="default 1024,...,16384 (--smoke: 64,128)")
     parser.add_argument("--repeats", type=int, default=None, help="default 11 (≥ 6: the speedups get a 95 %% "
                         "interval; --smoke: 1)")  # fmt: skip
@@ -175,9 +252,22 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--apply-backend", choices=("torch", "auto", "triton"), default="torch",
                         help="the receiver's map kernel (kv_connector_extra_config apply_backend)")  # fmt: skip
     args = parser.parse_args(argv)
+    if (args.models is None) != (args.mapper is None) or (args.models and args.smoke):
+        parser.error("--models and --mapper go together, without --smoke")
+    default = "64,128" if args.smoke else "1024,2048,4096,8192,16384"
+    lengths = [int(n) for n in (args.lengths or default).split(",")]
+    repeats = args.repeats or (1 if args.smoke else 11)
+    gpu = torch.cuda.is_available()
+    dtypes = {}
+    if args.models:  # every refusal before an engine starts
+        try:
+            dtypes = check_real(*args.models, args.mapper, lengths, 16 if gpu else 32)
+        except ValueError as error:
+            parser.error(str(error))
     import os
 
     from src.artifact import load_mapper
+    from src.models import load_tokenizer
     from src.runtime.routing import mapper_id
     from tests.vllm_pair import ENV, engine, serving_pair
 
@@ -188,9 +278,6 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
     os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
     work = args.work or Path(tempfile.mkdtemp(prefix="kvrelay-ttft-"))
-    default = "64,128" if args.smoke else "1024,2048,4096,8192,16384"
-    lengths = [int(n) for n in (args.lengths or default).split(",")]
-    repeats = args.repeats or (1 if args.smoke else 11)
     timings = None
     if args.timings:  # before the engines start: their processes read it
         timings = work / "timings.jsonl"
@@ -199,23 +286,32 @@ def main(argv: list[str] | None = None) -> int:
     exports = {"transport": str(work / "exports")}
     sender = exports | {"export_memory": args.export_memory, "keep_exports": 4}  # device exports hold GPU memory
     policy = {"policy": {"length_guard": "off"}}  # random weights: no evidence to guard with; timing only
-    if args.smoke:
+    longest = max(lengths) + 2 * TURN
+    gpu_settings = dict(dtype="bfloat16", max_model_len=longest, block_size=16, enforce_eager=False,
+                        gpu_memory_utilization=0.35, kv_cache_memory_bytes=None)  # fmt: skip
+    if args.models:
+        (small_dir, large_dir), mapper_dir, policy = args.models, args.mapper, {}  # the default policy: guards on
+        settings = gpu_settings if gpu else dict(max_model_len=longest, kv_cache_memory_bytes=512 << 20)
+        fresh = text_tokens(args.data, args.text, load_tokenizer(large_dir), tokens_needed(lengths, repeats))
+        label, weights, dtype = f"{small_dir} → {large_dir}", "real", settings.get("dtype", "float32")
+    elif args.smoke:
         pair = serving_pair(work)
         small_dir, large_dir, mapper_dir, settings = pair.small, pair.large, pair.fitted, {}
-        if max(lengths) + 2 * TURN > 512:  # the tiny pair's 1024 positions are a config value, not a RoPE limit
-            longest = max(lengths) + 2 * TURN
+        if longest > 512:  # the tiny pair's 1024 positions are a config value, not a RoPE limit
             settings = dict(max_model_len=longest, hf_overrides={"max_position_embeddings": longest})
+        fresh, label, weights, dtype = random_tokens(300), "tests/vllm_pair.py (smoke)", "random", "float32"
     else:
         small_dir, large_dir, mapper_dir = build(args.pair, work, torch.bfloat16)
-        settings = dict(dtype="bfloat16", max_model_len=max(lengths) + 2 * TURN, block_size=16, enforce_eager=False,
-                        gpu_memory_utilization=0.35, kv_cache_memory_bytes=None)  # fmt: skip
+        settings = gpu_settings
+        fresh, label, weights, dtype = random_tokens(300), str(args.pair), "random", "bfloat16"
     route = {"routes": [{"mapper": str(mapper_dir), "source": str(small_dir)}], "apply_backend": args.apply_backend}
     small = engine(small_dir, sender, **settings)
-    large = engine(large_dir, exports | route | policy, **settings)
-    rows = measure(small, large, mapper_id(load_mapper(mapper_dir)), lengths, repeats, 300, timings=timings)
-    run = {"export_memory": args.export_memory, "apply_backend": args.apply_backend,
-           "dtype": "float32" if args.smoke else "bfloat16", "commit": commit(), "timings": args.timings}  # fmt: skip
-    write(rows, "tests/vllm_pair.py (smoke)" if args.smoke else str(args.pair), run, args.out)
+    large = engine(large_dir, exports | route | policy | dtypes, **settings)
+    rows = measure(small, large, mapper_id(load_mapper(mapper_dir)), lengths, repeats, fresh, timings=timings)
+    run = {"export_memory": args.export_memory, "apply_backend": args.apply_backend, "dtype": dtype,
+           "commit": commit(), "timings": args.timings,
+           "histories": f"text: {args.text}" if args.models else "random tokens"} | dtypes  # fmt: skip
+    write(rows, label, run, args.out, weights)
     for row in rows:
         print(row["tokens"], {k: round(v, 2) for k, v in row["median_ms"].items()})
         for role, phases in row.get("host_ms", {}).items():
@@ -234,10 +330,10 @@ def commit() -> str | None:
         return None
 
 
-def write(rows: list[dict], pair: str, run: dict, out: Path) -> dict:
+def write(rows: list[dict], pair: str, run: dict, out: Path, weights: str = "random") -> dict:
     """The bench's JSON record at `out` (written whole, then renamed into place); returns it. `run`: the sender's
-    export memory, the receiver's map kernel, the dtype, the commit."""
-    result = {"bench": "vllm_ttft", "pair": pair, "weights": "random", "run": run, "machine": machine(), "turn": TURN,
+    export memory, the receiver's map kernel, the dtype, the commit, the histories."""
+    result = {"bench": "vllm_ttft", "pair": pair, "weights": weights, "run": run, "machine": machine(), "turn": TURN,
               "rows": rows}  # fmt: skip
     out.parent.mkdir(parents=True, exist_ok=True)
     partial = out.with_suffix(".partial")

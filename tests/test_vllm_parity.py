@@ -111,3 +111,21 @@ def test_the_gap_is_the_worst_of_vllms_top_ids():
     reference = torch.tensor([-0.1, -2.0, -3.0, -9.0])
     assert parity.logprob_gap({0: -0.1, 1: -2.5, 2: -3.0}, reference) == pytest.approx(0.5)
     assert parity.logprob_gap({1: -2.0, 0: -0.1}, reference) < 1e-6
+
+
+def test_the_engines_follow_the_options_and_the_mappers_fitted_dtypes():
+    """The CPU defaults are the recorded CPU runs' settings; on a GPU vLLM sizes its cache from its memory share, and
+    the receiver's connector runs the dtypes the mapper was fitted in, whatever the engines' dtype."""
+    from argparse import Namespace
+
+    cpu = Namespace(device="cpu", dtype="float32", block=32, cuda_graphs=False, apply_backend="torch")
+    settings, connector = parity.engine_settings(cpu, {})
+    assert settings == {"max_model_len": 1024, "dtype": "float32", "block_size": 32, "enforce_eager": True,
+                        "kv_cache_memory_bytes": 160 << 20}  # fmt: skip
+    assert connector == {"fingerprint_dtype": "float32", "compute_dtype": "float32", "apply_backend": "torch"}
+    gpu = Namespace(device="cuda", dtype="bfloat16", block=16, cuda_graphs=True, apply_backend="auto")
+    fitted = {"config": {"pair": {"dtype": "bfloat16", "compute_dtype": "float32"}}}
+    settings, connector = parity.engine_settings(gpu, fitted)
+    assert settings["kv_cache_memory_bytes"] is None and settings["gpu_memory_utilization"] == 0.35
+    assert (settings["dtype"], settings["block_size"], settings["enforce_eager"]) == ("bfloat16", 16, False)
+    assert connector == {"fingerprint_dtype": "bfloat16", "compute_dtype": "float32", "apply_backend": "auto"}

@@ -23,6 +23,7 @@ import torch
 pytest.importorskip("vllm", reason="vLLM is not installed (pip install -e '.[serving-cpu]')")
 
 from src.artifact import load_mapper  # noqa: E402
+from src.models import load_tokenizer  # noqa: E402
 from src.runtime.routing import mapper_id  # noqa: E402
 from src.serving.router import Router  # noqa: E402
 from src.serving.timings import ENV as TIMINGS  # noqa: E402
@@ -298,13 +299,20 @@ def test_timings_name_every_phase_of_a_handoff_where_set_and_nothing_where_unset
 # ---------------------------------------------------------------------------------------------------- the TTFT bench
 
 
-def test_the_ttft_bench_runs_its_paths_at_tiny_sizes(served, tmp_path):
-    """scripts/bench_vllm_ttft.py's measurement and record on the module's engines (its CPU smoke mode, without
-    starting two more engines): every path timed, the handoff mapped, the JSON written."""
+def ttft_bench():
+    """scripts/bench_vllm_ttft.py as a module."""
     spec = importlib.util.spec_from_file_location("bench_vllm_ttft", ROOT / "scripts" / "bench_vllm_ttft.py")
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
-    rows = bench.measure(served.small, served.large, served.fitted, [64, 128], 1, VOCAB, timings=served.timings)
+    return bench
+
+
+def test_the_ttft_bench_runs_its_paths_at_tiny_sizes(served, tmp_path):
+    """scripts/bench_vllm_ttft.py's measurement and record on the module's engines (its CPU smoke mode, without
+    starting two more engines): every path timed, the handoff mapped, the JSON written."""
+    bench = ttft_bench()
+    fresh = bench.random_tokens(VOCAB)
+    rows = bench.measure(served.small, served.large, served.fitted, [64, 128], 1, fresh, timings=served.timings)
     result = json.loads(json.dumps(bench.write(rows, "smoke", {"export_memory": "host"}, tmp_path / "ttft.json")))
     assert json.loads((tmp_path / "ttft.json").read_text()) == result
     assert [row["tokens"] for row in result["rows"]] == [64, 128]
@@ -315,3 +323,52 @@ def test_the_ttft_bench_runs_its_paths_at_tiny_sizes(served, tmp_path):
         assert {role: set(phases) for role, phases in row["host_ms"].items()} == {
             role: set(phases) for role, phases in PHASES.items()
         }  # the receiver's phases (its sender's timings are off)
+
+
+def test_the_ttft_bench_times_real_text_histories_on_a_checked_pair(served, tmp_path):
+    """`--models` / `--mapper`: the module's pair passes the checks (the dtypes it was fitted in come back), and the
+    histories are consecutive windows of real text, each new: every handoff mapped on the module's engines."""
+    bench, pair = ttft_bench(), served.pair
+    assert bench.check_real(pair.small, pair.large, pair.fitted, [64, 96], 32) == {
+        "fingerprint_dtype": "float32", "compute_dtype": "float32"}  # fmt: skip
+    tokenizer = load_tokenizer(pair.large)
+    fresh = bench.text_tokens(
+        ROOT.parent / "shared" / "data", "gutenberg_part2", tokenizer, bench.tokens_needed([64, 96], 1)
+    )
+    rows = bench.measure(served.small, served.large, served.fitted, [64, 96], 1, fresh)
+    assert [row["mapped"] for row in rows] == [[64], [96]]
+    with pytest.raises(ValueError, match="ran out"):
+        fresh(1)  # every token drawn was needed, and none is drawn twice
+
+
+@pytest.fixture
+def no_engine(monkeypatch):
+    """tests.vllm_pair.engine (what the bench starts its engines with) fails the test if called."""
+    import tests.vllm_pair
+
+    def started(*args, **kwargs):
+        raise AssertionError("an engine started")
+
+    monkeypatch.setattr(tests.vllm_pair, "engine", started)
+
+
+@pytest.mark.parametrize("case", ["missing model", "swapped pair", "another pair's mapper", "not a mapper",
+                                  "beyond the length guard", "no mapper"])  # fmt: skip
+def test_the_ttft_bench_refuses_a_bad_real_pair_before_any_engine_starts(served, tmp_path, no_engine, capsys, case):
+    pair = served.pair
+    small, large, fitted = str(pair.small), str(pair.large), str(pair.fitted)
+    argv, message = {
+        "missing model": (["--models", str(tmp_path / "nowhere"), large, "--mapper", fitted], "no sender model at"),
+        "swapped pair": (["--models", large, small, "--mapper", fitted], "does not map"),
+        "another pair's mapper": (["--models", small, large, "--mapper", str(pair.identity)], "does not map"),
+        "not a mapper": (["--models", small, large, "--mapper", small], "not a mapper artifact"),
+        "beyond the length guard": (["--models", small, large, "--mapper", fitted, "--lengths", "64,1024"],
+                                    "a 1024-token history would not be mapped"),
+        "no mapper": (["--models", small, large], "--models and --mapper go together"),
+    }[case]  # fmt: skip
+    out = tmp_path / "ttft.json"
+    with pytest.raises(SystemExit) as refused:
+        ttft_bench().main([*argv, "--out", str(out), *([] if "--lengths" in argv else ["--lengths", "64"])])
+    assert refused.value.code == 2
+    assert message in capsys.readouterr().err
+    assert not out.exists()

@@ -107,6 +107,14 @@ def connector_config(extra: Mapping | None, load_failure_policy: str) -> Connect
     )
 
 
+def fitted_dtypes(manifest: Mapping) -> dict[str, str]:
+    """The connector's dtype settings a mapper was fitted for: `fingerprint_dtype` its fit's `pair.dtype` (what its
+    fingerprints were taken in), `compute_dtype` its fit's `pair.compute_dtype`; float32 where its manifest keeps
+    no config (a mapper built outside the fit job)."""
+    pair = manifest.get("config", {}).get("pair", {})
+    return {"fingerprint_dtype": pair.get("dtype", "float32"), "compute_dtype": pair.get("compute_dtype", "float32")}
+
+
 def _routes(routes: object) -> tuple[RouteSpec, ...]:
     if not isinstance(routes, list | tuple):
         raise ValueError(f"kvrelay: routes must be a list of {{mapper, source}} objects, not {routes!r}")
