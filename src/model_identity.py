@@ -92,7 +92,8 @@ def _sources(model: PreTrainedModel, located: dict[str, tuple[Path, str]]) -> di
             elif len(present) == 1:
                 sources[name] = located[present[0]]
             else:
-                raise NotStreamable(f"the files lack {name} (tied to {names}, of which they hold {present})")
+                tied = f" (tied in {names}, of which they hold {present})" if len(names) > 1 else ""
+                raise NotStreamable(f"the files lack {name}{tied}")
     return sources
 
 
