@@ -111,3 +111,17 @@ def test_the_weight_hash_is_over_per_tensor_digests_in_name_order():
     model = build_random_model(FAMILIES["qwen2"], seed=0)
     digests = [_tensor_digest(item) for item in sorted(model.state_dict().items())]
     assert weight_hash(model) == hashlib.sha256(b"".join(digests)).hexdigest()
+
+
+REAL = Path.home() / ".cache" / "kvrelay" / "models"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+@pytest.mark.parametrize("name", ["qwen25coder_0p5b", "qwen25coder_1p5b"])
+def test_the_streamed_identity_of_real_weights_is_their_loaded_fingerprint(name, dtype):
+    """Slow: not in the default suite; skipped unless scripts/fetch_models.py has cached the model."""
+    directory = REAL / name
+    if not (directory / "config.json").is_file():
+        pytest.skip(f"no cached model at {directory}")
+    assert streamed_identity(directory, dtype) == fingerprint(load_model(directory, dtype))
