@@ -11,6 +11,7 @@ import torch
 from conftest import FAMILIES
 from safetensors.torch import load_file, save_file
 
+from src.fetch import RECIPES, kvrelay_home, model_dir
 from src.model_identity import INDEX, SINGLE, NotStreamable, streamed_identity
 from src.models import _tensor_digest, build_random_model, fingerprint, load_model, weight_hash
 
@@ -113,15 +114,12 @@ def test_the_weight_hash_is_over_per_tensor_digests_in_name_order():
     assert weight_hash(model) == hashlib.sha256(b"".join(digests)).hexdigest()
 
 
-REAL = Path.home() / ".cache" / "kvrelay" / "models"
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
 @pytest.mark.parametrize("name", ["qwen25coder_0p5b", "qwen25coder_1p5b"])
 def test_the_streamed_identity_of_real_weights_is_their_loaded_fingerprint(name, dtype):
     """Slow: not in the default suite; skipped unless scripts/fetch_models.py has cached the model."""
-    directory = REAL / name
+    directory = model_dir(RECIPES[name], kvrelay_home())
     if not (directory / "config.json").is_file():
         pytest.skip(f"no cached model at {directory}")
     assert streamed_identity(directory, dtype) == fingerprint(load_model(directory, dtype))
