@@ -1,7 +1,7 @@
 """Apply a mapper: the source's cache → a decode-ready target `DynamicCache`.
 
 `KVTransfer` is built once per (mapper, source model, target model) — it verifies the artifact
-against both models, checks everything the mapper carries (src/maps.py `check_mapper`) and puts the
+against both models and checks everything the mapper carries (src/pair_check.py `check_pair`) and puts the
 coefficients on the target's device — and is then called per handoff. Per target layer: gather the
 selected source blocks, one head-batched matmul, re-apply the target's RoPE at the same positions. A
 mapper with token features (src/support.py) also needs the prefix's token ids: a layer-0 target prefill
@@ -25,7 +25,6 @@ from src.maps import (
     MapFlags,
     TransferError,
     cache_layers,
-    check_mapper,
     dropped_tokens,
     layer_flags,
     layer_groups,
@@ -34,7 +33,8 @@ from src.maps import (
     shares_heads,
     store_slots,
 )
-from src.models import IncompatiblePairError, KVInterface, check_model, describe_kv, fingerprint
+from src.models import KVInterface
+from src.pair_check import ModelView, bound_mapper, check_pair
 from src.rope import apply_rope, remove_rope, rope_cos_sin
 
 BACKENDS = ("torch", "auto", "triton")  # apply paths: torch grouped GEMMs, or kernels/apply_map.py
@@ -57,26 +57,11 @@ class KVTransfer:
             raise ValueError(f"apply backend must be one of {BACKENDS}, not {backend!r}")
         if not (isinstance(compute_dtype, torch.dtype) and compute_dtype.is_floating_point):
             raise ValueError(f"compute_dtype must be a floating-point torch.dtype, not {compute_dtype!r}")
-        if not isinstance(mapper, Mapper) or not isinstance(mapper.manifest, dict):
-            raise TransferError(f"mapper is a {type(mapper).__name__} without a manifest dict, not a Mapper")
-        manifest = mapper.manifest
-        for what, recorded, actual in (
-            ("source fingerprint", manifest.get("source_fingerprint"), fingerprint(source)),
-            ("target fingerprint", manifest.get("target_fingerprint"), fingerprint(target)),
-            ("tokenizer hash", manifest.get("tokenizer_hash"), tokenizer_hash),
-        ):
-            if recorded != actual:
-                raise TransferError(f"mapper does not belong to this pair: {what} {str(recorded)[:12]} ≠ {actual[:12]}")
         self.source, self.target = source, target
-        self.source_kv: KVInterface = describe_kv(source)
-        self.target_kv: KVInterface = describe_kv(target)
-        for role, model, kv in (("source", source, self.source_kv), ("target", target, self.target_kv)):
-            try:  # what load_pair checks, minus the sliding-window opt-in (decided there), and the rotary module
-                check_model(kv, role, allow_sliding_window=True)
-                rope_cos_sin(model.model.rotary_emb, torch.arange(1))
-            except (IncompatiblePairError, ValueError) as error:
-                raise TransferError(f"{role} model cannot be mapped: {error}") from error
-        check_mapper(mapper, self.source_kv, self.target_kv)
+        source_view, target_view = ModelView.of(source), ModelView.of(target)
+        check_pair(mapper, source_view, target_view, tokenizer_hash)
+        self.source_kv: KVInterface = source_view.kv
+        self.target_kv: KVInterface = target_view.kv
         self.token_features = mapper.token_features
         self.device = next(target.parameters()).device
         self.dtype = next(target.parameters()).dtype
@@ -84,9 +69,7 @@ class KVTransfer:
         if backend == "triton" and self.token_features:
             raise ValueError("the Triton apply does not read token features; use apply_backend torch or auto")
         self.backend = backend
-        bound = mapper.to(self.device, compute_dtype)
-        bound.source_layers, bound.head_index = bound.source_layers.long(), bound.head_index.long()
-        self.mapper = bound
+        self.mapper = bound_mapper(mapper, self.device, compute_dtype)
         self.shared_heads = shares_heads(mapper)
 
     def check_cache(self, layers: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> tuple[int, int]:

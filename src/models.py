@@ -9,6 +9,7 @@ import functools
 import hashlib
 import json
 import os
+from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -139,12 +140,24 @@ def _tensor_digest(item: tuple[str, torch.Tensor]) -> bytes:
     return digest.digest()
 
 
+def tensors_hash(names: Iterable[str], tensor: Callable[[str], torch.Tensor], workers: int) -> str:
+    """sha256 over the per-tensor sha256 (name, dtype, shape, bytes) of each named tensor, in name order; `tensor`
+    gives one by name and is called in `workers` parallel threads (hashlib releases the GIL), so at most `workers`
+    tensors it makes are alive at once."""
+    with ThreadPoolExecutor(max_workers=workers) as pool:
+        digests = pool.map(lambda name: _tensor_digest((name, tensor(name))), sorted(names))
+        return hashlib.sha256(b"".join(digests)).hexdigest()
+
+
 def weight_hash(model: PreTrainedModel) -> str:
-    """sha256 over the per-tensor sha256 of every parameter and buffer (name, dtype, shape, bytes), in name
-    order; tensors are hashed in parallel threads (hashlib releases the GIL), so 30B-class models take seconds."""
-    items = sorted(model.state_dict().items())
-    with ThreadPoolExecutor(max_workers=min(16, os.cpu_count() or 1)) as pool:
-        return hashlib.sha256(b"".join(pool.map(_tensor_digest, items))).hexdigest()
+    """`tensors_hash` of every parameter and buffer of the state dict, so 30B-class models take seconds."""
+    state = model.state_dict()
+    return tensors_hash(state, state.__getitem__, min(16, os.cpu_count() or 1))
+
+
+def identity_hash(config: str, weights: str) -> str:
+    """A fingerprint from a config hash and a weight hash."""
+    return hashlib.sha256((config + weights).encode()).hexdigest()
 
 
 CHECKSUM_WORDS = 1 << 12  # int32 words per row of the checksum matrix
@@ -202,7 +215,7 @@ def fingerprint(model: PreTrainedModel) -> str:
     probe = _probe(model)
     cached = getattr(model, "_kvrelay_fingerprint", None)
     if cached is None or cached[0] != probe:
-        digest = hashlib.sha256((probe[0] + weight_hash(model)).encode()).hexdigest()
+        digest = identity_hash(probe[0], weight_hash(model))
         model._kvrelay_fingerprint = cached = (probe, digest)
     return cached[1]
 

@@ -1,8 +1,8 @@
 """The import contract of `src/` and `kernels/`: imports only point down the pipeline, and there is no cycle.
 
 Floors, bottom to top (a module may import its own floor and the floors below it):
-models, rope, task data, tracking, model fetching → corpus, traces, statistics, support, weighting, artifact → selection, map
-arithmetic, forward passes, Fused-Fit kernel → fit, probe, synthetic, apply kernel → apply → runtime room (levers, recompute,
+models and their streamed identity, rope, task data, tracking, model fetching → corpus, traces, statistics, support, weighting, artifact → selection, map
+arithmetic, forward passes, Fused-Fit kernel → fit, a mapper's pair check, probe, synthetic, apply kernel → apply → runtime room (levers, recompute,
 the splice plan → a span's map graph → the receiver engine → the receivers → the one splice → routing → a model's reader → generation, a handoff's pieces → a handoff's cover → router session) → serving (the vLLM connector, its router) → eval → pipeline (cfg → objects), workloads → jobs (bench, routed, sweep, gate,
 distributed) → routed_merge (a run's item shards joined) → report (tables from records) → choose, length evidence → config check → run (dispatch). A new module must be given a floor here before it can land.
 """
@@ -14,11 +14,21 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 FLOORS = [
-    {"src.models", "src.rope", "src.tasks", "src.tracking", "kernels.jit", "src.fetch", "src.dequantize"},
+    {
+        "src.models",
+        "src.model_identity",  # a model directory's fingerprint streamed from its files (imports src.models)
+        "src.rope",
+        "src.tasks",
+        "src.tracking",
+        "kernels.jit",
+        "src.fetch",
+        "src.dequantize",
+    },
     {"src.corpus", "src.traces", "src.stats", "src.support", "src.weighting", "src.artifact"},
     {"src.select", "src.maps", "src.forward", "kernels.fused_fit"},
     {
         "src.fit",
+        "src.pair_check",  # a mapper checked against its pair (KVTransfer's and the vLLM routes' checks)
         "src.probe",
         "src.synthetic",
         "kernels.apply_map",

@@ -28,7 +28,8 @@ from transformers import PreTrainedModel
 from src.apply import KVTransfer
 from src.artifact import ArtifactError, Mapper, length_evidence
 from src.maps import TransferError
-from src.models import describe_kv, fingerprint
+from src.models import KVInterface, describe_kv, fingerprint
+from src.pair_check import ModelView, check_pair
 from src.runtime.plan import NO_LEVERS, Levers
 
 MODES = ("map", "reprefill", "auto")
@@ -167,6 +168,27 @@ def mapper_id(mapper: Mapper) -> str:
     return f"{mapper.manifest.get('method', 'mapper')}:{digest}"
 
 
+def window_refusal(receiver: KVInterface) -> str | None:
+    """Why a sliding-window receiver cannot take a route (its cache keeps only the window), or None."""
+    if receiver.sliding_window is None and set(receiver.layer_types) == {"full_attention"}:
+        return None
+    window = f"sliding-window receiver (window {receiver.sliding_window}, layers {sorted(set(receiver.layer_types))})"
+    return f"unsupported: {window}: its cache keeps only the window"
+
+
+def view_refusal(mapper: Mapper, sender: ModelView, receiver: ModelView, tokenizer_hash: str) -> str | None:
+    """The refusal `bind` gives the route, or None, from the two models' views alone (src/pair_check.py): what a
+    vLLM worker checks without loading the models (src/serving/routes.py)."""
+    if window := window_refusal(receiver.kv):
+        return window
+    try:
+        length_evidence(mapper.manifest)
+        check_pair(mapper, sender, receiver, tokenizer_hash)
+    except (TransferError, ArtifactError) as refusal:
+        return f"mapper refused: {refusal}"
+    return None
+
+
 def bind(
     sender: PreTrainedModel,
     receiver: PreTrainedModel,
@@ -180,10 +202,8 @@ def bind(
     unsupported)."""
     identity = mapper_id(mapper)
     calibrated = mapper.manifest.get("calibration", {}).get("seq_len")
-    kv = describe_kv(receiver)
-    if kv.sliding_window is not None or set(kv.layer_types) != {"full_attention"}:
-        window = f"sliding-window receiver (window {kv.sliding_window}, layers {sorted(set(kv.layer_types))})"
-        return Route(None, identity, f"unsupported: {window}: its cache keeps only the window", calibrated)
+    if window := window_refusal(describe_kv(receiver)):
+        return Route(None, identity, window, calibrated)
     try:
         evidence = length_evidence(mapper.manifest) or (None, None)
         transfer = KVTransfer(mapper, sender, receiver, tokenizer_hash, compute_dtype, backend)

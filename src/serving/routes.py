@@ -4,10 +4,13 @@ the worker: map an export's span for the worker's own heads.
 Scheduler side (`scheduled_routes`): each mapper artifact is read and verified (src/artifact.py: bytes against the
 version id and the manifest), its tokenizer hash must be the receiver's, and its id (`routing.mapper_id`), length
 evidence and calibration length go into a `Route` — whose transfer stays on the worker. Worker side
-(`bound_routes`): the receiver and each source model are loaded from their directories on the host, in the dtype the
-mapper's pair was fingerprinted in, and `routing.bind` checks the artifact against both (fingerprints, tokenizer
-hash, shapes, a sliding-window receiver) exactly as a Session does; a refusal stops the engine with its reason. Only
-the mapper (on the worker's device), the two rotary modules and the KV interfaces are kept.
+(`bound_routes`): who the receiver and each source model are (`viewed`: the fingerprint in the dtype the mapper's pair
+was fingerprinted in, streamed from the safetensors files one tensor at a time, src/model_identity.py; the KV interface
+and rotary module from the config — no weights loaded; the model is loaded on the host only where the files cannot be
+matched to it with certainty), and `routing.view_refusal` checks the artifact against both (fingerprints, tokenizer
+hash, shapes, a sliding-window receiver) with the checks a Session's `bind` runs (src/pair_check.py); a refusal stops
+the engine with its reason. Only the mapper (on the worker's device), the two rotary modules and the KV interfaces are
+kept.
 
 Tensor parallelism: the worker of rank r of R holds target KV heads [r·H_t/R, (r+1)·H_t/R) (vLLM splits KV heads
 contiguously); it reads every source head the export holds and maps its own heads only — Head-Local reads one
@@ -16,7 +19,7 @@ source head per target head, so with a sender of the same TP degree a rank could
 
 from __future__ import annotations
 
-import copy
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -25,10 +28,22 @@ from transformers import PreTrainedModel
 
 from kernels.apply_map import map_cache
 from src.artifact import Mapper, length_evidence, load_mapper
-from src.models import KVInterface, fingerprint, load_model, load_tokenizer, tokenizer_hash, vocabulary_hash
+from src.model_identity import NotStreamable, skeleton, streamed_identity
+from src.models import (
+    KVInterface,
+    describe_kv,
+    fingerprint,
+    load_model,
+    load_tokenizer,
+    tokenizer_hash,
+    vocabulary_hash,
+)
+from src.pair_check import ModelView, bound_mapper
 from src.rope import rope_cos_sin
-from src.runtime.routing import Route, bind, mapper_id
+from src.runtime.routing import Route, mapper_id, view_refusal
 from src.serving.config import RouteSpec
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -48,10 +63,20 @@ def model_tokenizer_hash(path: Path, model: PreTrainedModel | None = None) -> st
     return vocabulary_hash(model)
 
 
-def loaded(path: Path, dtype: torch.dtype) -> tuple[PreTrainedModel, Identity]:
-    """A model directory loaded on the host and its identity."""
-    model = load_model(path, dtype=dtype)
-    return model, Identity(fingerprint(model), model_tokenizer_hash(path, model))
+def viewed(path: Path, dtype: torch.dtype) -> tuple[ModelView, Identity]:
+    """What a route is checked against on the worker, for the model directory at `path` in `dtype`: its fingerprint
+    streamed from the safetensors files (src/model_identity.py), its KV interface from the config's skeleton on the
+    meta device and its rotary module built on the CPU — no weights loaded. Where the files cannot be matched to the
+    model with certainty, the model is loaded on the host instead (one log line says why) and dropped after."""
+    model = skeleton(path, dtype)
+    try:
+        identity = streamed_identity(path, dtype, model)
+    except NotStreamable as reason:
+        logger.warning("kvrelay: %s: identity not streamed (%s): loading the model on the host", path, reason)
+        model = load_model(path, dtype=dtype)
+        identity = fingerprint(model)
+    view = ModelView(identity, describe_kv(model), model.model.rotary_emb)
+    return view, Identity(identity, model_tokenizer_hash(path, model))
 
 
 @dataclass(frozen=True)
@@ -123,21 +148,19 @@ def bound_routes(
 ) -> tuple[Identity, dict[str, Bound]]:
     """The identity of the receiver model at `target` (what its exports name as their source) and, by mapper id, each
     route verified against it and its source (module docstring). The host copies of the models are dropped."""
-    receiver, receiver_id = loaded(Path(target), dtype)
+    receiver, receiver_id = viewed(Path(target), dtype)
     bound = {}
     for spec in specs:
-        sender, sender_id = loaded(spec.source, dtype) if spec.source != Path(target) else (receiver, receiver_id)
+        sender, sender_id = viewed(spec.source, dtype) if spec.source != Path(target) else (receiver, receiver_id)
         if sender_id.tokenizer_hash != receiver_id.tokenizer_hash:
             raise ValueError(f"kvrelay: route {spec.mapper}: the source's tokenizer {sender_id.tokenizer_hash[:12]} "
                              f"≠ the receiver's {receiver_id.tokenizer_hash[:12]}")  # fmt: skip
-        route = bind(sender, receiver, load_mapper(spec.mapper), receiver_id.tokenizer_hash, compute_dtype, backend)
-        if route.refusal is not None:
-            raise ValueError(f"kvrelay: route {spec.mapper} ({spec.source} → {target}) cannot serve: {route.refusal}")
-        transfer = route.transfer
-        if transfer.token_features:
+        mapper = load_mapper(spec.mapper)
+        if refusal := view_refusal(mapper, sender, receiver, receiver_id.tokenizer_hash):
+            raise ValueError(f"kvrelay: route {spec.mapper} ({spec.source} → {target}) cannot serve: {refusal}")
+        if mapper.token_features:
             raise ValueError(f"kvrelay: mapper {spec.mapper} reads the target's token features (a layer-0 receiver "
                              "prefill inside the load): not served by the connector")  # fmt: skip
-        rotary = lambda model: copy.deepcopy(model.model.rotary_emb).to(device)
-        bound[route.mapper_id] = Bound(transfer.mapper.to(device, compute_dtype), transfer.source_kv,
-                                       transfer.target_kv, rotary(sender), rotary(receiver), backend)  # fmt: skip
+        bound[mapper_id(mapper)] = Bound(bound_mapper(mapper, device, compute_dtype), sender.kv, receiver.kv,
+                                         sender.rotary.to(device), receiver.rotary.to(device), backend)  # fmt: skip
     return receiver_id, bound
