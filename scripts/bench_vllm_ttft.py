@@ -156,7 +156,7 @@ def check_real(sender: Path, receiver: Path, mapper: Path, lengths: list[int], b
     from src.artifact import ArtifactError, load_mapper
     from src.runtime.routing import length_refusal
     from src.serving.config import RouteSpec, fitted_dtypes, serving_policy
-    from src.serving.routes import loaded, model_tokenizer_hash, scheduled_routes
+    from src.serving.routes import model_tokenizer_hash, scheduled_routes, viewed
 
     for role, path in (("sender", sender), ("receiver", receiver)):
         if not (path / "config.json").is_file():
@@ -168,7 +168,7 @@ def check_real(sender: Path, receiver: Path, mapper: Path, lengths: list[int], b
     (route,) = scheduled_routes((RouteSpec(mapper, sender),), model_tokenizer_hash(receiver)).values()
     dtypes = fitted_dtypes(manifest)
     for role, path, key in (("sender", sender, "source_fingerprint"), ("receiver", receiver, "target_fingerprint")):
-        _, identity = loaded(path, getattr(torch, dtypes["fingerprint_dtype"]))
+        _, identity = viewed(path, getattr(torch, dtypes["fingerprint_dtype"]))  # streamed: no model loads
         if identity.fingerprint != manifest.get(key):
             raise ValueError(f"--mapper {mapper} does not map {sender} → {receiver}: its {key} "
                              f"{str(manifest.get(key))[:12]} ≠ the {role} {path}'s {identity.fingerprint[:12]} "
