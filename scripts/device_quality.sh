@@ -78,7 +78,8 @@ case $stage in
     for pid in "${pids[@]}"; do wait "$pid"; done  # a failed conversion stops the stage (set -e)
     grep -hv "it/s\]" "$OUT"/fetch-*.txt | tail -8
     # the engine's Triton kernels against Hugging Face on the real 1.5B (tests/test_engine_real.py; ~1 min)
-    python3 -m pytest -q -p no:cacheprovider -m slow tests/test_engine_real.py 2>&1 | tail -3 || true
+    python3 -m pytest -q -p no:cacheprovider -m slow tests/test_engine_real.py 2>&1 | tee "$OUT/engine-real-test.txt" |
+      tail -3 || true
     mkdir -p "$OUT/trk" ;;
   attribution)  # paper budget on Gutenberg: the Table-2 rows, then the budget sweep (NLL + R² only)
     run budget=paper "$METHODS" "${DIAGNOSE[@]}" tracking.experiment=real_attribution
