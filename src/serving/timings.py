@@ -7,9 +7,9 @@
 tokens: the request's prompt on the scheduler, the mapped span on the worker (an export: its prompt). ms: host wall
 time (`time.perf_counter`) around the phase's Python — the GPU work it queues is not included, and no host sync is
 added (a phase that waits by design includes its wait: the worker's "check" reads device flags; on a GPU the "slots"
-copy of the block ids from pageable memory waits for the stream, as the copy of the slots it replaced did). Every process of an engine appends to the
-same file (one `os.write` of one line, O_APPEND). Unset, `phase` hands back one shared null context: no clock read,
-no file. The phases, in the order one handoff meets them:
+copy of the block ids from pageable memory waits for the stream, as the copy of the slots it replaced did). Every
+process of an engine appends to the same file (one `os.write` of one line, O_APPEND). Unset, `phase` hands back one
+shared null context: no clock read, no file. The phases, in the order one handoff meets them:
 
     scheduler  header   the export's metadata (Transport.header)            export  the Save of a prompt's blocks
                claim    the decision (claim.claim)

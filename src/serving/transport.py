@@ -101,8 +101,8 @@ def _b64(data: bytes | None) -> str | None:
     return None if data is None else base64.b64encode(data).decode()
 
 
-# torch counts a shared block's consumers in a shared-memory counter: 1 when shared, − 1 when a consumer's storage dies,
-# and a producer frees the block only at a count ≤ 0 — read as unsigned (torch ≥ 2.1), so one decrement too many
+# torch counts a shared block's consumers in a shared-memory counter: 1 when shared, − 1 when a consumer's storage
+# dies, and a producer frees the block only at a count ≤ 0 — read as unsigned (torch ≥ 2.1), so one decrement too many
 # (a second receiver of one share) parks the block in the producer's "limbo" for good. A share here has any number
 # of receivers, or none: the sender gives its count back at once (0), and a receiver names a counter that does not
 # exist (its decrement finds nothing; torch takes that as a producer gone), so the count stays 0 and the sender's
