@@ -305,7 +305,7 @@ def main(argv: list[str] | None = None) -> int:
         settings = gpu_settings
         fresh, label, weights, dtype = random_tokens(300), str(args.pair), "random", "bfloat16"
     route = {"routes": [{"mapper": str(mapper_dir), "source": str(small_dir)}], "apply_backend": args.apply_backend}
-    small = engine(small_dir, sender, **settings)
+    small = engine(small_dir, sender | dtypes, **settings)  # the sender fingerprints in the fitted dtype
     large = engine(large_dir, exports | route | policy | dtypes, **settings)
     rows = measure(small, large, mapper_id(load_mapper(mapper_dir)), lengths, repeats, fresh, timings=timings)
     run = {"export_memory": args.export_memory, "apply_backend": args.apply_backend, "dtype": dtype,

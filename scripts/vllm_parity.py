@@ -178,8 +178,9 @@ def examples(data: Path, tokenizer, count: int, block: int = BLOCK) -> list[dict
 
 
 def engine_settings(args, manifest: dict) -> tuple[dict, dict]:
-    """(the engines' settings over tests/vllm_pair.py `engine`'s CPU defaults, the receiver's connector settings
-    beyond its transport and route) of the run's options and its mapper's `manifest` (module docstring)."""
+    """(the engines' settings over tests/vllm_pair.py `engine`'s CPU defaults, both connectors' settings beyond
+    their transport and route: the sender fingerprints its exports in the mapper's fitted dtype) of the run's options
+    and its mapper's `manifest` (module docstring)."""
     from src.serving.config import fitted_dtypes
 
     settings = dict(max_model_len=1024, dtype=args.dtype, block_size=args.block, enforce_eager=not args.cuda_graphs,
@@ -208,7 +209,7 @@ def vllm_phase(args, items: list[dict], scratch: Path) -> None:
     settings, connector = engine_settings(args, loaded.manifest)
     route = {"transport": exports, "routes": [{"mapper": str(mapper), "source": str(source)}]}
     receiver = engine(target, route | connector, **settings)
-    sender = engine(source, {"transport": exports}, **settings)
+    sender = engine(source, {"transport": exports} | connector, **settings)  # fingerprints as the mapper was fitted
     transport = Transport(exports)
 
     def ask(llm, prompt, params, steps=STEPS):

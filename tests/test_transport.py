@@ -23,7 +23,14 @@ def _kv(layers=2, heads=2, tokens=6, d=4, seed=0, device="cpu"):
 
 def _put(transport: Transport, export_id: str, keys: torch.Tensor, values: torch.Tensor) -> None:
     transport.put(
-        export_id, keys, values, list(range(10, 10 + keys.shape[2])), "fp", "tok", (0, keys.shape[1], keys.shape[1])
+        export_id,
+        keys,
+        values,
+        list(range(10, 10 + keys.shape[2])),
+        "fp",
+        "tok",
+        (0, keys.shape[1], keys.shape[1]),
+        fingerprint_dtype="float32",
     )
 
 
@@ -89,7 +96,7 @@ def _device_file(tmp_path, export_id: str, **changes) -> None:
     """A device export's file as a sender on another GPU writes it (its handles are never opened here)."""
     shared = {"device": 0, "handle": "AAAA", "bytes": 384, "offset": 0, "event": None, "sync": False,
               "storage_offset": 0, "stride": [48, 24, 4, 1]}  # fmt: skip
-    metadata = {"source_fingerprint": "fp", "tokenizer_hash": "tok",
+    metadata = {"source_fingerprint": "fp", "fingerprint_dtype": "float32", "tokenizer_hash": "tok",
                 "heads": "0,2,2", "mapped": "", "memory": "device", "shape": "2,2,6,4", "dtype": "float32",
                 "gpu": "GPU-00000000-0000-0000-0000-000000000000", "keys": json.dumps(shared),
                 "values": json.dumps(shared)} | changes  # fmt: skip
@@ -167,7 +174,7 @@ def test_token_ids_travel_as_a_tensor_every_rank_repeats(tmp_path):
     keys, values = _kv(heads=2)
     for rank, ids in enumerate(([1, 2, 3, 4, 5, 6], [1, 2, 3, 4, 5, 7])):  # rank 1 holds other tokens
         transport.put("r1", keys[:, rank : rank + 1], values[:, rank : rank + 1], ids, "fp", "tok", (rank, 1, 2),
-                      None, rank, 2)  # fmt: skip
+                      None, rank, 2, fingerprint_dtype="float32")  # fmt: skip
     with pytest.raises(ExportError, match="its ranks disagree"):
         transport.header("r1")
     _device_file(tmp_path, "r2")

@@ -115,7 +115,8 @@ def test_the_gap_is_the_worst_of_vllms_top_ids():
 
 def test_the_engines_follow_the_options_and_the_mappers_fitted_dtypes():
     """The CPU defaults are the recorded CPU runs' settings; on a GPU vLLM sizes its cache from its memory share, and
-    the receiver's connector runs the dtypes the mapper was fitted in, whatever the engines' dtype."""
+    both connectors run the dtypes the mapper was fitted in, whatever the engines' dtype (the sender fingerprints its
+    exports in it)."""
     from argparse import Namespace
 
     cpu = Namespace(device="cpu", dtype="float32", block=32, cuda_graphs=False, apply_backend="torch")

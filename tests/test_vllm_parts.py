@@ -73,14 +73,15 @@ def test_request_parameters_round_trip_and_malformed_ones_get_a_reason():
 # ---------------------------------------------------------------------------------------------------- the claim
 
 PROMPT = list(range(10, 115))  # 105 tokens
-HEADER = Header("e1", tuple(PROMPT[:100]), "source-fp", "tok", 2, 1, 32, 1, None)
+HEADER = Header("e1", tuple(PROMPT[:100]), "source-fp", "bfloat16", "tok", 2, 1, 32, 1, None)
 ROUTE = Route(None, "m:1", None, calibrated_length=64)
 LAYERS = 3  # the receiver's
 
 
 def _claim(hit=0, header=HEADER, prompt=PROMPT, route=ROUTE, **policy):
     levers = Levers(**policy.pop("levers", {"hold_back": 4}))
-    return claim(prompt, hit, header, route, "source-fp", Policy(levers=levers, **policy), "tok", 32, LAYERS)
+    return claim(prompt, hit, header, route, "source-fp", "bfloat16", Policy(levers=levers, **policy), "tok", 32,
+                 LAYERS)  # fmt: skip
 
 
 def _span(hit=0, **kwargs):
@@ -104,6 +105,7 @@ def test_the_claim_is_block_aligned_after_the_native_hit_and_leaves_the_hold_bac
     [
         (dict(mode="reprefill"), "policy: reprefill"),
         (dict(header=replace(HEADER, tokenizer_hash="other")), "tokenizer mismatch"),
+        (dict(header=replace(HEADER, fingerprint_dtype="float32")), "set the sender's kv_connector_extra_config"),
         (dict(header=replace(HEADER, source_fingerprint="other")), "comes from model"),
         (dict(prompt=[1] + PROMPT[1:]), "not a prefix"),
         (dict(prompt=PROMPT[:20], header=replace(HEADER, ids=tuple(PROMPT[:20]))), "nothing to map"),
@@ -229,7 +231,17 @@ def test_an_export_round_trips_by_positions_and_ranks(tmp_path):
     for rank in range(2):  # two sender ranks, two heads each
         part = slice(2 * rank, 2 * rank + 2)
         transport.put(
-            "e1", keys[:, part], values[:, part], [5, 6, 7, 8, 9], "fp", "tok", (2 * rank, 2, 4), (1, 3), rank, 2
+            "e1",
+            keys[:, part],
+            values[:, part],
+            [5, 6, 7, 8, 9],
+            "fp",
+            "tok",
+            (2 * rank, 2, 4),
+            (1, 3),
+            rank,
+            2,
+            fingerprint_dtype="float32",
         )
     header = transport.header("e1")
     assert (header.ids, header.heads, header.ranks, header.mapped, header.layers) == ((5, 6, 7, 8, 9), 4, 2, (1, 3), 2)
@@ -243,9 +255,13 @@ def test_an_export_round_trips_by_positions_and_ranks(tmp_path):
         transport.header("e1")
     one_head = keys[:, :1], values[:, :1]
     for rank in range(2):  # a sender of TP 2 whose one KV head is replicated on both ranks
-        transport.put("e9", *one_head, [5, 6, 7, 8, 9], "fp", "tok", (0, 1, 1), None, rank, 2)
+        transport.put(
+            "e9", *one_head, [5, 6, 7, 8, 9], "fp", "tok", (0, 1, 1), None, rank, 2, fingerprint_dtype="float32"
+        )
     assert torch.equal(transport.load("e9", 0, 5)[0], one_head[0])
-    transport.put("e8", *one_head, [5, 6, 7, 8, 9], "fp", "tok", (1, 1, 2))  # head 0 of 2 missing
+    transport.put(
+        "e8", *one_head, [5, 6, 7, 8, 9], "fp", "tok", (1, 1, 2), fingerprint_dtype="float32"
+    )  # head 0 of 2 missing
     with pytest.raises(ExportError, match="not each of 2 once"):
         transport.load("e8", 0, 5)
 
@@ -268,7 +284,7 @@ def test_nothing_half_written_ever_loads(tmp_path, monkeypatch):
 
     monkeypatch.setattr(os, "fsync", crash)
     with pytest.raises(OSError, match="disk full"):
-        transport.put("e3", keys, values, [1, 2, 3, 4, 5], "fp", "tok", (0, 2, 2))
+        transport.put("e3", keys, values, [1, 2, 3, 4, 5], "fp", "tok", (0, 2, 2), fingerprint_dtype="float32")
     assert visible == []  # nothing under the export's name before it is complete
     assert sorted(p.name for p in tmp_path.iterdir()) == [".staging-abc", "e2.rank0-of-2.safetensors"]
     with pytest.raises(ExportError, match="not 1–64 characters"):

@@ -163,13 +163,16 @@ def _refusal(served, kind: str) -> tuple[list[int], dict, str]:
         export_id = export(served.small, prompt)
         served.transport.remove(export_id)
         return conversation, handoff(export_id, served.fitted), "no export"
-    if kind == "tokenizer mismatch":
+    if kind in ("tokenizer mismatch", "sender fingerprinted in another dtype"):  # the same K/V, republished
         export_id = export(served.small, prompt)
         header = served.transport.header(export_id)
+        assert header.fingerprint_dtype == "float32"  # the sender's setting, the dtype the mapper was fitted in
         keys, values, _ = served.transport.load(export_id, 0, len(prompt))
-        served.transport.put(export_id + "t", keys, values, list(header.ids), header.source_fingerprint, "0" * 64,
-                             (0, header.heads, header.heads))  # fmt: skip
-        return conversation, handoff(export_id + "t", served.fitted), "tokenizer"
+        changed = {"tokenizer mismatch": ("0" * 64, "float32", "tokenizer")}
+        tokenizer, dtype, word = changed.get(kind, (header.tokenizer_hash, "bfloat16", "fingerprinted in bfloat16"))
+        served.transport.put(export_id + "t", keys, values, list(header.ids), header.source_fingerprint, tokenizer,
+                             (0, header.heads, header.heads), fingerprint_dtype=dtype)  # fmt: skip
+        return conversation, handoff(export_id + "t", served.fitted), word
     if kind == "another model's export":  # large's own export; its native blocks dropped, or they would hit
         export_id = export(served.large, prompt)
         served.large.reset_prefix_cache()
@@ -189,8 +192,8 @@ def _refusal(served, kind: str) -> tuple[list[int], dict, str]:
     raise ValueError(kind)
 
 
-REFUSALS = ("unknown mapper", "missing export", "pruned export", "tokenizer mismatch", "another model's export",
-            "not a prefix", "shorter than a block", "length guard", "wrong type", "malformed")  # fmt: skip
+REFUSALS = ("unknown mapper", "missing export", "pruned export", "tokenizer mismatch",
+            "sender fingerprinted in another dtype", "another model's export", "not a prefix", "shorter than a block", "length guard", "wrong type", "malformed")  # fmt: skip
 
 
 @pytest.mark.parametrize("kind", REFUSALS)
@@ -217,7 +220,8 @@ def test_a_late_refusal_recomputes_the_span(served, poison):
     keys, values, _ = served.transport.load(export_id, 0, len(prompt))
     bad = torch.full_like(keys, float("nan")) if poison == "nan" else keys * 1e6
     served.transport.put(export_id + "p", bad, values, list(header.ids), header.source_fingerprint,
-                         header.tokenizer_hash, (0, header.heads, header.heads))  # fmt: skip
+                         header.tokenizer_hash, (0, header.heads, header.heads),
+                         fingerprint_dtype=header.fingerprint_dtype)  # fmt: skip
     out = generate(served.large, conversation, handoff(export_id + "p", served.fitted))
     assert record(out)["handoff"]["status"] == "recomputed"
     reference = generate(served.plain, conversation)

@@ -6,8 +6,9 @@ vLLM has already found the receiver's own prefix hit (`hit` tokens, whole blocks
 starts there — the only way a native sink can precede it. The span ends at the first of: the export's last token,
 the prompt less `hold_back` tokens (at least one: the engine must compute a token to sample from), the start of a
 span the sender itself held mapped (mapped K/V are never mapped again) — rounded down to a block. Refused, in this
-order: policy mode `reprefill`; a sender tokenizer other than the receiver's; an export of another model than the
-mapper's source; exported ids that are not a prefix of the prompt; a native hit shorter than the sink; a hit
+order: policy mode `reprefill`; a sender tokenizer other than the receiver's; an export fingerprinted in another
+dtype than the mapper's source (the sender's `fingerprint_dtype`: the refusal names the setting); an export of
+another model than the mapper's source; exported ids that are not a prefix of the prompt; a native hit shorter than the sink; a hit
 inside the sender's mapped span; nothing left to map (a prompt shorter than a block, or a hit that covers the
 export); the length guard (`routing.length_refusal`: the history is what the sender held, the export). Then the
 plan (`paged_plan`), whose own check (`check_splice` on `PAGED`) the connector's settings already passed at start-up
@@ -47,6 +48,7 @@ def claim(
     header: Header,
     route: Route,
     source_fingerprint: str,
+    fingerprint_dtype: str,
     policy: Policy,
     tokenizer_hash: str,
     block_size: int,
@@ -54,7 +56,8 @@ def claim(
 ) -> SplicePlan | str:
     """The plan of the span to map, or the reason there is none (module docstring). prompt: the request's token ids;
     hit: the receiver's native prefix hit (a multiple of block_size); route: the mapper's (its length evidence and
-    calibration length); source_fingerprint: the model the mapper maps from; tokenizer_hash: the receiver's tokenizer;
+    calibration length); source_fingerprint: the model the mapper maps from, in fingerprint_dtype (its fit's pair.dtype);
+    tokenizer_hash: the receiver's tokenizer;
     layers: the receiver's."""
     exported = len(header.ids)
     if policy.mode == "reprefill":
@@ -62,6 +65,10 @@ def claim(
     if header.tokenizer_hash != tokenizer_hash:
         return (f"tokenizer mismatch: the sender's tokenizer {header.tokenizer_hash[:12]} ≠ the receiver's "
                 f"{tokenizer_hash[:12]}")  # fmt: skip
+    if header.fingerprint_dtype != fingerprint_dtype:  # the same files fingerprint differently in another dtype
+        return (f"export {header.export_id} is fingerprinted in {header.fingerprint_dtype}, the mapper "
+                f"{route.mapper_id}'s source in {fingerprint_dtype}: set the sender's kv_connector_extra_config "
+                f"fingerprint_dtype to {fingerprint_dtype!r}")  # fmt: skip
     if header.source_fingerprint != source_fingerprint:
         return (f"export {header.export_id} comes from model {header.source_fingerprint[:12]}, the mapper "
                 f"{route.mapper_id} maps from {source_fingerprint[:12]}")  # fmt: skip

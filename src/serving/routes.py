@@ -41,7 +41,7 @@ from src.models import (
 from src.pair_check import ModelView, bound_mapper
 from src.rope import rope_cos_sin
 from src.runtime.routing import Route, mapper_id, view_refusal
-from src.serving.config import RouteSpec
+from src.serving.config import RouteSpec, fitted_dtypes
 
 logger = logging.getLogger(__name__)
 
@@ -83,6 +83,7 @@ def viewed(path: Path, dtype: torch.dtype) -> tuple[ModelView, Identity]:
 class ScheduledRoute:
     route: Route  # mapper id, calibration length, length evidence (the transfer is bound on the worker)
     source_fingerprint: str  # the model the mapper maps from
+    fingerprint_dtype: str  # the dtype that fingerprint is in: its fit's pair.dtype (config.fitted_dtypes)
 
 
 def scheduled_routes(specs: tuple[RouteSpec, ...], receiver_tokenizer: str) -> dict[str, ScheduledRoute]:
@@ -100,7 +101,8 @@ def scheduled_routes(specs: tuple[RouteSpec, ...], receiver_tokenizer: str) -> d
         verified, shown = length_evidence(manifest) or (None, None)
         calibrated = manifest.get("calibration", {}).get("seq_len")
         route = Route(None, identity, None, calibrated, verified, shown)
-        routes[identity] = ScheduledRoute(route, manifest["source_fingerprint"])
+        dtype = fitted_dtypes(manifest)["fingerprint_dtype"]
+        routes[identity] = ScheduledRoute(route, manifest["source_fingerprint"], dtype)
     return routes
 
 

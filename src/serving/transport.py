@@ -9,7 +9,8 @@ and fsynced, then renamed into place: a reader sees a complete export or none �
         keys, values   [L_s, H_r, T, d_s]  the sender's cache dtype; H_r: the heads sender rank r holds
                        (memory "host"; a "device" export holds no tensor bytes: see below)
         ids            [T] int64: the token ids whose K/V it holds (every rank's file repeats them)
-        metadata       source_fingerprint, tokenizer_hash, heads ("first,count,of"),
+        metadata       source_fingerprint, fingerprint_dtype (the dtype it was computed in), tokenizer_hash,
+                       heads ("first,count,of"),
                        mapped ("start,end" of a span that holds mapped K/V — never mapped again — or ""),
                        memory ("host" | "device"), and for "device": shape ("L,H,T,d"), dtype, gpu (the sender
                        GPU's UUID), keys / values (the CUDA IPC handles of the sender's two tensors, JSON)
@@ -50,7 +51,12 @@ DEFAULT_DIRECTORY = "/dev/shm/kvrelay"
 EXPORT_ID = re.compile(r"[A-Za-z0-9_-]{1,64}")
 SUFFIX = ".safetensors"
 MEMORIES = ("host", "device")
-SHARED = ("source_fingerprint", "tokenizer_hash", "mapped")  # metadata every rank's file repeats (and the ids)
+SHARED = (
+    "source_fingerprint",
+    "fingerprint_dtype",
+    "tokenizer_hash",
+    "mapped",
+)  # metadata every rank's file repeats (and the ids)
 
 
 class ExportError(ValueError):
@@ -64,6 +70,7 @@ class Header:
     export_id: str
     ids: tuple[int, ...]  # the token ids whose K/V it holds, positions 0..T−1
     source_fingerprint: str  # src.models.fingerprint of the sender's model
+    fingerprint_dtype: str  # the dtype it was fingerprinted in (the sender's `fingerprint_dtype`), e.g. "bfloat16"
     tokenizer_hash: str  # the sender's tokenizer (src.models.tokenizer_hash)
     layers: int
     heads: int  # the sender's KV heads, all ranks together
@@ -172,14 +179,17 @@ class Transport:
         mapped: tuple[int, int] | None = None,
         rank: int = 0,
         ranks: int = 1,
+        *,
+        fingerprint_dtype: str,
     ) -> Path:
         """Publish one sender rank's part: keys / values [L_s, H_r, T, d_s] of token ids [T], heads (first, count,
-        of all), atomically (module docstring). Returns the file."""
+        of all), atomically (module docstring); source_fingerprint is in fingerprint_dtype. Returns the file."""
         if keys.shape != values.shape or keys.dim() != 4 or keys.shape[2] != len(ids) or keys.shape[1] != heads[1]:
             raise ExportError(f"export {export_id}: keys {tuple(keys.shape)} / values {tuple(values.shape)} do not "
                               f"hold {heads[1]} heads of {len(ids)} tokens")  # fmt: skip
         metadata = {
             "source_fingerprint": source_fingerprint,
+            "fingerprint_dtype": fingerprint_dtype,
             "tokenizer_hash": tokenizer_hash,
             "heads": ",".join(str(n) for n in heads),
             "mapped": "" if mapped is None else f"{mapped[0]},{mapped[1]}",
@@ -259,8 +269,8 @@ class Transport:
                 for other, _, rank in infos
             ):
                 raise ExportError(f"export {export_id!r}: its ranks disagree on what they hold")
-            header = Header(export_id, ids, metadata["source_fingerprint"], metadata["tokenizer_hash"], layers, total,
-                            head_dim, len(parts), mapped)  # fmt: skip
+            header = Header(export_id, ids, metadata["source_fingerprint"], metadata["fingerprint_dtype"],
+                            metadata["tokenizer_hash"], layers, total, head_dim, len(parts), mapped)  # fmt: skip
         except (KeyError, ValueError, IndexError, TypeError) as error:
             if isinstance(error, ExportError):
                 raise

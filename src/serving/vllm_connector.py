@@ -200,7 +200,8 @@ class KVRelayConnector(KVConnectorBase_V1):
                 return str(error)
         with self.timings.phase("claim", request_id, len(tracked.prompt)):
             return claim(tracked.prompt, hit, tracked.header, route.route, route.source_fingerprint,
-                         self.config.policy, self.tokenizer_hash, self.block_size, self.target_layers)  # fmt: skip
+                         route.fingerprint_dtype, self.config.policy, self.tokenizer_hash, self.block_size,
+                         self.target_layers)  # fmt: skip
 
     def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
         """The claim's plan becomes a `Load`, once vLLM has allocated its blocks and counted exactly its span,
@@ -380,7 +381,8 @@ class KVRelayConnector(KVConnectorBase_V1):
         values = torch.stack([v for _, v in pairs]).transpose(1, 2)
         heads = (self.heads.start, self.heads.stop - self.heads.start, self.total_heads)
         self.transport.put(save.export_id, keys, values, save.ids, self.identity.fingerprint,
-                           self.identity.tokenizer_hash, heads, save.mapped, self.rank, self.ranks)  # fmt: skip
+                           self.identity.tokenizer_hash, heads, save.mapped, self.rank, self.ranks,
+                           fingerprint_dtype=str(self.config.fingerprint_dtype).removeprefix("torch."))  # fmt: skip
         self._exports.append(save.export_id)  # each rank removes its own part (and frees its device memory)
         while len(self._exports) > self.config.keep_exports and self.transport.remove(
             self._exports[0], self.rank, self.ranks
