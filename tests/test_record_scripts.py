@@ -8,6 +8,7 @@ import json
 import shutil
 import subprocess
 import sys
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -55,6 +56,14 @@ def test_ttft_drift_ties_the_gate_s_baseline_drift_to_lengths_new_to_each_shard(
     out = output("ttft_drift.py", str(gate))
     assert "seen before: new 84.9 ms (766 turns); seen before 40.2 ms (34 turns)" in out
     assert "bucket is new / seen before: new 53.5 / 64.2 ms (21 turns); seen before 8.0 / 3.9 ms (779 turns)" in out
+
+
+def test_gate_coverage_reads_the_discordance_of_the_committed_items():
+    """The items gate_coverage.py read when it wrote its record (coverage.json: the share of items that differ per
+    task of every routed test-item record) are read alike from the records as committed (packed: items.json.gz)."""
+    kept = json.loads((REPO / "results/gate-coverage-cpu-2026-12-06/coverage.json").read_text())["observed_discordance"]
+    found = _module("gate_coverage").observed_discordance(REPO / "results")
+    assert not Counter(kept) - Counter(found)  # a later test-item record may add shares, never take one away
 
 
 # --- damaged records: every reader names the file and what is missing --------------------------------------------
