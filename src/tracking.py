@@ -486,7 +486,9 @@ def pack(directories: list[str | Path]) -> list[Path]:
     items.json.gz (gzip, mtime 0: the same JSON gives the same bytes), checked to gunzip to the identical bytes, written
     whole (a temporary file, synced, renamed) before the plain file goes; where both were present, the plain one is
     packed over the old copy. Packed items are left as they are, so packing twice changes nothing. Returns the files
-    written."""
+    written; a folder that is not one is a ValueError before anything is packed."""
+    if missing := [str(directory) for directory in directories if not Path(directory).is_dir()]:
+        raise ValueError(f"{', '.join(missing)}: no such folder")
     written = []
     for path in sorted({p for directory in directories for p in Path(directory).glob(f"**/{ITEMS}")}):
         data = path.read_bytes()
@@ -602,7 +604,10 @@ def main() -> None:
         except ValueError as error:
             sys.exit(f"digest: {error}")
     elif args.command == "pack":
-        written = pack(args.directories)
+        try:
+            written = pack(args.directories)
+        except ValueError as error:  # a folder that is not one; a gzip that does not give back the bytes
+            sys.exit(f"pack: {error}")
         size = sum(path.stat().st_size for path in written)
         print(f"packed {len(written)} items artifact(s) into items.json.gz ({size / 2**20:.1f} MiB)")
     elif args.command == "import":

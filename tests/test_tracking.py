@@ -275,6 +275,8 @@ def test_pack_is_idempotent_and_gives_the_same_bytes_for_the_same_json(tmp_path,
     with pytest.raises(RecordError, match="does not give back the same bytes; left unpacked"):
         tracking.pack([lossy])
     assert [p.name for p in (lossy / ITEMS).parent.iterdir()] == ["items.json"]
+    with pytest.raises(ValueError, match="no-such: no such folder"):  # a mistyped folder is named, nothing packed
+        tracking.pack([lossy, tmp_path / "no-such"])
 
 
 def test_import_logs_packed_items_as_their_json_and_the_gate_reads_them(store, tmp_path, capsys):
