@@ -28,7 +28,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from src.gate_criteria import Paired, judge_run, paired, run_status, task_status, task_verdicts, thresholds  # noqa: E402
 from src.gate_evidence import evidence  # noqa: E402
-from src.tracking import ITEMS, metric_values, read_json, read_record  # noqa: E402
+from src.tracking import items_path, metric_values, read_json, read_record  # noqa: E402
 
 LOSSES = (0.0, 0.5, 1.0, 2.0, 3.0)  # true loss, points
 SIZES = (20, 50, 100, 200, 400, 800)  # items per task
@@ -43,10 +43,11 @@ def observed_discordance(results: Path) -> list[float]:
     for path in sorted(results.glob("routed*/*/record.json")):
         record = read_record(path)
         tags = record["tags"]
-        if tags.get("split") != "test" or tags.get("weights") != "real" or not (path.parent / ITEMS).is_file():
+        items = items_path(path.parent)
+        if tags.get("split") != "test" or tags.get("weights") != "real" or not items.is_file():
             continue
         run = evidence(record["name"], path.parent.name, 0, metric_values(record, path), record["params"], tags,
-                       read_json(path.parent / ITEMS), str(path.parent))  # fmt: skip
+                       read_json(items), str(path.parent))  # fmt: skip
         shares += [(c.lost + c.gained) / c.rows for _, c, _ in task_verdicts(run, thresholds())]
     return shares
 

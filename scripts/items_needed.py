@@ -18,7 +18,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from src.gate_criteria import still_needed, task_verdicts, thresholds  # noqa: E402
 from src.gate_evidence import evidence  # noqa: E402
-from src.tracking import ITEMS, RecordError, metric_values, read_json, read_record  # noqa: E402
+from src.tracking import RecordError, items_path, metric_values, read_json, read_record  # noqa: E402
 
 
 def main() -> None:
@@ -31,8 +31,9 @@ def main() -> None:
         try:
             record = read_record(folder / "record.json")
             metrics = metric_values(record, folder)
+            items = items_path(folder)
             run = evidence(record["name"], folder.name, 0, metrics, record["params"], record["tags"],
-                           read_json(folder / ITEMS), str(folder / ITEMS))  # fmt: skip
+                           read_json(items), str(items))  # fmt: skip
             found = task_verdicts(run, limits)
         except (RecordError, ValueError) as error:
             sys.exit(f"items_needed: {folder}: {error}")

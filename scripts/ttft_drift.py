@@ -27,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from src.eval.intervals import median_interval
 from src.routed import timing  # noqa: E402
 from src.runtime.engine import GRAPH_BUCKETS  # noqa: E402
-from src.tracking import ITEMS, RecordError, read_items, read_record, require  # noqa: E402
+from src.tracking import RecordError, items_path, read_items, read_record, require  # noqa: E402
 
 PATHS = ("routed", "reprefill", "hit")
 ESTIMATE = re.compile(r"auto: (?:re-prefill|map) ≈ ([\d.]+) ms [≤<] (?:map|re-prefill) ≈ ([\d.]+) ms")
@@ -152,7 +152,7 @@ def report(run: Path, blocks: int, first: int) -> None:
         middle, low, high = median_interval(inside)
         checked += f"; on the routed session's clock (same work / routed) {middle:.2f}× [{low:.2f}, {high:.2f}]"
     print(
-        f"  speedup (median paired) {require(found, 'ttft_speedup', run / ITEMS):.2f}× "
+        f"  speedup (median paired) {require(found, 'ttft_speedup', items_path(run)):.2f}× "
         f"[{found['ttft_speedup_low']:.2f}, {found['ttft_speedup_high']:.2f}]; "
         f"same work (baseline re-prefill / the same re-prefill in the routed session) {checked}"
     )

@@ -23,7 +23,7 @@ from pathlib import Path
 from src.gate import DEFAULTS, task_losses
 from src.routed import quality
 from src.tasks import load_task, reported
-from src.tracking import ITEMS, RecordError, metric_values, read_items, read_record, require
+from src.tracking import RecordError, items_path, metric_values, read_items, read_record, require
 
 LEVERS = "policy.levers."  # old records' levers too: read_record gives today's keys (tracking.current_params)
 
@@ -44,10 +44,10 @@ def validation_runs(
             continue
         if workload not in (None, tags.get("workload")) or direction not in (None, tags.get("direction")):
             continue
-        items = read_items(path.parent) if (path.parent / ITEMS).exists() else None
+        items = read_items(path.parent) if items_path(path.parent).is_file() else None
         if data is not None:
             if items is None:
-                raise RecordError(f"{path.parent / ITEMS}: missing (--data re-scores each run from its items)")
+                raise RecordError(f"{items_path(path.parent)}: missing (--data re-scores each run from its items)")
             items = held_out(path.parent, record["params"], data, items)
         run = {"name": record["name"], "params": record["params"], "tags": tags, "metrics": metric_values(record, path)}
         runs.append(run | {"items": items, "where": path})

@@ -32,7 +32,7 @@ from src.routed import mean_difference_ci
 from src.routed_runs import task_scores
 from src.routed_workloads import WORKLOADS, play_single_turn
 from src.tasks import METRICS
-from src.tracking import ITEMS, RecordError, read_items, read_record, require, rows_with
+from src.tracking import RecordError, items_path, read_items, read_record, require, rows_with
 
 LEVERS = "policy.levers."
 ITEM_KEYS = ("task", "index", "label", "lengths", "history_tokens", "turn_tokens", "scores", "handoff")  # what it reads
@@ -131,7 +131,7 @@ def measure(path: Path, manifest: dict, edges: list[int]) -> list[dict]:
     params, tags = record["params"], record["tags"]
     where = folder / "record.json"
     n_boot, seed = int(require(params, "eval.tasks.n_boot", where)), int(require(params, "seed", where))
-    items = checked_items(read_items(folder), folder / ITEMS)
+    items = checked_items(read_items(folder), items_path(folder))
     rows = []
     for low, high in bins(edges):
         inside = [i for i in items if low < i["history_tokens"] and (high is None or i["history_tokens"] <= high)]

@@ -32,6 +32,7 @@ from src.tracking import (
     ITEMS,
     RecordError,
     items_of,
+    items_path,
     metric_values,
     read_json,
     read_record,
@@ -90,7 +91,7 @@ def _rows(document: object, logged: dict[str, float], path: Path, shard: str) ->
     """The shard's item rows and handoff records, each holding the keys the join reads, and as many as the shard's
     own record logged (`task.<task>.items` per task; `handoffs.*` recomputed from its handoff records); a RecordError
     naming the file and row, or a ValueError naming the shard and both counts."""
-    where = path / ITEMS
+    where = items_path(path)
     items = rows_with(items_of(document, where), ITEM_KEYS, f"{where} items")
     moves = rows_with(require(document, "handoffs", where), HANDOFF_KEYS, f"{where} handoffs")
     for n, row in enumerate(items):
@@ -150,7 +151,7 @@ def merge(paths: list[Path]) -> tuple[dict, dict]:
     shards = _check_parts(records, paths)
     order = sorted(range(len(paths)), key=lambda n: _shard(records[n]["tags"], paths[n]))
     records, paths = [records[n] for n in order], [paths[n] for n in order]  # shard 0 first
-    documents = [read_json(p / ITEMS) for p in paths]
+    documents = [read_json(items_path(p)) for p in paths]
     values = [metric_values(r, p) for r, p in zip(records, paths, strict=True)]
     parts = [_rows(document, logged, p, r["tags"]["shard"])
              for document, logged, p, r in zip(documents, values, paths, records, strict=True)]  # fmt: skip

@@ -13,6 +13,8 @@ metrics (psutil) every `tracking.system_metrics_s` seconds. Backend `json` write
 `python -m src.tracking import DIR` replays records into the MLflow store, `export EXPERIMENT DIR` writes an
 experiment's runs as records. Every record reader goes through `read_record` / `read_items`: a truncated file, or one
 without a key the reader needs, is a RecordError that names the file and the key, never a bare JSON or key error.
+Committed records keep their items packed (`items.json.gz`, the same JSON gzipped: `pack DIR` packs them): `items_path`
+finds a run's items either way, `read_json` reads both, and `import` logs a packed artifact as its plain JSON.
 Records made before a config key moved name it the old way; `read_record` (and the MLflow rows of src/report/rows.py)
 hand params over under today's names (`current_params`).
 """
@@ -21,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import gzip
 import hashlib
 import importlib.util
 import json
@@ -33,6 +36,7 @@ import sys
 import tempfile
 import time
 import traceback
+import zlib
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -306,6 +310,7 @@ class RecordError(ValueError):
 RECORD_KEYS = ("name", "params", "tags", "metrics")  # what every record reader needs (`experiment` too, to import)
 METRIC_KEYS = ("key", "value", "step")
 ITEMS = "artifacts/routed/items.json"  # a routed run's per-item scores, beside its record.json
+PACKED = ".gz"  # a JSON artifact stored gzipped (committed records): read, and imported, as the plain file
 
 
 def require(mapping: dict, key: str, where: str | Path) -> object:
@@ -315,16 +320,45 @@ def require(mapping: dict, key: str, where: str | Path) -> object:
     return mapping[key]
 
 
-def read_json(path: Path, name: str | Path | None = None) -> object:
-    """The JSON document at `path`, or a RecordError naming it (`name`: what to call it, e.g. the artifact URI it was
-    downloaded from) when it is missing, truncated or not JSON."""
+def unpacked(path: Path, name: str | Path | None = None) -> bytes:
+    """The bytes of the file at `path`, gunzipped when it is packed (`PACKED`); a RecordError naming it (`name`) when
+    it is missing or a damaged gzip."""
     name = path if name is None else name
     try:
-        return json.loads(path.read_text())
+        data = path.read_bytes()
     except FileNotFoundError:
         raise RecordError(f"{name}: no such file") from None
+    if not path.name.endswith(PACKED):
+        return data
+    try:
+        return gzip.decompress(data)
+    except (gzip.BadGzipFile, EOFError, zlib.error) as error:  # a cut stream is an EOFError
+        raise RecordError(f"{name}: not a valid gzip file, truncated or damaged ({error})") from None
+
+
+def read_json(path: Path, name: str | Path | None = None) -> object:
+    """The JSON document at `path` (gunzipped where packed), or a RecordError naming it (`name`: what to call it, e.g.
+    the artifact URI it was downloaded from) when it is missing, truncated or not JSON."""
+    name = path if name is None else name
+    try:
+        return json.loads(unpacked(path, name))
     except (json.JSONDecodeError, UnicodeDecodeError) as error:
         raise RecordError(f"{name}: not valid JSON, truncated or damaged ({error})") from None
+
+
+def stored(path: Path) -> Path:
+    """The file a record keeps for the JSON artifact `path`: `path`, or its packed copy (`path` + PACKED) where only
+    that exists; `path` itself where neither does. Both present is a RecordError naming both (they could disagree)."""
+    packed = path.with_name(path.name + PACKED)
+    if path.is_file() and packed.is_file():
+        raise RecordError(f"{path} and {packed}: both present, which may disagree (keep one: `pack` packs the first)")
+    return packed if packed.is_file() else path
+
+
+def items_path(run: str | Path) -> Path:
+    """The items artifact of the routed run whose record folder is `run`: artifacts/routed/items.json, or
+    items.json.gz where packed (`stored`); check `.is_file()` where a run may have kept none."""
+    return stored(Path(run) / ITEMS)
 
 
 # Params renamed since records were first made: old key (a trailing "." renames every key under it) → today's.
@@ -397,8 +431,8 @@ def rows_with(rows: object, keys: tuple[str, ...], where: str | Path) -> list[di
 
 
 def read_items(run: str | Path) -> list[dict]:
-    """The per-item rows of the routed run whose record folder is `run` (its artifacts/routed/items.json)."""
-    path = Path(run) / ITEMS
+    """The per-item rows of the routed run whose record folder is `run` (its items artifact: `items_path`)."""
+    path = items_path(run)
     return items_of(read_json(path), path)
 
 
@@ -413,6 +447,10 @@ def import_records(directory: str | Path, uri: str, artifacts: str) -> int:
     records = [(path, read_record(path)) for path in sorted(Path(directory).glob("**/record.json"))]
     for path, record in records:  # every record checked before any is imported: a bad one imports nothing
         require(record, "experiment", path)
+        for file in _artifacts(path.parent):
+            if file.name.endswith(PACKED):
+                stored(file.with_name(file.name.removesuffix(PACKED)))  # not beside its plain copy
+                unpacked(file)  # a whole gzip
     client, imported = MlflowClient(uri), 0
     for path, record in records:
         experiment_id = configure(uri, record["experiment"], artifacts)
@@ -425,13 +463,52 @@ def import_records(directory: str | Path, uri: str, artifacts: str) -> int:
         run_id = client.create_run(experiment_id, start_time=start, tags=tags, run_name=record["name"]).info.run_id
         metrics = [Metric(m["key"], m["value"], m.get("timestamp") or start, m["step"] or 0) for m in record["metrics"]]
         client.log_batch(run_id, metrics=metrics, params=[Param(k, v) for k, v in record["params"].items()])
-        for file in sorted((path.parent / "artifacts").glob("**/*")):
-            if file.is_file():
+        with tempfile.TemporaryDirectory(prefix="kvrelay-import-") as scratch:
+            for file in _artifacts(path.parent):
                 relative = file.parent.relative_to(path.parent / "artifacts")
+                if file.name.endswith(PACKED):  # logged as its plain JSON (src/gate.py reads routed/items.json)
+                    plain = Path(scratch) / file.name.removesuffix(PACKED)
+                    plain.write_bytes(unpacked(file))
+                    file = plain
                 client.log_artifact(run_id, str(file), None if str(relative) == "." else str(relative))
         status = record.get("status", "FINISHED")
         client.set_terminated(run_id, "FAILED" if status == "RUNNING" else status, record.get("end_time") or start)
     return imported
+
+
+def _artifacts(record: Path) -> list[Path]:
+    """The artifact files of the record folder `record` (under its artifacts/), in order."""
+    return [file for file in sorted((record / "artifacts").glob("**/*")) if file.is_file()]
+
+
+def pack(directories: list[str | Path]) -> list[Path]:
+    """Store every routed run's items under `directories` packed: each artifacts/routed/items.json replaced by
+    items.json.gz (gzip, mtime 0: the same JSON gives the same bytes), checked to gunzip to the identical bytes, written
+    whole (a temporary file, synced, renamed) before the plain file goes; where both were present, the plain one is
+    packed over the old copy. Packed items are left as they are, so packing twice changes nothing. Returns the files
+    written; a folder that is not one is a ValueError before anything is packed."""
+    if missing := [str(directory) for directory in directories if not Path(directory).is_dir()]:
+        raise ValueError(f"{', '.join(missing)}: no such folder")
+    written = []
+    for path in sorted({p for directory in directories for p in Path(directory).glob(f"**/{ITEMS}")}):
+        data = path.read_bytes()
+        blob = gzip.compress(data, compresslevel=9, mtime=0)
+        if gzip.decompress(blob) != data:
+            raise RecordError(f"{path}: its gzip does not give back the same bytes; left unpacked")
+        target = path.with_name(path.name + PACKED)
+        staging = target.with_name(f".{target.name}.tmp")
+        try:
+            with open(staging, "wb") as out:
+                out.write(blob)
+                out.flush()
+                os.fsync(out.fileno())
+            os.replace(staging, target)
+        except BaseException:
+            staging.unlink(missing_ok=True)
+            raise
+        path.unlink()
+        written.append(target)
+    return written
 
 
 def export_records(experiment: str, directory: str | Path, uri: str) -> int:
@@ -516,6 +593,8 @@ def main() -> None:
     export.add_argument("directory")
     for command in (replay, export):
         command.add_argument("--uri", default=tracking.uri)
+    packing = commands.add_parser("pack", help="store the items of the records under DIR gzipped (items.json.gz)")
+    packing.add_argument("directories", nargs="+", metavar="DIR")
     digest = commands.add_parser("digest", help="the code digest of this tree, or of a commit (match a record's tag)")
     digest.add_argument("--rev", help="a git revision (default: the working tree)")
     args = parser.parse_args()
@@ -524,6 +603,13 @@ def main() -> None:
             print(digest_at(args.rev) if args.rev else code_digest())
         except ValueError as error:
             sys.exit(f"digest: {error}")
+    elif args.command == "pack":
+        try:
+            written = pack(args.directories)
+        except ValueError as error:  # a folder that is not one; a gzip that does not give back the bytes
+            sys.exit(f"pack: {error}")
+        size = sum(path.stat().st_size for path in written)
+        print(f"packed {len(written)} items artifact(s) into items.json.gz ({size / 2**20:.1f} MiB)")
     elif args.command == "import":
         try:
             found = len(list(Path(args.directory).glob("**/record.json")))

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from src.choose import choose, overrides, validation_runs
+from src.tracking import pack
 
 REPO = Path(__file__).resolve().parents[1]
 DATA = REPO.parent / "shared/data"
@@ -151,6 +152,8 @@ def test_runs_that_scored_different_items_are_compared_on_the_items_they_share(t
     assert losses == {"cheap": pytest.approx(2.0), "dear": 0.0}
     assert choose(runs)["name"] == "dear"
     assert "cheap: compared on the 100 items every run scored (of its 200)" in capsys.readouterr().err
+    assert len(pack([tmp_path])) == 2  # items packed, as committed records keep them: read alike (NaN included)
+    assert json.dumps(validation_runs(tmp_path)) == json.dumps(runs)
 
 
 def test_runs_that_cannot_be_paired_are_refused(tmp_path):

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from src.report.error_signal import average_ranks, main, spearman, spearman_ci
+from src.tracking import pack
 
 RIGHT, WRONG = [[-1.0, 0.0], [-2.0, 0.0]], [[-2.0, 0.0], [-1.0, 0.0]]  # label 0 wins / loses
 
@@ -90,5 +91,7 @@ def test_fewer_runs_than_the_minimum_are_reported_not_hidden(tmp_path, capsys):
     assert "more error, more loss" not in out
     result, out = analysed(tmp_path, capsys, "--min-runs", "5")
     assert result["run_level"]["read_error"]["enough_runs"] and "fewer than" not in out
+    assert len(pack([tmp_path])) == 8  # items packed, as committed records keep them: read alike
+    assert analysed(tmp_path, capsys, "--min-runs", "5") == (result, out)
     result, out = analysed(tmp_path, capsys, "--experiment", "other")
     assert result["run_level"]["read_error"]["runs"] == 0 and "8 other experiment" in out

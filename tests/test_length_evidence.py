@@ -32,7 +32,7 @@ from src.artifact import (
 from src.length_evidence import add_evidence, bins, evidence, main, table
 from src.runtime.routing import Policy, bind
 from src.runtime.session import Session
-from src.tracking import RecordError
+from src.tracking import ITEMS, RecordError, pack
 from tests.exact_pair import exact_pair
 
 REPO = Path(__file__).resolve().parents[1]
@@ -135,6 +135,7 @@ def test_validation_records_become_verified_evidence_in_a_new_version(mapper_dir
     assert (mapper_dir / TENSOR_FILE).read_bytes() == tensors  # the coefficients are the very bytes they were
     assert "| (16, 32] | 31 | 300 | 0 | 10.00 [" in table(block) and "max_verified_length: 15 tokens" in table(block)
     main_argv = ["src.length_evidence", str(mapper_dir), str(run), "--edges", "16,32,64"]
+    assert pack([run]) == [run / f"{ITEMS}.gz"]  # its items stored packed, as committed records keep them
     with pytest.MonkeyPatch.context() as patch:  # the command: the same evidence again, its table printed
         patch.setattr("sys.argv", main_argv + ["--min-items", "300"])
         main()

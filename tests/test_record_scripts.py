@@ -2,14 +2,18 @@
 those figures from the committed records in results/ — run as a reader would —, and a truncated or incomplete record
 is named by every record reader (the scripts, tables.py, src/choose.py, `src.tracking import`), never a traceback."""
 
+import gzip
 import importlib.util
 import json
 import shutil
 import subprocess
 import sys
+from collections import Counter
 from pathlib import Path
 
 import pytest
+
+from src.tracking import ITEMS
 
 REPO = Path(__file__).resolve().parents[1]
 BF16 = REPO / "results/routed4-h200-2026-12-04"
@@ -54,23 +58,35 @@ def test_ttft_drift_ties_the_gate_s_baseline_drift_to_lengths_new_to_each_shard(
     assert "bucket is new / seen before: new 53.5 / 64.2 ms (21 turns); seen before 8.0 / 3.9 ms (779 turns)" in out
 
 
+def test_gate_coverage_reads_the_discordance_of_the_committed_items():
+    """The items gate_coverage.py read when it wrote its record (coverage.json: the share of items that differ per
+    task of every routed test-item record) are read alike from the records as committed (packed: items.json.gz)."""
+    kept = json.loads((REPO / "results/gate-coverage-cpu-2026-12-06/coverage.json").read_text())["observed_discordance"]
+    found = _module("gate_coverage").observed_discordance(REPO / "results")
+    assert not Counter(kept) - Counter(found)  # a later test-item record may add shares, never take one away
+
+
 # --- damaged records: every reader names the file and what is missing --------------------------------------------
 
 
 @pytest.fixture
 def damaged(tmp_path) -> dict[str, Path]:
-    """Copies of a committed routed record: truncated record.json, record without metrics, truncated items.json,
-    and a record that lacks the throughput metric ttft_drift reads."""
+    """Copies of a committed routed record: truncated record.json, record without metrics, its packed items cut short
+    (items.json.gz), unpacked and truncated (items.json), and a record that lacks the throughput metric ttft_drift
+    reads."""
     source = next(BF16.glob("*map-0af3e66c"))
     found = {}
-    for name in ("truncated", "no_metrics", "items_truncated", "no_throughput"):
+    for name in ("truncated", "no_metrics", "items_truncated", "items_cut", "no_throughput"):
         found[name] = shutil.copytree(source, tmp_path / name / source.name)
     record = found["truncated"] / "record.json"
     record.write_text(record.read_text()[:500])
     record = found["no_metrics"] / "record.json"
     record.write_text(json.dumps({k: v for k, v in json.loads(record.read_text()).items() if k != "metrics"}))
-    items = found["items_truncated"] / "artifacts/routed/items.json"
-    items.write_text(items.read_text()[:1000])
+    packed = found["items_truncated"] / f"{ITEMS}.gz"
+    (found["items_truncated"] / ITEMS).write_bytes(gzip.decompress(packed.read_bytes())[:1000])
+    packed.unlink()
+    packed = found["items_cut"] / f"{ITEMS}.gz"
+    packed.write_bytes(packed.read_bytes()[:1000])
     record = found["no_throughput"] / "record.json"
     loaded = json.loads(record.read_text())
     loaded["metrics"] = [m for m in loaded["metrics"] if m["key"] != "throughput.routed_items_per_s"]
@@ -100,15 +116,18 @@ def test_ttft_drift_names_the_damaged_file_and_key(damaged, monkeypatch):
     truncated, no_metrics = damaged["truncated"] / "record.json", damaged["no_metrics"] / "record.json"
     _refused(main, [str(damaged["truncated"])], monkeypatch, f"{truncated}: not valid JSON, truncated")
     _refused(main, [str(damaged["no_metrics"])], monkeypatch, f"{no_metrics}: no 'metrics'")
-    items = damaged["items_truncated"] / "artifacts/routed/items.json"
+    items = damaged["items_truncated"] / ITEMS
     _refused(main, [str(damaged["items_truncated"])], monkeypatch, f"{items}: not valid JSON")
+    _refused(main, [str(damaged["items_cut"])], monkeypatch, f"{damaged['items_cut'] / ITEMS}.gz: not a valid gzip")
     record = damaged["no_throughput"] / "record.json"
     _refused(main, [str(damaged["no_throughput"])], monkeypatch, f"{record}: no 'throughput.routed_items_per_s'")
 
 
 def test_items_needed_names_the_damaged_items(damaged, monkeypatch):
-    items = damaged["items_truncated"] / "artifacts/routed/items.json"
-    _refused(_module("items_needed").main, [str(damaged["items_truncated"])], monkeypatch, f"{items}: not valid JSON")
+    main = _module("items_needed").main
+    items = damaged["items_truncated"] / ITEMS
+    _refused(main, [str(damaged["items_truncated"])], monkeypatch, f"{items}: not valid JSON")
+    _refused(main, [str(damaged["items_cut"])], monkeypatch, f"{damaged['items_cut'] / ITEMS}.gz: not a valid gzip")
 
 
 @pytest.mark.parametrize(("name", "message"), [("truncated", "not valid JSON"), ("no_metrics", "no 'metrics'")])

@@ -37,9 +37,8 @@ def test_results_hold_small_records_and_no_weights():
     files = [path for path in (ROOT / "results").rglob("*") if path.is_file()]
     assert any(path.name == "record.json" for path in files)
     for path in files:
-        run = path.parent.parent.parent / "record.json"  # a join of item shards (src.routed_merge) holds every row
-        joined = path.name == "items.json" and run.is_file() and "merged_shards" in json.loads(run.read_text())["tags"]
-        assert path.suffix not in WEIGHT_SUFFIXES and path.stat().st_size <= (4 if joined else 1) << 20, path
+        assert path.suffix not in WEIGHT_SUFFIXES and path.stat().st_size <= 1 << 20, path
+        assert path.name != "items.json", f"{path}: committed items are kept packed (python -m src.tracking pack DIR)"
         if path.name == "record.json":
             record = json.loads(path.read_text())
             assert {"name", "experiment", "status", "params", "tags", "metrics"} <= set(record), path

@@ -3,6 +3,7 @@ on the tiny random pair, the shards of a run joined score exactly what the unsha
 the same order, so the same accuracies and bootstrap CIs —, the join refuses what is not one run's shards, and the
 gate never judges a shard alone."""
 
+import gzip
 import json
 import re
 import shutil
@@ -14,7 +15,7 @@ from src.gate import is_shard
 from src.routed_merge import _joined, interleave, main, merge, write
 from src.routed_workloads import check_shard, shard
 from src.tasks import Item
-from src.tracking import ITEMS, RecordError
+from src.tracking import ITEMS, RecordError, pack
 from src.workloads import Example
 from tests.test_routed import DATA, compose
 
@@ -158,6 +159,19 @@ def test_the_join_refuses_what_is_not_one_runs_shards(records, tmp_path, capsys)
     with pytest.raises(FileNotFoundError):
         write(tmp_path / "g", record, document, tmp_path / "no-config.yaml")
     assert not any((tmp_path / "g").iterdir())  # the staging folder went with the failure
+
+
+def test_packed_shards_join_as_the_plain_ones(records, tmp_path):
+    """Committed shards keep their items packed (items.json.gz, `src.tracking pack`): they join to the same record
+    and rows, and a row without a key is named in the packed file."""
+    packed = [shutil.copytree(records[n], tmp_path / n / records[n].name) for n in ("0", "1")]
+    assert len(pack([tmp_path])) == 2
+    assert json.dumps(merge(packed)) == json.dumps(merge([records["0"], records["1"]]))
+    document = json.loads(gzip.decompress((packed[1] / f"{ITEMS}.gz").read_bytes()))
+    document["items"][0].pop("task")
+    (packed[1] / f"{ITEMS}.gz").write_bytes(gzip.compress(json.dumps(document).encode()))
+    with pytest.raises(RecordError, match=r"items\.json\.gz items\[0\]: no 'task'"):
+        merge(packed)
 
 
 def test_shards_of_one_code_from_two_leases_join_and_name_both_commits(records, tmp_path):

@@ -1,7 +1,10 @@
 """Tracking as its users meet it: experiments open on the runs table, a run spans the job it records (times, system
-metrics), a job that raises leaves a FAILED run with the error, and JSON records survive import → export."""
+metrics), a job that raises leaves a FAILED run with the error, JSON records survive import → export, and items
+stored packed (items.json.gz, as committed) read, import and gate exactly as the plain JSON."""
 
+import gzip
 import json
+import shutil
 import time
 from pathlib import Path
 
@@ -11,6 +14,7 @@ from mlflow import MlflowClient
 from omegaconf import OmegaConf
 
 from src import tracking
+from src.tracking import ITEMS, RecordError
 
 INTERVAL_ENV = "MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL"
 
@@ -209,3 +213,111 @@ def test_timing_environment_is_recorded_where_set(monkeypatch):
 def test_code_digest_of_an_unknown_revision_is_a_clear_error():
     with pytest.raises(ValueError, match="no code digest at 'no-such-revision'"):
         tracking.digest_at("no-such-revision")
+
+
+# --- items stored packed (items.json.gz): read, packed and imported as the plain JSON ------------------------------
+
+ROWS = [{"task": "arc_easy", "index": n, "ttft": {"routed": 1.5 * n, "reprefill": 3.25 * n}} for n in range(50)]
+
+
+def items_run(folder: Path, rows: list[dict] = ROWS) -> Path:
+    """A record folder holding only a plain items artifact of `rows` (indented, as other JSON writers might)."""
+    (folder / ITEMS).parent.mkdir(parents=True)
+    (folder / ITEMS).write_text(json.dumps({"items": rows, "handoffs": []}, indent=1))
+    return folder
+
+
+def test_packed_items_read_as_the_plain_ones(tmp_path):
+    plain, packed = items_run(tmp_path / "plain"), items_run(tmp_path / "packed")
+    original = (packed / ITEMS).read_bytes()
+    assert tracking.pack([packed]) == [packed / f"{ITEMS}.gz"] and not (packed / ITEMS).exists()
+    assert tracking.items_path(plain) == plain / ITEMS and tracking.items_path(packed) == packed / f"{ITEMS}.gz"
+    assert gzip.decompress((packed / f"{ITEMS}.gz").read_bytes()) == original  # the very bytes
+    assert tracking.read_items(packed) == tracking.read_items(plain) == ROWS
+    assert tracking.read_json(packed / f"{ITEMS}.gz") == tracking.read_json(plain / ITEMS)
+    assert tracking.items_path(tmp_path / "none") == tmp_path / "none" / ITEMS  # neither: the plain name, not a file
+    with pytest.raises(RecordError, match=r"none/artifacts/routed/items\.json: no such file"):
+        tracking.read_items(tmp_path / "none")
+
+
+def test_items_both_plain_and_packed_are_refused_naming_both(tmp_path):
+    run = items_run(tmp_path / "run")
+    (run / f"{ITEMS}.gz").write_bytes(gzip.compress(json.dumps({"items": ROWS[:1]}).encode()))  # they disagree
+    both = rf"{run / ITEMS} and {run / ITEMS}\.gz: both present"
+    for reader in (tracking.items_path, tracking.read_items):
+        with pytest.raises(RecordError, match=both):
+            reader(run)
+    assert tracking.pack([run]) == [run / f"{ITEMS}.gz"] and tracking.read_items(run) == ROWS  # the plain one wins
+
+
+def test_a_damaged_packed_file_is_named(tmp_path):
+    run = items_run(tmp_path / "run")
+    (path,) = tracking.pack([run])
+    blob = path.read_bytes()
+    cut, flipped = blob[: len(blob) // 2], blob[:-8] + bytes(8)  # a cut stream; a stream whose CRC and size lie
+    for damaged in (cut, flipped, b"{not gzip}", gzip.compress(b'{"items": [')):
+        path.write_bytes(damaged)
+        with pytest.raises(RecordError, match=rf"{path}: not (a valid gzip file|valid JSON), truncated or damaged"):
+            tracking.read_items(run)
+
+
+def test_pack_is_idempotent_and_gives_the_same_bytes_for_the_same_json(tmp_path, monkeypatch):
+    runs = [items_run(tmp_path / "set" / name) for name in ("a", "b")]
+    written = tracking.pack([tmp_path / "set", runs[0]])  # a folder named twice is packed once
+    assert written == [run / f"{ITEMS}.gz" for run in runs]
+    blobs = [path.read_bytes() for path in written]
+    assert blobs[0] == blobs[1] and blobs[0][4:8] == bytes(4)  # no time in the gzip header: reproducible bytes
+    assert tracking.pack([tmp_path / "set"]) == [] and [path.read_bytes() for path in written] == blobs
+    assert sorted(p.name for p in (tmp_path / "set").glob("**/*") if p.is_file()) == ["items.json.gz"] * 2
+    compress = gzip.compress
+    monkeypatch.setattr(tracking.gzip, "compress", lambda data, **kwargs: compress(data[:-1], mtime=0))
+    lossy = items_run(tmp_path / "lossy")  # a gzip that does not give back the bytes: refused, nothing changed
+    with pytest.raises(RecordError, match="does not give back the same bytes; left unpacked"):
+        tracking.pack([lossy])
+    assert [p.name for p in (lossy / ITEMS).parent.iterdir()] == ["items.json"]
+    with pytest.raises(ValueError, match="no-such: no such folder"):  # a mistyped folder is named, nothing packed
+        tracking.pack([lossy, tmp_path / "no-such"])
+
+
+def test_import_logs_packed_items_as_their_json_and_the_gate_reads_them(store, tmp_path, capsys):
+    """src/gate.py downloads routed/items.json from MLflow: a packed record imports its items under that name, the
+    very bytes of the plain file, and the gate judges the run from them."""
+    from mlflow.artifacts import download_artifacts
+
+    from src.gate import check
+    from tests.gate_records import passing, run, write_record
+
+    folder = write_record(tmp_path / "records", run(passing()))
+    record = json.loads((folder / "record.json").read_text())
+    (folder / "record.json").write_text(json.dumps(record | {"experiment": "packed_items"}))
+    original = (folder / ITEMS).read_bytes()
+    assert len(tracking.pack([tmp_path / "records"])) == 1
+    assert tracking.import_records(tmp_path / "records", store["uri"], store["artifacts"]) == 1
+    run_id = only_run(store, "packed_items").info.run_id
+    assert [a.path for a in MlflowClient(store["uri"]).list_artifacts(run_id, "routed")] == ["routed/items.json"]
+    downloaded = download_artifacts(run_id=run_id, artifact_path="routed/items.json", dst_path=str(tmp_path / "dl"))
+    assert Path(downloaded).read_bytes() == original
+    plans = tmp_path / "plans.yaml"
+    plans.write_text(json.dumps({"since": "2026-12-06T00:00:00+00:00", "plans": []}))
+    check(store["uri"], "packed_items", plans=plans)
+    out = capsys.readouterr().out  # judged from its 200 item rows (without them: MISSING, "no items artifact")
+    assert "PASS         record: logged = items             measured 86 logged metrics equal their recomputation " \
+           "from 200 rows" in out and "quality: loss vs all-re-prefill    measured arc_easy +0.00" in out  # fmt: skip
+
+
+def test_import_refuses_a_damaged_or_doubled_packed_artifact_and_imports_nothing(store, tmp_path):
+    from tests.gate_records import passing, run, write_record
+
+    for name, fault in (("cut", "not a valid gzip file"), ("doubled", "both present")):
+        folder = write_record(tmp_path / name, run(passing(10)))
+        record = json.loads((folder / "record.json").read_text())
+        (folder / "record.json").write_text(json.dumps(record | {"experiment": f"packed_{name}"}))
+        shutil.copytree(folder, tmp_path / name / "good")  # a good record beside it: not imported either
+        (packed,) = tracking.pack([folder])
+        if name == "cut":
+            packed.write_bytes(packed.read_bytes()[:100])
+        else:
+            (folder / ITEMS).write_text("{}")
+        with pytest.raises(RecordError, match=fault):
+            tracking.import_records(tmp_path / name, store["uri"], store["artifacts"])
+        assert MlflowClient(store["uri"]).get_experiment_by_name(f"packed_{name}") is None

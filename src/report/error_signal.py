@@ -34,7 +34,7 @@ import numpy as np
 from src.eval.metrics import Interval
 from src.routed_runs import task_scores
 from src.tasks import METRICS
-from src.tracking import ITEMS, metric_values, read_items, read_record
+from src.tracking import items_path, metric_values, read_items, read_record
 
 MIN_RUNS = 20  # the floor: fewer runs give an exploratory ρ, never a headline
 LEVEL = 0.95
@@ -160,7 +160,7 @@ def read_runs(
             "loss_points": metrics.get("task.mean.loss_points", nan),
             "signals": {name: float(signal(metrics)) for name, signal in RUN_SIGNALS.items()},
         }
-        if (path.parent / ITEMS).is_file():
+        if items_path(path.parent).is_file():
             items = read_items(path.parent)
             run["lost"] = lost(items)
             run["items"] = {name: np.array([signal(item) for item in items]) for name, signal in ITEM_SIGNALS.items()}

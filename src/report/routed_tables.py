@@ -14,7 +14,7 @@ from src.gate_evidence import Evidence, evidence
 from src.gate_plan import lever_names, load_plans
 from src.report.rows import Row, fmt, metric, slashed
 from src.routed import paired_gain, quality
-from src.tracking import ITEMS, read_items, read_json, require
+from src.tracking import items_path, read_items, read_json, require
 
 FEWSHOT = Path(__file__).resolve().parents[2] / "conf/workload/fewshot.yaml"
 FEWSHOT_SHOTS = dict(OmegaConf.load(FEWSHOT).shots)  # a run with more shows its count
@@ -57,7 +57,7 @@ def _evidence(record: str, start_time: int) -> Evidence:
 
     path = Path(record)
     found = read_record(path)
-    items = path.parent / ITEMS
+    items = items_path(path.parent)
     document = read_json(items) if items.is_file() else None
     return evidence(
         found["name"], str(path.parent.name), start_time, metric_values(found, path), found["params"], found["tags"],
