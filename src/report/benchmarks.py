@@ -20,7 +20,7 @@ from src.report.quality_tables import quickstart
 from src.report.reliability import coverage
 from src.report.routed_tables import decision, routed, routed_paired, routed_switches, routed_tasks
 from src.report.rows import joined, record_rows
-from src.report.vllm_table import BenchRun, vllm_ttft
+from src.report.vllm_table import BenchRun, vllm_phases, vllm_ttft
 
 ROOT = Path(__file__).resolve().parents[2]
 RESULTS, BENCHMARKS, README = ROOT / "results", ROOT / "BENCHMARKS.md", ROOT / "README.md"
@@ -41,6 +41,7 @@ BF16 = "routed4-h200-2026-12-04"
 ENGINE = "engine-h200-2026-12-05"
 ENGINE_V2 = "engine-h100-2026-12-06"  # the engine with the receiver protocol and map_into, random weights, one H100
 ENGINE_V2B = "engine-h100-2026-12-06b"  # the same pair job at 732d5f6: host reads cut, capture_all, timed attention
+ENGINE_V2C = "engine-h100-2026-12-06c"  # the same pair job at a35c14b: the map replayed as a CUDA graph
 GATE_FIRST = "gate-h100-2026-12-06"  # the first gate run: 8 shards, before its plan named 4 (unregistered)
 GATE = "gate-h100-2026-12-06b"  # scripts/device_quality.sh gate as registered: 200-shot ARC, bf16, graph engine
 FRONTIER_CPU = "frontier-cpu-2026-12-06"  # issue 34 item 2: the passage frontier on the CPU, fp32
@@ -53,12 +54,22 @@ VLLM_SHM = "vllm-h100-2026-12-06/vllm_ttft_file_dev_shm.json"  # the same bench,
 VLLM_DEVICE = "vllm-h100-2026-12-06/vllm_ttft_device.json"  # the sender's exports on its GPU (CUDA IPC)
 VLLM_TRITON = "vllm-h100-2026-12-06/vllm_ttft_device_triton.json"  # the same, the receiver's map by the Triton kernel
 # The device records name their export memory; the map kernel comes from the call (COMMANDS.md beside them)
+VLLM_TIMED = "vllm-h100-2026-12-06b/vllm_ttft_device_timings.json"  # device exports, Triton map, per-phase host times
+VLLM_REAL = "vllm-h100-2026-12-06b/vllm_ttft_real.json"  # the real pair and its bf16 mapper, real-text histories
 VLLM_RUNS = {
     VLLM_FILE: BenchRun("file, exports on the machine's disk (/tmp/vllm-bench/exports)", "bf16", "732d5f6"),
     VLLM_SHM: BenchRun("file, exports on /dev/shm (tmpfs)", "bf16", "732d5f6"),
     VLLM_DEVICE: BenchRun("device, the sender's GPU (CUDA IPC), map kernel torch", "bf16", "a55f847"),
     VLLM_TRITON: BenchRun(
         "device, the sender's GPU (CUDA IPC), map kernel Triton (apply_backend auto)", "bf16", "a55f847"
+    ),  # fmt: skip
+    VLLM_TIMED: BenchRun(
+        "device, the sender's GPU (CUDA IPC), map kernel Triton (apply_backend auto)", "bf16", "a35c14b"
+    ),  # fmt: skip
+    VLLM_REAL: BenchRun(
+        "device, the sender's GPU (CUDA IPC), map kernel Triton (apply_backend auto)",
+        "bf16",
+        "a35c14b + the sender's fitted dtypes (da7ff57's script change)",
     ),  # fmt: skip
 }
 
@@ -83,17 +94,20 @@ TABLES: dict[str, Table] = {
     "engine": Table((ENGINE,), engine),
     "engine_v2": Table((ENGINE_V2,), engine),
     "engine_v2b": Table((ENGINE_V2B,), engine),
+    "engine_v2c": Table((ENGINE_V2C,), engine),
     "vllm_ttft": Table((), partial(vllm_ttft, runs=VLLM_RUNS), files=(VLLM_TRITON, VLLM_DEVICE)),
     "vllm_ttft_file": Table((), partial(vllm_ttft, runs=VLLM_RUNS), files=(VLLM_FILE, VLLM_SHM)),
+    "vllm_ttft_b": Table((), partial(vllm_ttft, runs=VLLM_RUNS), files=(VLLM_TIMED, VLLM_REAL)),
+    "vllm_phases": Table((), vllm_phases, files=(VLLM_TIMED, VLLM_REAL)),
     "routed_gate": Table((GATE,), lambda rows: routed(joined(rows))),
     "routed_gate_tasks": Table((GATE,), lambda rows: routed_tasks(joined(rows))),
     "routed_gate_first": Table((GATE_FIRST,), lambda rows: routed(joined(rows))),
     "decision": Table((ROUTED, LEVERS, FITS, BF16, GATE_FIRST, GATE), decision),
     "headline": Table(
         (ROUTED, LEVERS, FITS, BF16, ENGINE, GATE_FIRST, GATE),
-        partial(headline, vllm_run=VLLM_RUNS[VLLM_TRITON]),
+        partial(headline, vllm_run=VLLM_RUNS[VLLM_REAL]),
         README.name,
-        (FUSED, VLLM_TRITON),
+        (FUSED, VLLM_REAL),
     ),
     "decision_brief": Table((ROUTED, LEVERS, FITS, BF16, GATE_FIRST, GATE), decision_brief, README.name),
     "gate_coverage": Table((), coverage, files=(COVERAGE,)),

@@ -11,6 +11,9 @@ from pathlib import Path
 
 from src.eval.intervals import median_interval
 from src.report.rows import fmt
+from src.serving.timings import PHASES
+
+TIMED = {role: [p for p in phases if p != "export"] for role, phases in PHASES.items()}  # a handoff's own phases
 
 Document = tuple[str, dict]  # (path under results/, the parsed JSON)
 
@@ -39,8 +42,9 @@ def vllm_ttft(rows: list, *documents: Document, runs: dict[str, BenchRun]) -> st
     for where, bench in documents:
         run, machine = runs[where], bench["machine"]
         repeats = {len(row["map_ms"]) for row in bench["rows"]}
+        pair = " → ".join(Path(part).stem for part in bench["pair"].split(" → "))  # a config, or two model folders
         lines += [
-            f"{Path(bench['pair']).stem}, {bench['weights']} weights, {run.dtype}, new turn {bench['turn']} tokens, "
+            f"{pair}, {bench['weights']} weights, {run.dtype}, new turn {bench['turn']} tokens, "
             f"{'/'.join(map(str, sorted(repeats)))} repeats, transport: {run.transport} — {machine['date']}, "
             f"code {run.commit}, vllm {machine['vllm']}, torch {machine['torch']}, {machine['device']} "
             f"(`results/{where}`)",
@@ -68,6 +72,34 @@ def vllm_ttft(rows: list, *documents: Document, runs: dict[str, BenchRun]) -> st
     return "\n".join(lines).rstrip()
 
 
+def vllm_phases(rows: list, *documents: Document) -> str:
+    """Where a handoff's host time goes (`--timings` records, src/serving/timings.py): per history length, the
+    median host ms of each phase over the measured repeats, the receiver's phases summed beside its mapped request's
+    excess over the hit (map − hit, medians). The worker's export includes its wait for the sender's own forward."""
+    lines = []
+    for where, bench in documents:
+        scheduler, worker = TIMED["scheduler"], TIMED["worker"]
+        lines += [
+            f"`results/{where}` ({bench['weights']} weights) — host ms, median per phase",
+            "",
+            "| history | " + " | ".join(f"sched. {p}" for p in scheduler) + " | "
+            + " | ".join(f"worker {p}" for p in worker) + " | receiver sum | map − hit (TTFT p50s) | worker export |",
+            "|---|" + "---|" * (len(scheduler) + len(worker) + 3),
+        ]  # fmt: skip
+        for row in bench["rows"]:
+            host, median = row["host_ms"], row["median_ms"]
+            cells = [host["scheduler"].get(p, math.nan) for p in scheduler] + [
+                host["worker"].get(p, math.nan) for p in worker
+            ]
+            excess = median["map"] - median["hit"]
+            lines.append(
+                f"| {row['tokens']:,} | " + " | ".join(fmt(x, 2) for x in cells)
+                + f" | {fmt(sum(cells), 2)} | {fmt(excess, 1)} | {fmt(host['worker'].get('export', math.nan), 1)} |"
+            )  # fmt: skip
+        lines.append("")
+    return "\n".join(lines).rstrip()
+
+
 def vllm_brief(document: Document, run: BenchRun) -> tuple[str, str]:
     """README's headline cells for a bench record: (the routed speedup at the shortest and longest history, with the
     longest's medians; what it was measured on)."""
@@ -84,8 +116,9 @@ def vllm_brief(document: Document, run: BenchRun) -> tuple[str, str]:
         f"({run.transport.split(',')[0]} transport)"
     )
     machine = bench["machine"]
+    weights = "the real pair and its mapper" if bench["weights"] == "real" else "random weights of the pair's shapes"
     on = (
-        f"{bench['weights']} weights of the pair's shapes, {run.dtype}, vllm {machine['vllm']}, "
+        f"{weights}, {run.dtype}, vllm {machine['vllm']}, "
         f"{machine['device'].removeprefix('NVIDIA ')}, {machine['date']}"
     )
     return answer, on
