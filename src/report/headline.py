@@ -199,7 +199,10 @@ def headline(rows: list[Row], fused: Document, vllm: Document, *, vllm_run: Benc
     add(
         "Handoff speedup vs re-prefill inside vLLM (two engines, the kvrelay connector)",
         *vllm_brief(vllm, vllm_run),
-        _link("inside-vllm-the-real-pair-and-where-the-host-time-goes-one-h100-2026-12-06-fifth-session", "latency inside vLLM"),
+        _link(
+            "inside-vllm-the-real-pair-and-where-the-host-time-goes-one-h100-2026-12-06-fifth-session",
+            "latency inside vLLM",
+        ),
     )
 
     # Levers: paired on the same test items, routed accuracy with the lever minus without.
