@@ -32,7 +32,7 @@ case $stage in
   probe)
     OUT=$OUT python3 .stage/engine_probe.py | tee "$OUT/probe.txt" ;;
   pair)
-    python3 -m src.run "${COMMON[@]}" pair=qwen25coder_0p5b_to_1p5b_random fit.k=24 \
+    python3 -m src.run "${COMMON[@]}" pair=qwen25coder_0p5b_to_1p5b_random fit.k=24 eval.handoff.prefill_repeats=7 \
       "eval.handoff.prefix_lens=[1024,2048,4096,8192,16384]" "eval.handoff.recompute_rules=[deviation,turn]" \
       eval.handoff.profile=true 2>&1 | tee "$OUT/pair.txt" | grep -v "^prefix" || true
     grep "^prefix" "$OUT/pair.txt" | cut -c1-400 ;;

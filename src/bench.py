@@ -102,14 +102,14 @@ def handoff(cfg: DictConfig) -> None:
         transfer = _transfers(cfg, pair, (cfg.support.kind,))[0][cfg.support.kind]
         h = cfg.eval.handoff
         ids = _prefix_ids(cfg, pair, max(h.prefix_lens) + h.new_turn)
-        results, out_of_memory, profiles = {}, [], {}
+        results, out_of_memory, profiles, samples = {}, [], {}, {}
         for n in h.prefix_lens:
             prefix, turn = ids[:, :n], ids[:, n : n + h.new_turn]
             try:
                 results[n] = handoff_ttft(
                     transfer, prefix, turn, h.repeats, h.prefill_repeats, h.warmup, tuple(h.engines),
                     tuple(h.recompute_shares), profiles.setdefault(n, {}) if h.profile else None,
-                    tuple(h.recompute_rules), h.progressive,
+                    tuple(h.recompute_rules), h.progressive, samples.setdefault(n, {}),
                 )  # fmt: skip
             except torch.OutOfMemoryError:
                 out_of_memory.append(n)
@@ -127,7 +127,9 @@ def handoff(cfg: DictConfig) -> None:
                 axis.plot(list(results), [m[key] for m in results.values()], style, label=f"{name} {path}")
         axis.set(xlabel="prefix tokens", ylabel="TTFT ms (p50)", xscale="log", yscale="log", title=cfg.pair.name)
         axis.legend()
-        run.dict({"ttft": {str(n): m for n, m in results.items()}, "out_of_memory": out_of_memory}, "handoff.json")
+        kept = {str(n): samples[n] for n in results}  # every timed call's ms: each ratio's interval recomputes
+        summary = {str(n): m for n, m in results.items()}
+        run.dict({"ttft": summary, "samples": kept, "out_of_memory": out_of_memory}, "handoff.json")
         for n, tables in profiles.items():  # where each path's time goes (eval.handoff.profile)
             run.dict(tables, f"profiles/prefix_{n}.json")
         run.figure(figure, "plots/ttft_vs_prefix.png")

@@ -1,8 +1,11 @@
 """Systems jobs at synthetic shapes (tiny pair, CPU), the JSON tracking backend and its MLflow import; the
 handoff TTFT paths on the exact-map pair (tests/exact_pair.py): the three paths give the same next token
-through the exact map (and not through a wrong one), and the map runs inside the timed transfer path."""
+through the exact map (and not through a wrong one), the map runs inside the timed transfer path, and every timed
+call is kept, giving back each p50 and each ratio's interval."""
 
 import json
+import math
+import statistics
 
 import pytest
 import torch
@@ -11,10 +14,12 @@ from transformers import DynamicCache
 import src.bench
 import src.eval.latency
 from src.apply import KVTransfer
-from src.eval.ttft import engine_paths, handoff_paths, handoff_ttft, recompute_path, transport
+from src.eval.intervals import median_ratio_interval
+from src.eval.ttft import ENGINES, engine_paths, handoff_paths, handoff_ttft, recompute_path, transport
 from src.forward import prefill
 from src.models import describe_kv
 from src.report.engine_table import engine as engine_table
+from src.report.rows import record_rows
 from src.support import coefficient_count
 from src.synthetic import synthetic_mapper, synthetic_traces
 from src.tracking import import_records
@@ -77,6 +82,12 @@ def test_handoff_job_json_backend_and_import(ws, tmp_path):  # noqa: F811
         assert {(name, 16), (name, 32)} <= logged
     assert record["tags"]["weights"] == "random" and record["params"]["job"] == "handoff"
     assert (record_file.parent / "artifacts/plots/ttft_vs_prefix.png").is_file()
+    logged = {m["key"]: m["value"] for m in record["metrics"]}
+    assert math.isnan(logged["speedup.graph.map_lo"]) and math.isnan(logged["graph.map_over_hit_hi"])  # 2 repeats
+    kept = json.loads((record_file.parent / "artifacts/handoff.json").read_text())["samples"]
+    assert set(kept) == {"16", "32"} and len(kept["16"]["graph.map"]) == 2 and len(kept["32"]["hf.reprefill"]) == 1
+    table = engine_table(record_rows(records))  # the intervals logged, undefined at 2 / 1 repeats
+    assert "× [—, —], " in table and "| recompute 25% |" in table and "recompute 25% hi" not in table
     tables = json.loads((record_file.parent / "artifacts/profiles/prefix_16.json").read_text())
     assert {"map", "graph.map", "graph.hit", "graph.recompute_0.25"} <= set(tables) and "Self CPU" in tables["map"]
     uri = f"sqlite:///{tmp_path / 'imported.db'}"
@@ -112,6 +123,23 @@ def test_recompute_paths_are_named_for_the_engine_table():
     header, _, line = engine_table([row]).splitlines()[2:5]
     assert header.endswith("| recompute 10% turn | recompute 25% | recompute 25% deviation p0.5 |")
     assert line.endswith("| 3.00× | 2.00× | 4.00× |")
+
+
+def test_the_engine_table_shows_each_ratio_with_its_interval():
+    """A record with intervals shows each ratio as 'r× [lo, hi]' ('[—, —]' where too few repeats gave none); an older
+    record the bare ratio, and says once that it predates them."""
+    row = {"params.job": "handoff", "start_time": 0, "series.map_ms_p50": {16: 1.0}}
+    ratios = {"speedup.graph.map": (8.08, 7.9, 8.3), "graph.map_over_hit": (1.5, math.nan, math.nan)}
+    ratios["speedup.graph.recompute_0.25"] = (2.0, 1.75, 2.25)
+    old = row | {f"series.{name}": {16: point} for name, (point, _, _) in ratios.items()}
+    new = old | {
+        f"series.{name}_{end}": {16: bounds[i]} for name, bounds in ratios.items() for i, end in ((1, "lo"), (2, "hi"))
+    }
+    caption, _, header, _, line = engine_table([new]).splitlines()[:5]
+    assert line.endswith("| 8.08× [7.90, 8.30], 1.50× [—, —] | 2.00× [1.75, 2.25] |") and "predates" not in caption
+    assert header.endswith("| recompute 25% |")
+    caption, _, _, _, line = engine_table([old]).splitlines()[:5]
+    assert line.endswith("| 8.08×, 1.50× | 2.00× |") and caption.endswith("(no interval: record predates samples)")
 
 
 def test_transport_counts_the_source_cache_bytes():
@@ -191,3 +219,42 @@ def test_ttft_times_the_map_inside_the_transfer_path(monkeypatch):
         assert metrics[f"speedup.{engine}.map"] < 1e-5
     # map alone, each engine's map path: (warm-up + timed + the logit check); one peak-memory call
     assert clocked.calls == (1 + 2) + 2 * (1 + 2 + 1) + 1
+
+
+def test_handoff_keeps_every_timed_call_and_an_interval_for_each_ratio():
+    """Every timed call's ms are kept (4 decimals) and give back each p50 and each ratio with its 95 % interval
+    (`median_ratio_interval` of the kept samples: the engine's re-prefills over the path; map over hit), which brackets
+    the ratio; at 5 re-prefill repeats no speedup has an interval (NaN: a median at 97.5 % needs 7 values) while
+    routed / hit, 7 repeats a side, has one."""
+    source, target, token_hash, exact, _ = exact_pair()
+    prefix, turn = _prefix_turn()
+    transfer = KVTransfer(exact, source, target, token_hash)
+    for prefill_repeats in (5, 7):
+        samples: dict[str, list[float]] = {}
+        metrics = handoff_ttft(transfer, prefix, turn, 7, prefill_repeats, 0, shares=(0.5,), samples=samples)
+        assert set(samples) == {"map"} | {
+            f"{engine}.{path}"
+            for engine in ENGINES
+            for path in (
+                "map",
+                "reprefill",
+                "hit",
+                *(("reprefill_graph", "recompute_0.5") if engine == "graph" else ()),
+            )
+        }
+        for key, ms in samples.items():
+            slow = key.split(".", 1)[-1].startswith(("reprefill", "recompute"))
+            assert len(ms) == (prefill_repeats if slow else 7) and all(t > 0 and round(t, 4) == t for t in ms)
+            median = metrics["map_ms_p50" if key == "map" else f"ttft.{key}_ms_p50"]
+            assert median == pytest.approx(statistics.median(ms), rel=1e-12)
+        for engine in ENGINES:
+            paths = [key.split(".", 1)[1] for key in samples if key.startswith(f"{engine}.")]
+            bases = [samples[f"{engine}.{path}"] for path in paths if path.startswith("reprefill")]
+            ratios = {f"speedup.{engine}.{path}": (bases, samples[f"{engine}.{path}"]) for path in paths}
+            ratios[f"{engine}.map_over_hit"] = ([samples[f"{engine}.map"]], samples[f"{engine}.hit"])
+            for name, (numerators, denominator) in ratios.items():
+                point, low, high = (metrics[name], metrics[f"{name}_lo"], metrics[f"{name}_hi"])
+                assert [point, low, high] == pytest.approx(median_ratio_interval(numerators, denominator), nan_ok=True)
+                defined = prefill_repeats == 7 or name.endswith("map_over_hit")
+                assert math.isfinite(low) == math.isfinite(high) == defined, name
+                assert not defined or low <= point <= high, name

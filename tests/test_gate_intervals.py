@@ -1,7 +1,7 @@
 """The gate's small-sample statistics (src/eval/intervals.py): Tango's interval against PropCIs::scoreci.mp, the exact
 unconditional test whose false-PASS rate at the margin is at most 2.5 % at every n and discordance (computed exactly
 here, and where Tango's asymptotic test exceeds it), the design effect of clustered turns, Nam's sample size, the
-order-statistic interval of a median, MOVER over tasks. The simulated coverage over n = 20 … 800 and true losses
+order-statistic interval of a median and of a ratio of two medians timed apart, MOVER over tasks. The simulated coverage over n = 20 … 800 and true losses
 0 … 3 points is scripts/gate_coverage.py (BENCHMARKS § reliability)."""
 
 import math
@@ -15,6 +15,7 @@ from src.eval.intervals import (
     design_effect,
     exact_rejections,
     median_interval,
+    median_ratio_interval,
     mover_mean,
     pairs_needed,
     tango_interval,
@@ -131,3 +132,52 @@ def test_mover_over_tasks():
     assert low == pytest.approx(0.01 - math.hypot(0.03, 0.04) / 2) and high == pytest.approx(
         0.01 + math.hypot(0.04, 0.03) / 2
     )
+
+
+def test_a_ratio_of_medians_takes_each_median_at_its_bonferroni_level():
+    """Two samples at 95 %: each median's order-statistic interval at 97.5 % (rank 5 of 20, not 95 %'s rank 6), the
+    ratio's bounds from their extremes; three (a best of two re-prefills): each at 98.3 % (rank 1 of 10, not 2)."""
+    ranks = list(map(float, range(1, 21)))  # x₍ᵢ₎ = i
+    assert median_ratio_interval([ranks], ranks) == (1.0, 5 / 16, 16 / 5)
+    ten = ranks[:10]
+    assert median_ratio_interval([ten], ten)[1:] == (2 / 9, 9 / 2)  # rank 2 at 97.5 %
+    point, low, high = median_ratio_interval([[2 * x for x in ten], ten], ten)
+    assert (point, low, high) == (1.0, 1 / 10, 10 / 1)  # rank 1: the least numerator's extremes
+    assert low <= point <= high
+
+
+@pytest.mark.parametrize(("n", "defined"), [(5, False), (6, False), (7, True)])
+def test_a_ratio_of_medians_has_no_interval_below_7_values(n, defined):
+    """At 97.5 % a median needs 7 values (P(all on one side) = 2⁻⁶ > 1.25 % at 6): below, the bounds are NaN (the
+    default 5 re-prefill repeats give none), never a narrower level's; a sample of 20 beside it does not help."""
+    few, many = [float(x) for x in range(1, n + 1)], [float(x) for x in range(1, 21)]
+    for numerators, denominator in (([few], many), ([many], few)):
+        point, low, high = median_ratio_interval(numerators, denominator)
+        assert math.isfinite(point) and math.isfinite(low) == defined and math.isfinite(high) == defined
+    if defined:
+        assert median_ratio_interval([few], many)[1:] == (1 / 16, n / 5)  # x₍₁₎, x₍ₙ₎ of the 7
+
+
+def test_a_ratio_of_medians_refuses_what_is_not_a_time():
+    for numerators, denominator in (([], [1.0]), ([[1.0, 0.0]], [1.0]), ([[1.0]], [])):
+        with pytest.raises(ValueError, match="positive values"):
+            median_ratio_interval(numerators, denominator)
+
+
+@pytest.mark.parametrize(
+    ("sizes", "shared"), [((20, 20), False), ((7, 20), False), ((7, 7, 20), False), ((7, 7), True)]
+)
+def test_a_ratio_of_medians_covers_at_least_95_percent(sizes, shared):
+    """2,000 draws of lognormal timings (skewed, unequal spreads; the true medians e^μ): the interval holds the true
+    least median / median at ≥ 95 % − 1 point — with a best of two numerators, and with the denominator one of them
+    (an engine's re-prefill against its best re-prefill). Bonferroni with extreme bounds is conservative: ≈ 99 %."""
+    rng = np.random.default_rng(7)
+    mus, sigmas = np.array([3.0, 3.1, 1.0])[: len(sizes)], np.array([0.3, 0.1, 0.6])[: len(sizes)]
+    truth = np.exp(mus[:-1]).min() / np.exp(mus[-1]) if not shared else np.exp(mus).min() / np.exp(mus[0])
+    covered = 0
+    for _ in range(2000):
+        samples = [list(rng.lognormal(mu, sigma, n)) for mu, sigma, n in zip(mus, sigmas, sizes, strict=True)]
+        numerators, denominator = (samples, samples[0]) if shared else (samples[:-1], samples[-1])
+        _, low, high = median_ratio_interval(numerators, denominator)
+        covered += low <= truth <= high
+    assert covered / 2000 >= 0.94

@@ -16,7 +16,7 @@ less than 95 % at the sample sizes a device lease affords, so the gate decides w
 - over tasks, the mean with an interval recovered from the tasks' (Zou & Donner 2008).
 
 A median (a speedup, the harness's same-work ratio) gets the distribution-free order-statistic interval, exact for
-independent values at any n.
+independent values at any n; a ratio of medians timed apart (not paired) gets one from each median's (Bonferroni).
 
 Every function is pure; counts may be non-integers (effective counts of clustered turns). Losses are fractions here
 (0.01 = 1 point); the gate converts.
@@ -149,3 +149,28 @@ def median_interval(values: list[float], level: float = 0.95) -> tuple[float, fl
     if rank < 1:
         return float(np.median(x)), -math.inf, math.inf
     return float(np.median(x)), float(x[rank - 1]), float(x[x.size - rank])
+
+
+def median_ratio_interval(
+    numerators: list[list[float]], denominator: list[float], level: float = 0.95
+) -> tuple[float, float, float]:
+    """The least of the numerator samples' medians over the denominator sample's median (a speedup: an engine's best
+    re-prefill / a path, each timed in its own loop, so nothing pairs them), with an interval: each of the
+    m = len(numerators) + 1 medians gets its order-statistic interval (`median_interval`) at 1 − (1 − level) / m, and
+    the ratio's bounds are their extremes, min(low) / high_den and min(high) / low_den. Coverage ≥ level at any n:
+    by Bonferroni all m intervals hold at once with probability ≥ level whatever the samples' dependence (one sample
+    may sit on both sides), and when they all hold the ratio lies between the bounds. Where a median has too few
+    values for its interval (at 95 % and m = 2 each is at 97.5 %: fewer than 7 values, so never at 5) the bounds are
+    NaN — undefined, not guessed. Values are positive times."""
+    samples = [*numerators, denominator]
+    if not numerators or any(min(sample, default=0.0) <= 0 for sample in samples):
+        raise ValueError(
+            f"a ratio of medians needs one numerator sample or more and positive values, got {len(numerators)} "
+            f"numerator sample(s) with sizes {[len(sample) for sample in samples]}"
+        )
+    each = 1 - (1 - level) / len(samples)
+    *tops, (median, low, high) = [median_interval(sample, each) for sample in samples]
+    point = min(top[0] for top in tops) / median
+    if not all(math.isfinite(bound) for _, *bounds in (*tops, (median, low, high)) for bound in bounds):
+        return point, math.nan, math.nan
+    return point, min(top[1] for top in tops) / high, min(top[2] for top in tops) / low

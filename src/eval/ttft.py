@@ -26,6 +26,7 @@ from collections.abc import Callable
 import torch
 
 from src.apply import KVTransfer
+from src.eval.intervals import median_ratio_interval
 from src.eval.latency import percentiles, time_ms
 from src.forward import prefill
 from src.maps import cache_layers
@@ -70,6 +71,20 @@ def transport(source_cache, repeats: int, warmup: int, device: torch.device) -> 
     metrics["host_staging_ms_p50"] = metrics["d2h_ms_p50"] + metrics["h2d_ms_p50"]
     metrics["d2d_peer"] = float(bool(others))  # 1: a second GPU; 0: a copy within the one GPU
     return metrics
+
+
+def _rounded_ms(fn: Callable[[], object], repeats: int, warmup: int, device: torch.device) -> list[float]:
+    """`time_ms`'s per-call ms rounded to 4 decimals (0.1 µs): what the artifact keeps, and every figure is computed
+    from these, so the samples give each one back."""
+    return [round(ms, 4) for ms in time_ms(fn, repeats, warmup, device)]
+
+
+def _ratio(name: str, numerators: list[list[float]], denominator: list[float]) -> dict[str, float]:
+    """`name` (the least numerator median / the denominator's) with `name_lo` / `name_hi`: the 95 % interval for a
+    ratio of medians timed in separate loops (`median_ratio_interval`: each median's order-statistic interval at
+    97.5 % or above, Bonferroni — holds at any n, NaN where a sample is too small for one: below 7, so at 5 repeats)."""
+    point, low, high = median_ratio_interval(numerators, denominator)
+    return {name: point, f"{name}_lo": low, f"{name}_hi": high}
 
 
 def handoff_paths(
@@ -173,14 +188,17 @@ def handoff_ttft(
     profiles: dict[str, str] | None = None,
     rules: tuple[str, ...] = ("deviation",),
     progressive: float = 1.0,
+    samples: dict[str, list[float]] | None = None,
 ) -> dict[str, float]:
     """TTFT p50/p95 (ms) of every path on every engine for prefix ids [1, P] and new-turn ids [1, N]:
-    `ttft.<engine>.<path>_ms_p50`, the speedups `speedup.<engine>.<path>` (that engine's re-prefill / the path) and
-    `<engine>.map_over_hit` (routed TTFT / prefix hit), how each engine's timed maps ran (`<engine>.map_graph`: graph
+    `ttft.<engine>.<path>_ms_p50`, the speedups `speedup.<engine>.<path>` (that engine's best re-prefill median / the
+    path's) and `<engine>.map_over_hit` (routed TTFT / prefix hit), each with its 95 % interval `…_lo` / `…_hi`
+    (`_ratio`; NaN below 7 repeats of a side), how each engine's timed maps ran (`<engine>.map_graph`: graph
     replays per call, 1 or 0; `<engine>.map_bucket`: the span's graph rows, 0: eager), the map alone (`map_ms_p50`),
     the checks `check.<engine>.<path>_logit_diff` (largest |Δ logit| from the hf re-prefill), hf peak memory and
     transport.
     profiles: filled with a profiler table (`profile_table`) of the map alone and of every path of the last engine.
+    samples: filled with every timed call's ms (4 decimals), `<engine>.<path>` and `map` (the map alone).
     shares × rules at `progressive`: the recompute paths (`engine_paths`)."""
     unknown = set(engines) - set(ENGINES)
     if unknown:
@@ -190,7 +208,8 @@ def handoff_ttft(
     source_cache = prefill(transfer.source, prefix)  # S's cache exists before the switch: not timed
     hf = handoff_paths(transfer, source_cache, prefix, turn) if "hf" in engines else {}  # its hit cache is T's own
     reference = transfer.target(torch.cat([prefix, turn], 1), use_cache=False, logits_to_keep=1).logits[:, -1].float()
-    metrics = percentiles(time_ms(lambda: transfer(source_cache, input_ids=prefix), repeats, warmup, device), "map")
+    timed = {"map": _rounded_ms(lambda: transfer(source_cache, input_ids=prefix), repeats, warmup, device)}  # ms
+    metrics = percentiles(timed["map"], "map")
     static = [name for name in engines if name != "hf"]
     built = engine_paths(transfer, source_cache, prefix, turn, shares, rules, progressive) if static else None
     for name in engines:
@@ -210,21 +229,24 @@ def handoff_ttft(
             slow = path.startswith(("reprefill", "recompute"))
             calls = (prefill_repeats, min(warmup, 1)) if slow else (repeats, warmup)
             replays = work.map_graphs.replays if work is not None else 0
-            times = time_ms(first_token[path], *calls, device)
-            metrics |= percentiles(times, f"ttft.{name}.{path}")
+            timed[f"{name}.{path}"] = _rounded_ms(first_token[path], *calls, device)
+            metrics |= percentiles(timed[f"{name}.{path}"], f"ttft.{name}.{path}")
             if work is not None and path == "map":  # how the timed maps ran: 1 each one graph replay, 0 eager
                 metrics[f"{name}.map_graph"] = (work.map_graphs.replays - replays) / sum(calls)
                 metrics[f"{name}.map_bucket"] = float(work.span_route(transfer, prefix.shape[1]).bucket or 0)
             metrics[f"check.{name}.{path}_logit_diff"] = float((run().float() - reference).abs().max())
         best = min(metrics[f"ttft.{name}.{path}_ms_p50"] for path in paths if path.startswith("reprefill"))
         metrics[f"ttft.{name}.reprefill_best_ms_p50"] = best  # the engine's fastest re-prefill: every speedup's base
+        bases = [timed[f"{name}.{path}"] for path in paths if path.startswith("reprefill")]
         for path in paths:
-            metrics[f"speedup.{name}.{path}"] = best / metrics[f"ttft.{name}.{path}_ms_p50"]
+            metrics |= _ratio(f"speedup.{name}.{path}", bases, timed[f"{name}.{path}"])
         if profiles is not None and name == engines[-1]:
             profiles["map"] = profile_table(lambda: transfer(source_cache, input_ids=prefix), device)
             profiles |= {f"{name}.{path}": profile_table(run, device) for path, run in paths.items()}
-        metrics[f"{name}.map_over_hit"] = metrics[f"ttft.{name}.map_ms_p50"] / metrics[f"ttft.{name}.hit_ms_p50"]
+        metrics |= _ratio(f"{name}.map_over_hit", [timed[f"{name}.map"]], timed[f"{name}.hit"])
     if "hf" in engines:
         for path, run in hf.items():
             metrics[f"gpu_peak_mb_{path}"] = _peak_mb(run, device)
+    if samples is not None:
+        samples |= timed
     return metrics | transport(source_cache, repeats, warmup, device)

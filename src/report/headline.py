@@ -19,7 +19,7 @@ from datetime import UTC, datetime
 
 from src.gate_criteria import mean_loss, median_of, run_status, task_verdicts, thresholds
 from src.report.routed_tables import decided, gain, routed_label, run_of, verdicts
-from src.report.rows import Row, at_step, fmt, joined, metric
+from src.report.rows import NO_INTERVAL, Row, at_step, fmt, has_intervals, joined, metric, ratio_at_step
 from src.report.vllm_table import BenchRun, vllm_brief
 from src.routed import same_work_ratios, speedup_ratios
 
@@ -189,8 +189,10 @@ def headline(rows: list[Row], fused: Document, vllm: Document, *, vllm_run: Benc
     hits = [at_step(engine, "ttft.graph.hit_ms_p50", step) for step in steps]
     add(
         "Handoff speedup vs re-prefill, serving-grade receiver (static cache, CUDA graphs)",
-        ", ".join(f"{fmt(at_step(engine, 'speedup.graph.map', s), 2)}× at {s // 1024}K" for s in steps[-2:])
-        + f" (p50 ratios, no CI); a new turn {fmt(min(hits))}–{fmt(max(hits))} ms at {steps[0] // 1024}K–"
+        ", ".join(f"{ratio_at_step(engine, 'speedup.graph.map', s)} at {s // 1024}K" for s in steps[-2:])
+        + ", ratios of medians"
+        + (" [95 % interval]" if has_intervals(engine, "speedup.graph.map") else f" {NO_INTERVAL}")
+        + f"; a new turn {fmt(min(hits))}–{fmt(max(hits))} ms at {steps[0] // 1024}K–"
         f"{steps[-1] // 1024}K",
         f"{engine.get('tags.weights')} weights of the pair's shapes, {_dtype(engine)}, "
         f"{_gpu(engine.get('tags.gpu'))}, {_day(engine)}",

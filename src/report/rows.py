@@ -14,6 +14,7 @@ from pathlib import Path
 from src.tracking import current_params, read_record
 
 Row = dict[str, object]
+NO_INTERVAL = "(no interval: record predates samples)"  # beside a ratio of medians whose record logged none
 
 
 def joined(rows: list[Row]) -> list[Row]:
@@ -84,3 +85,18 @@ def provenance(row: Row) -> str:
     )
     device = row.get("tags.gpu") or f"{row.get('tags.host')} CPU"
     return f"{day}, git {commit}, torch {row.get('tags.torch')}, transformers {row.get('tags.transformers')}, {device}"
+
+
+def ratio_at_step(row: Row, name: str, step: int) -> str:
+    """A stepped ratio of medians, '8.08×', with its logged 95 % interval (`<name>_lo` / `<name>_hi`: src/eval/ttft.py
+    `_ratio`) where the record has one: '8.08× [7.90, 8.30]', '8.08× [—, —]' where it logged it undefined (too few
+    repeats); the bare ratio for a record that predates them (`has_intervals`)."""
+    point = f"{fmt(at_step(row, name, step), 2)}×"
+    if not has_intervals(row, name):
+        return point
+    return f"{point} [{fmt(at_step(row, f'{name}_lo', step), 2)}, {fmt(at_step(row, f'{name}_hi', step), 2)}]"
+
+
+def has_intervals(row: Row, name: str) -> bool:
+    """Whether the record logged the stepped ratio `name` with its interval (handoff records from kept samples on)."""
+    return f"series.{name}_lo" in row
