@@ -6,7 +6,8 @@
 #                                          (the gate baseline's ≈ 40 ms; BENCHMARKS § the timing harness)
 #   bash scripts/device_engine.sh probe    ../shared/tools/engine_probe.py (carried as .stage/engine_probe.py) beside
 #   bash scripts/device_engine.sh pair     +experiment=handoff, Qwen2.5-Coder 0.5B → 1.5B shapes, 1K–16K, three engines,
-#                                          fused recompute by deviation and by the turn rule
+#                                          fused recompute by deviation and by the turn rule; 7 re-prefill repeats (a
+#                                          speedup's 95 % interval needs ≥ 7 a side: intervals.median_ratio_interval)
 #   bash scripts/device_engine.sh large    +experiment=handoff, Qwen3 14B → 32B shapes, 4K / 16K / 32K, graph engine
 # Records are JSON (tracking.backend=json) packed into $OUT/trk-<stage>.tgz; here: `python -m src.tracking import DIR`.
 set -euo pipefail
