@@ -45,6 +45,10 @@ def test_a_receivers_lease_defers_its_senders_removal(tmp_path):
     with pytest.raises(ExportError, match="no export"):
         transport.header("e1")
     assert transport.remove("e1") is True  # already gone: no error
+    _put(transport, "e1", *_kv(tokens=3))
+    assert transport.header("e1").ids == (10, 11, 12)  # published again: read as it is now, nothing kept
+    transport.put("e1", *_kv(tokens=2), [7, 8], "fp", "tok", (0, 2, 2), fingerprint_dtype="float32")
+    assert transport.header("e1").ids == (7, 8)  # republished under the same id
 
 
 def test_a_part_removed_while_a_receiver_opens_it_is_refused(tmp_path, monkeypatch):
