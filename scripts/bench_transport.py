@@ -41,7 +41,7 @@ def main(argv: list[str] | None = None) -> int:
     put_ms, header_ms = [], []
     for repeat in range(args.repeats):
         began = time.perf_counter()
-        transport.put(f"e{repeat}", keys, values, ids, "fp", "tok", (0, 2, 2))
+        transport.put(f"e{repeat}", keys, values, ids, "fp", "tok", (0, 2, 2), fingerprint_dtype="float32")
         put_ms.append((time.perf_counter() - began) * 1e3)
         began = time.perf_counter()
         transport.header(f"e{repeat}")

@@ -251,6 +251,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="where the sender keeps its exports (src/serving/transport.py); device: CUDA only")  # fmt: skip
     parser.add_argument("--apply-backend", choices=("torch", "auto", "triton"), default="torch",
                         help="the receiver's map kernel (kv_connector_extra_config apply_backend)")  # fmt: skip
+    parser.add_argument("--paged-writer", choices=("backend", "stacked"), default="backend",
+                        help="how the receiver writes mapped K/V (kv_connector_extra_config paged_writer)")  # fmt: skip
     args = parser.parse_args(argv)
     if (args.models is None) != (args.mapper is None) or (args.models and args.smoke):
         parser.error("--models and --mapper go together, without --smoke")
@@ -304,11 +306,13 @@ def main(argv: list[str] | None = None) -> int:
         small_dir, large_dir, mapper_dir = build(args.pair, work, torch.bfloat16)
         settings = gpu_settings
         fresh, label, weights, dtype = random_tokens(300), str(args.pair), "random", "bfloat16"
-    route = {"routes": [{"mapper": str(mapper_dir), "source": str(small_dir)}], "apply_backend": args.apply_backend}
+    route = {"routes": [{"mapper": str(mapper_dir), "source": str(small_dir)}], "apply_backend": args.apply_backend,
+             "paged_writer": args.paged_writer}  # fmt: skip
     small = engine(small_dir, sender | dtypes, **settings)  # the sender fingerprints in the fitted dtype
     large = engine(large_dir, exports | route | policy | dtypes, **settings)
     rows = measure(small, large, mapper_id(load_mapper(mapper_dir)), lengths, repeats, fresh, timings=timings)
-    run = {"export_memory": args.export_memory, "apply_backend": args.apply_backend, "dtype": dtype,
+    run = {"export_memory": args.export_memory, "apply_backend": args.apply_backend, "paged_writer": args.paged_writer,
+           "dtype": dtype,
            "commit": commit(), "timings": args.timings,
            "histories": f"text: {args.text}" if args.models else "random tokens"} | dtypes  # fmt: skip
     write(rows, label, run, args.out, weights)

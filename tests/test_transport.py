@@ -45,6 +45,10 @@ def test_a_receivers_lease_defers_its_senders_removal(tmp_path):
     with pytest.raises(ExportError, match="no export"):
         transport.header("e1")
     assert transport.remove("e1") is True  # already gone: no error
+    _put(transport, "e1", *_kv(tokens=3))
+    assert transport.header("e1").ids == (10, 11, 12)  # published again: read as it is now, nothing kept
+    transport.put("e1", *_kv(tokens=2), [7, 8], "fp", "tok", (0, 2, 2), fingerprint_dtype="float32")
+    assert transport.header("e1").ids == (7, 8)  # republished under the same id
 
 
 def test_a_part_removed_while_a_receiver_opens_it_is_refused(tmp_path, monkeypatch):
@@ -181,6 +185,32 @@ def test_token_ids_travel_as_a_tensor_every_rank_repeats(tmp_path):
     path = tmp_path / "r2.rank0-of-1.safetensors"
     with safetensors.safe_open(path, "pt") as handle:
         metadata = handle.metadata()
-    path.write_bytes(safetensors.torch.save({"ids": torch.arange(6.0)}, metadata))  # float ids
-    with pytest.raises(ExportError, match="token ids torch.float32"):
-        transport.header("r2")
+    for dtype, name in ((torch.float32, "F32"), (torch.float64, "F64")):  # float ids; F64: as many bytes as I64
+        path.write_bytes(safetensors.torch.save({"ids": torch.arange(6, dtype=dtype)}, metadata))
+        with pytest.raises(ExportError, match=rf"token ids {name} \[6\]"):
+            transport.header("r2")
+
+
+def test_a_part_that_is_not_a_whole_safetensors_file_is_refused_naming_why(tmp_path):
+    """The header is read off the file's own bytes (its length, its JSON, the ids' bytes): whatever a file holds —
+    cut short, not safetensors at all, a header that is no JSON object, empty — the receiver gets an ExportError,
+    never another exception; and an export whose id begins another's is never mixed up with it."""
+    transport = Transport(tmp_path)
+    _put(transport, "e1", *_kv(tokens=600))
+    whole = (tmp_path / "e1.rank0-of-1.safetensors").read_bytes()
+    _put(transport, "e10", *_kv(tokens=3))
+    assert transport.header("e1").ids == tuple(range(10, 610)) and transport.header("e10").ids == (10, 11, 12)
+    length = int.from_bytes(whole[:8], "little")
+    ids_end = 8 + length + json.loads(whole[8 : 8 + length])["ids"]["data_offsets"][1]
+    broken = {
+        "cut": whole[: ids_end - 8],  # the ids' last token missing
+        "text": b"this is not a safetensors file, only some words",
+        "list": len(b"[1, 2]").to_bytes(8, "little") + b"[1, 2]",
+        "empty": b"",
+    }
+    for name, data in broken.items():
+        (tmp_path / f"{name}.rank0-of-1.safetensors").write_bytes(data)
+        with pytest.raises(ExportError, match="malformed metadata"):
+            transport.header(name)
+        with pytest.raises(ExportError, match="malformed metadata|is unreadable"):  # the cut one: at its bytes
+            transport.load(name, 0, 1)

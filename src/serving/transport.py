@@ -39,6 +39,7 @@ import fcntl
 import json
 import os
 import re
+import struct
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -50,6 +51,8 @@ import torch
 DEFAULT_DIRECTORY = "/dev/shm/kvrelay"
 EXPORT_ID = re.compile(r"[A-Za-z0-9_-]{1,64}")
 SUFFIX = ".safetensors"
+PART = re.compile(rf"(?P<id>{EXPORT_ID.pattern})\.rank\d+-of-(?P<ranks>\d+){re.escape(SUFFIX)}")  # a part's file
+HEADER_LIMIT = 100_000_000  # the most bytes of JSON a safetensors header may hold (safetensors' own bound)
 MEMORIES = ("host", "device")
 SHARED = (
     "source_fingerprint",
@@ -153,6 +156,20 @@ def local_device(uuid: str) -> int:
                       "CUDA_VISIBLE_DEVICES hides it): device exports need sender and receiver on one host")  # fmt: skip
 
 
+def header_table(descriptor: int) -> tuple[dict, int]:
+    """The JSON table of an open safetensors file — {"__metadata__": {str: str}, tensor name: {"dtype", "shape",
+    "data_offsets"}} — and where its tensor bytes begin: the file opens with n, 8 bytes little-endian, then n bytes of
+    JSON, then the bytes (data_offsets count from there). A ValueError for a file that is not one."""
+    size = os.fstat(descriptor).st_size
+    (length,) = struct.unpack("<Q", os.pread(descriptor, 8, 0).ljust(8, b"\0"))
+    if not 2 <= length <= min(size - 8, HEADER_LIMIT):
+        raise ValueError(f"a safetensors header of {length} bytes in a file of {size}")
+    table = json.loads(os.pread(descriptor, length, 8))
+    if not isinstance(table, dict):
+        raise ValueError("a safetensors header that is not a JSON object")
+    return table, 8 + length
+
+
 class Transport:
     """Exports in `directory`, their bytes in the sender's `memory` (module docstring)."""
 
@@ -224,32 +241,57 @@ class Transport:
 
     def _parts(self, export_id: str) -> list[Path]:
         """The export's files, rank order; an ExportError unless every rank's file is there."""
-        found = sorted(self.directory.glob(f"{check_id(export_id)}.rank*-of-*{SUFFIX}"))
+        check_id(export_id)
+        try:
+            names = os.listdir(self.directory)
+        except FileNotFoundError:
+            names = []
+        named = {n: m for n in names if (m := PART.fullmatch(n)) and m["id"] == export_id}
+        found = sorted(named)
         if not found:
             raise ExportError(f"no export {export_id!r} in {self.directory} (never written, or pruned)")
-        ranks = {int(p.name.rsplit("-of-", 1)[1].removesuffix(SUFFIX)) for p in found}
+        ranks = {int(m["ranks"]) for m in named.values()}
         expected = [self._path(export_id, r, n) for n in ranks for r in range(n)]
-        if len(ranks) != 1 or sorted(expected) != found:
-            raise ExportError(f"export {export_id!r} is incomplete: {[p.name for p in found]}")
+        if len(ranks) != 1 or sorted(p.name for p in expected) != found:
+            raise ExportError(f"export {export_id!r} is incomplete: {found}")
         return expected
 
     @staticmethod
-    def _info(export_id: str, path: Path, ids: bool = False) -> tuple[dict, list[int], torch.Tensor | None]:
+    def _info(export_id: str, path: Path, ids: bool = False) -> tuple[dict, list[int], tuple[int, ...] | None]:
         """A part's metadata, the shape [L_s, H_r, T, d_s] of its keys and (`ids`) its token ids [T], or an
-        ExportError."""
+        ExportError. Read off the file's safetensors header (`header_table`) and, for the ids, their T·8 bytes: no
+        tensor is mapped or built."""
         try:
-            with safetensors.safe_open(path, "pt") as handle:
-                metadata = handle.metadata() or {}
-                tokens = handle.get_tensor("ids") if ids else None
-                if metadata["memory"] not in MEMORIES:
-                    raise ValueError(f"memory {metadata['memory']!r}")
-                if metadata["memory"] == "host":
-                    return metadata, handle.get_slice("keys").get_shape(), tokens
-            return metadata, [int(n) for n in metadata["shape"].split(",")], tokens
-        except (OSError, safetensors.SafetensorError) as error:
+            descriptor = os.open(path, os.O_RDONLY)
+        except OSError as error:
             raise ExportError(f"export {export_id!r}: {path.name} is unreadable ({error})") from None
-        except (KeyError, ValueError) as error:
+        try:
+            table, data = header_table(descriptor)
+            metadata = table["__metadata__"]
+            if metadata["memory"] not in MEMORIES:
+                raise ValueError(f"memory {metadata['memory']!r}")
+            if metadata["memory"] == "host":
+                shape = [int(n) for n in table["keys"]["shape"]]
+            else:
+                shape = [int(n) for n in metadata["shape"].split(",")]
+            tokens = None
+            if ids:
+                entry = table["ids"]
+                begin, end = (int(n) for n in entry["data_offsets"])
+                if entry["dtype"] != "I64" or entry["shape"] != shape[2:3] or end - begin != 8 * shape[2]:
+                    raise ExportError(f"export {export_id!r}: token ids {entry['dtype']} {entry['shape']} for "
+                                      f"{shape[2]} cached tokens")  # fmt: skip
+                raw = os.pread(descriptor, end - begin, data + begin)  # fewer bytes past the file's end: struct.error
+                tokens = struct.unpack(f"<{shape[2]}q", raw)  # little-endian int64, as safetensors stores them
+            return metadata, shape, tokens
+        except OSError as error:
+            raise ExportError(f"export {export_id!r}: {path.name} is unreadable ({error})") from None
+        except ExportError:
+            raise
+        except (KeyError, ValueError, IndexError, TypeError, struct.error) as error:
             raise ExportError(f"export {export_id!r} has malformed metadata ({error!r})") from None
+        finally:
+            os.close(descriptor)
 
     def header(self, export_id: str) -> Header:
         """The export's header (rank 0's metadata, checked against every rank's); an ExportError if it is missing,
@@ -257,17 +299,11 @@ class Transport:
         parts = self._parts(export_id)
         infos = [self._info(export_id, path, ids=True) for path in parts]
         try:
-            metadata, (layers, _, tokens, head_dim), first = infos[0]
-            if first.dtype != torch.int64 or first.shape != (tokens,):
-                raise ExportError(f"export {export_id!r}: token ids {first.dtype} {tuple(first.shape)} for {tokens} "
-                                  "cached tokens")  # fmt: skip
-            ids = tuple(first.tolist())
+            metadata, (layers, _, _, head_dim), ids = infos[0]
             mapped = tuple(int(n) for n in metadata["mapped"].split(",")) if metadata["mapped"] else None
             total = int(metadata["heads"].split(",")[2])
-            if any(
-                [other.get(key) for key in SHARED] != [metadata[key] for key in SHARED] or not torch.equal(rank, first)
-                for other, _, rank in infos
-            ):
+            if any([other.get(key) for key in SHARED] != [metadata[key] for key in SHARED] or rank != ids
+                   for other, _, rank in infos):  # fmt: skip
                 raise ExportError(f"export {export_id!r}: its ranks disagree on what they hold")
             header = Header(export_id, ids, metadata["source_fingerprint"], metadata["fingerprint_dtype"],
                             metadata["tokenizer_hash"], layers, total, head_dim, len(parts), mapped)  # fmt: skip

@@ -45,11 +45,12 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.logger import init_logger
 from vllm.model_executor.models.utils import extract_layer_index
+from vllm.utils.hashing import get_hash_fn_by_name
 
 from src.runtime.plan import SplicePlan
 from src.serving.claim import claim
 from src.serving.config import connector_config
-from src.serving.paged import check_layout, read_slots, slots_for, write_mapped
+from src.serving.paged import check_layout, read_slots, slots_for, stack_layers, write_mapped
 from src.serving.params import KEY, Handoff, RelayParams, parse
 from src.serving.provenance import rekey
 from src.serving.routes import bound_routes, model_tokenizer_hash, scheduled_routes
@@ -130,6 +131,7 @@ class KVRelayConnector(KVConnectorBase_V1):
             self.target_layers = model.get_total_num_hidden_layers()
             self.tokenizer_hash = model_tokenizer_hash(Path(model.tokenizer or model.model))
             self.routes = scheduled_routes(self.config.routes, self.tokenizer_hash)
+            self.hash_fn = get_hash_fn_by_name(vllm_config.cache_config.prefix_caching_hash_algo)  # vLLM's block keys
             self._tracked: dict[str, _Tracked] = {}
             self._loads: list[Load] = []
             return
@@ -169,7 +171,8 @@ class KVRelayConnector(KVConnectorBase_V1):
         if params.mapped is not None:  # before vLLM's prefix lookup: the conversation's earlier keys hit again
             span = params.mapped
             try:
-                rekey(request, span.start // self.block_size * self.block_size, span.mapper_id, self.block_size)
+                rekey(request, span.start // self.block_size * self.block_size, span.mapper_id, self.block_size,
+                      self.hash_fn)  # fmt: skip
             except ValueError as error:
                 tracked.record["error"] = f"mapped span not re-keyed: {error}"
         self._tracked[request.request_id] = tracked
@@ -184,7 +187,7 @@ class KVRelayConnector(KVConnectorBase_V1):
             _refuse(tracked, plan, num_computed_tokens)
             return 0, False
         with self.timings.phase("rekey", request.request_id, len(tracked.prompt)):
-            rekey(request, plan.start, handoff.mapper_id, self.block_size)
+            rekey(request, plan.start, handoff.mapper_id, self.block_size, self.hash_fn)
         tracked.plan, tracked.handoff = plan, handoff
         return plan.end - plan.start, False  # plan.start is the hit: the tokens past it that the plan maps
 
@@ -294,6 +297,14 @@ class KVRelayConnector(KVConnectorBase_V1):
         named = sorted((extract_layer_index(name), context[name]) for name in kv_caches)
         self.layers = [layer for _, layer in named]
         self.layout = check_layout(self.layers[0])
+        self.stacked = None  # paged_writer "stacked": every layer's cache as one view, and its layout (paged.py)
+        if self.config.paged_writer == "stacked":
+            view = stack_layers(self.layers)
+            if view is None:
+                logger.warning("kvrelay: paged_writer stacked: this engine's caches are not one storage of alike "
+                               "unquantized caches a constant step apart; each layer's own writer writes")  # fmt: skip
+            else:
+                self.stacked = (view, self.layout)
         heads, total = self.layers[0].kv_cache.shape[1], self._vllm_config.model_config.get_total_num_kv_heads()
         first = self.rank * heads if total >= self.ranks else self.rank * total // self.ranks  # else: replicated
         self.heads = slice(first, first + heads)  # this worker's KV heads: vLLM splits them contiguously
@@ -336,7 +347,7 @@ class KVRelayConnector(KVConnectorBase_V1):
             with phase("map"):
                 mapped_k, mapped_v, flags = bound.map(keys, values, start, self.heads, dtype)  # [L_t, n, H, d_t]
             with phase("write"):
-                write_mapped(self.layers, mapped_k, mapped_v, slots)
+                write_mapped(self.layers, mapped_k, mapped_v, slots, self.stacked)
         except BaseException:
             if self.device.type == "cuda":  # reads of the sender's memory may be queued: let them end first
                 torch.cuda.current_stream(self.device).synchronize()
