@@ -11,7 +11,8 @@
 #   D test       the connector's parts and the transport; FlashAttention's own cache writer against kvrelay's layout
 #                and a device export across two processes (the gpu mark)
 #   D bench      scripts/bench_vllm_ttft.py, random weights of the 0.5B → 1.5B shapes, 1K–16K, the sender's exports
-#                on its GPU (MEMORY=device, the default) or in files (MEMORY=host) → $OUT/vllm_ttft_<memory>.json
+#                on its GPU (MEMORY=device, the default) or in files (MEMORY=host), the receiver's block writes per
+#                layer (PAGED_WRITER=backend, the default) or stacked → $OUT/vllm_ttft_<memory>_<writer>.json
 #   D real       the real pair (after scripts/device_quality.sh setup + models on this machine): PARTS (default
 #                "fit parity ttft"; "down" for the reverse direction's fit + parity) inside BUDGET_S (540): fit — the
 #                capacity point's mapper at bf16 (CAPACITY of device_quality.sh), a tiny fit_eval job that fits it or
@@ -76,9 +77,10 @@ EOF
       tee "$OUT/vllm-tests.txt" | tail -8 ;;
   bench)
     memory=${MEMORY:-device}  # the sender's exports: on its GPU (CUDA IPC), or MEMORY=host (files)
+    writer=${PAGED_WRITER:-backend}  # the receiver's block writes: per layer (backend) or PAGED_WRITER=stacked
     python3 scripts/bench_vllm_ttft.py --export-memory "$memory" --apply-backend auto --timings \
-      --out "$OUT/vllm_ttft_$memory.json" \
-      --work /tmp/vllm-bench 2>&1 | tee "$OUT/vllm-bench-$memory.txt" | grep -v -E "^\(|^INFO|^WARNING" | tail -12 ;;
+      --paged-writer "$writer" --out "$OUT/vllm_ttft_${memory}_$writer.json" \
+      --work /tmp/vllm-bench 2>&1 | tee "$OUT/vllm-bench-$memory-$writer.txt" | grep -v -E "^\(|^INFO|^WARNING" | tail -12 ;;
   real)
     export KVRELAY_HOME=/tmp/kvh
     deadline=$((SECONDS + ${BUDGET_S:-540}))
