@@ -14,7 +14,8 @@
 #                on its GPU (MEMORY=device, the default) or in files (MEMORY=host), the receiver's block writes per
 #                layer (PAGED_WRITER=backend, the default) or stacked → $OUT/vllm_ttft_<memory>_<writer>.json
 #   D real       the real pair (after scripts/device_quality.sh setup + models on this machine): PARTS (default
-#                "fit parity ttft"; "down" for the reverse direction's fit + parity) inside BUDGET_S (540): fit — the
+#                "fit parity ttft"; "down" for the reverse direction's fit + parity; without fit, MAPPER=<dir> names
+#                the 0.5B → 1.5B mapper, e.g. one `scripts/find_mapper.py` printed) inside BUDGET_S (540): fit — the
 #                capacity point's mapper at bf16 (CAPACITY of device_quality.sh), a tiny fit_eval job that fits it or
 #                finds it in /tmp/kvh/mappers (a gate stage's fit is the same artifact); parity — scripts/vllm_parity.py
 #                on PARITY_ITEMS (40) validation passages, bf16, blocks of 16, eager (PARITY_GRAPHS=1: CUDA graphs)
@@ -104,8 +105,12 @@ EOF
 print('parity', sys.argv[2], r['mapper_id'], a['items'], 'items: floor', f\"{v['floor']:.2e}\", 'adds_difference',
       v['adds_difference'], 'greedy agree', a['mapped']['greedy_agree'][:2])" "$OUT/vllm_parity_$2.json" "$2" || true
     }
+    up=${MAPPER:-}  # the 0.5B → 1.5B mapper directory: from `fit`, or MAPPER=<dir> when PARTS leaves fit out
     for part in ${PARTS:-fit parity ttft}; do
       [ "$(left)" -ge 60 ] || { echo "SKIPPED (out of time): $part"; continue; }
+      case $part in
+        parity | ttft) [ -n "$up" ] || { echo "$part: no mapper (PARTS without fit needs MAPPER=<dir>)"; continue; } ;;
+      esac
       case $part in
         fit) up=$(fit qwen25coder_0p5b_to_1p5b) && echo "mapper up: $up" ;;
         parity) parity "$up" up ;;
