@@ -28,7 +28,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from src.gate_criteria import Paired, judge_run, paired, run_status, task_status, task_verdicts, thresholds  # noqa: E402
 from src.gate_evidence import evidence  # noqa: E402
-from src.tracking import items_path, metric_values, read_json, read_record  # noqa: E402
+from src.records import items_path, metric_values, read_json, read_record  # noqa: E402
 
 LOSSES = (0.0, 0.5, 1.0, 2.0, 3.0)  # true loss, points
 SIZES = (20, 50, 100, 200, 400, 800)  # items per task

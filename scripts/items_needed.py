@@ -18,7 +18,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from src.gate_criteria import still_needed, task_verdicts, thresholds  # noqa: E402
 from src.gate_evidence import evidence  # noqa: E402
-from src.tracking import RecordError, items_path, metric_values, read_json, read_record  # noqa: E402
+from src.records import RecordError, items_path, metric_values, read_json, read_record  # noqa: E402
 
 
 def main() -> None:

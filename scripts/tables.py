@@ -18,10 +18,10 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's src/, from anywhere
+from src.records import RecordError  # noqa: E402
 from src.report.benchmarks import PAGES, build, marked, rebuild, stale  # noqa: E402
 from src.report.quality_tables import correlation, quality  # noqa: E402
 from src.report.rows import mlflow_rows, record_rows  # noqa: E402
-from src.tracking import RecordError  # noqa: E402
 
 
 def main() -> None:

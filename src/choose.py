@@ -21,11 +21,11 @@ import sys
 from pathlib import Path
 
 from src.gate import DEFAULTS, task_losses
+from src.records import RecordError, items_path, metric_values, read_items, read_record, require
 from src.routed import quality
 from src.tasks import load_task, reported
-from src.tracking import RecordError, items_path, metric_values, read_items, read_record, require
 
-LEVERS = "policy.levers."  # old records' levers too: read_record gives today's keys (tracking.current_params)
+LEVERS = "policy.levers."  # old records' levers too: read_record gives today's keys (records.current_params)
 
 
 def validation_runs(

@@ -176,7 +176,7 @@ def _from_mlflow(run, with_items: bool) -> Evidence:
     from mlflow.artifacts import download_artifacts
     from mlflow.exceptions import MlflowException
 
-    from src.tracking import current_params, read_json
+    from src.records import current_params, read_json
 
     where = f"{run.info.artifact_uri}/routed/items.json"
     document = None

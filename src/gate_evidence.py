@@ -17,10 +17,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from src.records import RecordError, items_of
 from src.routed import handoffs, quality, timing
 from src.routed_runs import task_scores
 from src.tasks import METRICS
-from src.tracking import RecordError, items_of
 
 CLUSTERED = {"multiturn": "conversation"}  # workloads whose rows are turns: the row key naming their conversation
 TRIPLES = ("ttft_speedup", "task.mean.loss_points")  # logged with `_low` / `_high`: the point must lie inside

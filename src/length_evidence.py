@@ -28,11 +28,11 @@ from pathlib import Path
 
 from src.artifact import EVIDENCE, amend_manifest, load_mapper, passes, verified_length
 from src.gate import DEFAULTS
+from src.records import RecordError, items_path, read_items, read_record, require, rows_with
 from src.routed import mean_difference_ci
 from src.routed_runs import task_scores
 from src.routed_workloads import WORKLOADS, play_single_turn
 from src.tasks import METRICS
-from src.tracking import RecordError, items_path, read_items, read_record, require, rows_with
 
 LEVERS = "policy.levers."
 ITEM_KEYS = ("task", "index", "label", "lengths", "history_tokens", "turn_tokens", "scores", "handoff")  # what it reads

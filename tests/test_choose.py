@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from src.choose import choose, overrides, validation_runs
-from src.tracking import pack
+from src.records import pack
 
 REPO = Path(__file__).resolve().parents[1]
 DATA = REPO.parent / "shared/data"

@@ -9,8 +9,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from src.records import pack
 from src.report.error_signal import average_ranks, main, spearman, spearman_ci
-from src.tracking import pack
 
 RIGHT, WRONG = [[-1.0, 0.0], [-2.0, 0.0]], [[-2.0, 0.0], [-1.0, 0.0]]  # label 0 wins / loses
 

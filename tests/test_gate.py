@@ -12,7 +12,7 @@ import pytest
 
 from src.gate_criteria import Paired, Thresholds, decide_task, judge_run, still_needed, thresholds
 from src.gate_evidence import evidence, is_shard
-from src.tracking import RecordError
+from src.records import RecordError
 from tests.gate_records import KINDS, PARAMS, REAL, logged, passing, row, run, task_rows
 
 LIMITS = Thresholds(

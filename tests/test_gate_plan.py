@@ -234,7 +234,7 @@ def test_check_reads_the_items_and_counts_shards(uri, experiment, tmp_path, caps
 
 
 def test_a_damaged_items_artifact_is_named(uri, experiment, tmp_path):
-    from src.tracking import RecordError
+    from src.records import RecordError
 
     run_id = plant(uri, experiment, run(passing()), items=False)
     MlflowClient(uri).log_text(run_id, '{"items": [{"ttft": ', "routed/items.json")

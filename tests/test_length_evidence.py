@@ -30,9 +30,9 @@ from src.artifact import (
     verified_length,
 )
 from src.length_evidence import add_evidence, bins, evidence, main, table
+from src.records import ITEMS, RecordError, pack
 from src.runtime.routing import Policy, bind
 from src.runtime.session import Session
-from src.tracking import ITEMS, RecordError, pack
 from tests.exact_pair import exact_pair
 
 REPO = Path(__file__).resolve().parents[1]

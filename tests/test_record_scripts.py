@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from src.tracking import ITEMS
+from src.records import ITEMS
 
 REPO = Path(__file__).resolve().parents[1]
 BF16 = REPO / "results/routed4-h200-2026-12-04"
@@ -158,7 +158,7 @@ def test_import_names_the_damaged_record_and_imports_nothing(damaged, tmp_path, 
 
 
 def test_a_record_metric_without_its_step_is_named(tmp_path):
-    from src.tracking import RecordError, read_record
+    from src.records import RecordError, read_record
 
     path = tmp_path / "record.json"
     path.write_text(json.dumps({"name": "x", "params": {}, "tags": {}, "metrics": [{"key": "a", "value": 1.0}]}))

@@ -7,11 +7,12 @@ from pathlib import Path
 
 import pytest
 
+from src.records import read_record
 from src.report import benchmarks
 from src.report.quality_tables import correlation, quality
 from src.report.routed_tables import routed_label
 from src.report.rows import record_rows
-from src.tracking import JsonRecorder, flatten, read_record
+from src.tracking import JsonRecorder, flatten
 
 ROOT = Path(__file__).resolve().parents[1]
 WEIGHT_SUFFIXES = {".safetensors", ".pt", ".pth", ".bin", ".gguf", ".npy", ".npz", ".ckpt"}

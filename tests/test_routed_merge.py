@@ -12,10 +12,10 @@ from pathlib import Path
 import pytest
 
 from src.gate import is_shard
+from src.records import ITEMS, RecordError, pack
 from src.routed_merge import _joined, interleave, main, merge, write
 from src.routed_workloads import check_shard, shard
 from src.tasks import Item
-from src.tracking import ITEMS, RecordError, pack
 from src.workloads import Example
 from tests.test_routed import DATA, compose
 

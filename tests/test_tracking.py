@@ -13,8 +13,8 @@ import pytest
 from mlflow import MlflowClient
 from omegaconf import OmegaConf
 
-from src import tracking
-from src.tracking import ITEMS, RecordError
+from src import records, tracking
+from src.records import ITEMS, RecordError
 
 INTERVAL_ENV = "MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL"
 
@@ -173,7 +173,7 @@ def test_runs_logged_with_the_old_policy_keys_read_under_todays(store):
     client.set_terminated(run_id, "FINISHED")
     (row,) = mlflow_rows(store["uri"], ["old_keys"])
     params = {key.removeprefix("params."): value for key, value in row.items() if key.startswith("params.")}
-    assert params == tracking.current_params(old) == {
+    assert params == records.current_params(old) == {
         "policy.levers.recompute": "0.25", "policy.mode": "auto", "policy.max_length_factor": "8.0",
         "policy.guard_max_abs": "None", "workload.escalation.policy": "none", "fit.k": "4",
     }  # fmt: skip
@@ -230,53 +230,53 @@ def items_run(folder: Path, rows: list[dict] = ROWS) -> Path:
 def test_packed_items_read_as_the_plain_ones(tmp_path):
     plain, packed = items_run(tmp_path / "plain"), items_run(tmp_path / "packed")
     original = (packed / ITEMS).read_bytes()
-    assert tracking.pack([packed]) == [packed / f"{ITEMS}.gz"] and not (packed / ITEMS).exists()
-    assert tracking.items_path(plain) == plain / ITEMS and tracking.items_path(packed) == packed / f"{ITEMS}.gz"
+    assert records.pack([packed]) == [packed / f"{ITEMS}.gz"] and not (packed / ITEMS).exists()
+    assert records.items_path(plain) == plain / ITEMS and records.items_path(packed) == packed / f"{ITEMS}.gz"
     assert gzip.decompress((packed / f"{ITEMS}.gz").read_bytes()) == original  # the very bytes
-    assert tracking.read_items(packed) == tracking.read_items(plain) == ROWS
-    assert tracking.read_json(packed / f"{ITEMS}.gz") == tracking.read_json(plain / ITEMS)
-    assert tracking.items_path(tmp_path / "none") == tmp_path / "none" / ITEMS  # neither: the plain name, not a file
+    assert records.read_items(packed) == records.read_items(plain) == ROWS
+    assert records.read_json(packed / f"{ITEMS}.gz") == records.read_json(plain / ITEMS)
+    assert records.items_path(tmp_path / "none") == tmp_path / "none" / ITEMS  # neither: the plain name, not a file
     with pytest.raises(RecordError, match=r"none/artifacts/routed/items\.json: no such file"):
-        tracking.read_items(tmp_path / "none")
+        records.read_items(tmp_path / "none")
 
 
 def test_items_both_plain_and_packed_are_refused_naming_both(tmp_path):
     run = items_run(tmp_path / "run")
     (run / f"{ITEMS}.gz").write_bytes(gzip.compress(json.dumps({"items": ROWS[:1]}).encode()))  # they disagree
     both = rf"{run / ITEMS} and {run / ITEMS}\.gz: both present"
-    for reader in (tracking.items_path, tracking.read_items):
+    for reader in (records.items_path, records.read_items):
         with pytest.raises(RecordError, match=both):
             reader(run)
-    assert tracking.pack([run]) == [run / f"{ITEMS}.gz"] and tracking.read_items(run) == ROWS  # the plain one wins
+    assert records.pack([run]) == [run / f"{ITEMS}.gz"] and records.read_items(run) == ROWS  # the plain one wins
 
 
 def test_a_damaged_packed_file_is_named(tmp_path):
     run = items_run(tmp_path / "run")
-    (path,) = tracking.pack([run])
+    (path,) = records.pack([run])
     blob = path.read_bytes()
     cut, flipped = blob[: len(blob) // 2], blob[:-8] + bytes(8)  # a cut stream; a stream whose CRC and size lie
     for damaged in (cut, flipped, b"{not gzip}", gzip.compress(b'{"items": [')):
         path.write_bytes(damaged)
         with pytest.raises(RecordError, match=rf"{path}: not (a valid gzip file|valid JSON), truncated or damaged"):
-            tracking.read_items(run)
+            records.read_items(run)
 
 
 def test_pack_is_idempotent_and_gives_the_same_bytes_for_the_same_json(tmp_path, monkeypatch):
     runs = [items_run(tmp_path / "set" / name) for name in ("a", "b")]
-    written = tracking.pack([tmp_path / "set", runs[0]])  # a folder named twice is packed once
+    written = records.pack([tmp_path / "set", runs[0]])  # a folder named twice is packed once
     assert written == [run / f"{ITEMS}.gz" for run in runs]
     blobs = [path.read_bytes() for path in written]
     assert blobs[0] == blobs[1] and blobs[0][4:8] == bytes(4)  # no time in the gzip header: reproducible bytes
-    assert tracking.pack([tmp_path / "set"]) == [] and [path.read_bytes() for path in written] == blobs
+    assert records.pack([tmp_path / "set"]) == [] and [path.read_bytes() for path in written] == blobs
     assert sorted(p.name for p in (tmp_path / "set").glob("**/*") if p.is_file()) == ["items.json.gz"] * 2
     compress = gzip.compress
-    monkeypatch.setattr(tracking.gzip, "compress", lambda data, **kwargs: compress(data[:-1], mtime=0))
+    monkeypatch.setattr(records.gzip, "compress", lambda data, **kwargs: compress(data[:-1], mtime=0))
     lossy = items_run(tmp_path / "lossy")  # a gzip that does not give back the bytes: refused, nothing changed
     with pytest.raises(RecordError, match="does not give back the same bytes; left unpacked"):
-        tracking.pack([lossy])
+        records.pack([lossy])
     assert [p.name for p in (lossy / ITEMS).parent.iterdir()] == ["items.json"]
     with pytest.raises(ValueError, match="no-such: no such folder"):  # a mistyped folder is named, nothing packed
-        tracking.pack([lossy, tmp_path / "no-such"])
+        records.pack([lossy, tmp_path / "no-such"])
 
 
 def test_import_logs_packed_items_as_their_json_and_the_gate_reads_them(store, tmp_path, capsys):
@@ -291,7 +291,7 @@ def test_import_logs_packed_items_as_their_json_and_the_gate_reads_them(store, t
     record = json.loads((folder / "record.json").read_text())
     (folder / "record.json").write_text(json.dumps(record | {"experiment": "packed_items"}))
     original = (folder / ITEMS).read_bytes()
-    assert len(tracking.pack([tmp_path / "records"])) == 1
+    assert len(records.pack([tmp_path / "records"])) == 1
     assert tracking.import_records(tmp_path / "records", store["uri"], store["artifacts"]) == 1
     run_id = only_run(store, "packed_items").info.run_id
     assert [a.path for a in MlflowClient(store["uri"]).list_artifacts(run_id, "routed")] == ["routed/items.json"]
@@ -313,7 +313,7 @@ def test_import_refuses_a_damaged_or_doubled_packed_artifact_and_imports_nothing
         record = json.loads((folder / "record.json").read_text())
         (folder / "record.json").write_text(json.dumps(record | {"experiment": f"packed_{name}"}))
         shutil.copytree(folder, tmp_path / name / "good")  # a good record beside it: not imported either
-        (packed,) = tracking.pack([folder])
+        (packed,) = records.pack([folder])
         if name == "cut":
             packed.write_bytes(packed.read_bytes()[:100])
         else:

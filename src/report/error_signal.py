@@ -32,9 +32,9 @@ from pathlib import Path
 import numpy as np
 
 from src.eval.metrics import Interval
+from src.records import items_path, metric_values, read_items, read_record
 from src.routed_runs import task_scores
 from src.tasks import METRICS
-from src.tracking import items_path, metric_values, read_items, read_record
 
 MIN_RUNS = 20  # the floor: fewer runs give an exploratory ρ, never a headline
 LEVEL = 0.95

@@ -12,9 +12,9 @@ from src.gate import ROOT, Decision, decide, summary_table
 from src.gate_criteria import DEFAULTS, Verdict, judge_run, run_status, thresholds
 from src.gate_evidence import Evidence, evidence
 from src.gate_plan import lever_names, load_plans
+from src.records import items_path, read_items, read_json, require
 from src.report.rows import Row, fmt, metric, slashed
 from src.routed import paired_gain, quality
-from src.tracking import items_path, read_items, read_json, require
 
 FEWSHOT = Path(__file__).resolve().parents[2] / "conf/workload/fewshot.yaml"
 FEWSHOT_SHOTS = dict(OmegaConf.load(FEWSHOT).shots)  # a run with more shows its count
@@ -53,7 +53,7 @@ def run_of(row: Row) -> Evidence:
 
 @cache
 def _evidence(record: str, start_time: int) -> Evidence:
-    from src.tracking import metric_values, read_record
+    from src.records import metric_values, read_record
 
     path = Path(record)
     found = read_record(path)

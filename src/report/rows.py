@@ -11,7 +11,7 @@ import math
 from datetime import UTC, datetime
 from pathlib import Path
 
-from src.tracking import current_params, read_record
+from src.records import current_params, read_record
 
 Row = dict[str, object]
 NO_INTERVAL = "(no interval: record predates samples)"  # beside a ratio of medians whose record logged none
