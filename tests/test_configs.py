@@ -301,13 +301,13 @@ def test_the_command_line_sets_the_policy():
 def test_code_reads_the_policy_only_through_policy_from():
     """The job config becomes Levers in one place (`Levers(**` only in src/runtime/routing.py `policy_from`; the
     lm-eval adapter builds them from its own model_args), and no job, script or config names the policy's old keys
-    (only the record readers' translation, src/tracking.py, and the policy file's note on old records do)."""
+    (only the record readers' translation, src/records.py, and the policy file's note on old records do)."""
     files = [p for folder in ("src", "scripts", "conf") for p in sorted((REPO / folder).rglob("*")) if p.is_file()]
     files = [p for p in files if p.suffix in (".py", ".sh", ".yaml")]
     built = [str(p.relative_to(REPO)) for p in files if p.suffix == ".py" and "Levers(**" in p.read_text()]
     assert built == ["src/eval/harness.py", "src/runtime/routing.py"]
     naming = {str(p.relative_to(REPO)) for p in files if any(key in p.read_text() for key in OLD_POLICY_KEYS)}
-    assert naming == {"src/tracking.py", "conf/policy/default.yaml"}
+    assert naming == {"src/records.py", "conf/policy/default.yaml"}
 
 
 # --- paths, hydra, tracking ---------------------------------------------------------------------------------------

@@ -139,7 +139,7 @@ OLD_RECORDS = {  # committed records made before the policy moved to conf/policy
 def test_old_and_new_records_name_the_policy_alike(old, tmp_path):
     """A record made before 2026-12-05 names the policy `eval.levers.*`, `workload.policy`,
     `workload.max_length_factor`, `workload.guard_max_abs`; read_record gives it under today's keys (`policy.*`,
-    src/tracking.py `current_params`), a new record's params pass unchanged, and the same policy reads (and labels)
+    src/records.py `current_params`), a new record's params pass unchanged, and the same policy reads (and labels)
     alike in both."""
     from hydra import compose, initialize_config_dir
 
