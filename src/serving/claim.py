@@ -8,11 +8,11 @@ the prompt less `hold_back` tokens (at least one: the engine must compute a toke
 span the sender itself held mapped (mapped K/V are never mapped again) — rounded down to a block. Refused, in this
 order: policy mode `reprefill`; a sender tokenizer other than the receiver's; an export fingerprinted in another
 dtype than the mapper's source (the sender's `fingerprint_dtype`: the refusal names the setting); an export of
-another model than the mapper's source; exported ids that are not a prefix of the prompt; a native hit shorter than the sink; a hit
-inside the sender's mapped span; nothing left to map (a prompt shorter than a block, or a hit that covers the
-export); the length guard (`routing.length_refusal`: the history is what the sender held, the export). Then the
-plan (`paged_plan`), whose own check (`check_splice` on `PAGED`) the connector's settings already passed at start-up
-(src/serving/config.py runs `paged_plan` on a long prompt).
+another model than the mapper's source; exported ids that are not a prefix of the prompt; a native hit shorter than
+the sink; a hit inside the sender's mapped span; nothing left to map (a prompt shorter than a block, or a hit that
+covers the export); the length guard (`routing.length_refusal`: the history is what the sender held, the export).
+Then the plan (`paged_plan`), whose own check (`check_splice` on `PAGED`) the connector's settings already passed at
+start-up (src/serving/config.py runs `paged_plan` on a long prompt).
 """
 
 from __future__ import annotations

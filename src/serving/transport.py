@@ -54,12 +54,8 @@ SUFFIX = ".safetensors"
 PART = re.compile(rf"(?P<id>{EXPORT_ID.pattern})\.rank\d+-of-(?P<ranks>\d+){re.escape(SUFFIX)}")  # a part's file
 HEADER_LIMIT = 100_000_000  # the most bytes of JSON a safetensors header may hold (safetensors' own bound)
 MEMORIES = ("host", "device")
-SHARED = (
-    "source_fingerprint",
-    "fingerprint_dtype",
-    "tokenizer_hash",
-    "mapped",
-)  # metadata every rank's file repeats (and the ids)
+# the metadata every rank's file repeats (and the ids)
+SHARED = ("source_fingerprint", "fingerprint_dtype", "tokenizer_hash", "mapped")
 
 
 class ExportError(ValueError):
