@@ -56,9 +56,8 @@ def claim(
 ) -> SplicePlan | str:
     """The plan of the span to map, or the reason there is none (module docstring). prompt: the request's token ids;
     hit: the receiver's native prefix hit (a multiple of block_size); route: the mapper's (its length evidence and
-    calibration length); source_fingerprint: the model the mapper maps from, in fingerprint_dtype (its fit's pair.dtype);
-    tokenizer_hash: the receiver's tokenizer;
-    layers: the receiver's."""
+    calibration length); source_fingerprint: the model the mapper maps from, in fingerprint_dtype (its fit's
+    pair.dtype); tokenizer_hash: the receiver's tokenizer; layers: the receiver's."""
     exported = len(header.ids)
     if policy.mode == "reprefill":
         return "policy: reprefill"
