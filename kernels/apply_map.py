@@ -54,6 +54,7 @@ class KernelConfig:
     block_k: int = 64
     num_warps: int = 8
     num_stages: int = 3
+    layers_inner: bool = True  # launch order: every target layer of one token block together (False: layer by layer)
 
 
 def default_config(seq: int, compute_dtype: torch.dtype) -> KernelConfig:
@@ -154,14 +155,16 @@ def _map_kernel(
     SLOTS: tl.constexpr,
     PRECISION: tl.constexpr,
     UPCAST: tl.constexpr,  # interpreter only: its bf16 dot is wrong, so multiply in fp32
+    LAYERS_INNER: tl.constexpr,  # grid (H_t, L_t·B, token blocks); else (H_t, token blocks, L_t·B)
     BLOCK_M: tl.constexpr,
     BLOCK_K: tl.constexpr,
     BLOCK_HALF: tl.constexpr,
 ):
     """out[ℓ, b, h, t] = RoPE(Σ_q x[S_ℓ[j], b, a_h[g], t] · W[ℓ, h, q] + bias[ℓ, h]) over feature blocks q = (j, g)."""
     h = tl.program_id(0)  # fastest: Full-Head's H_t programs of one token block share their feature tiles
-    t = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)  # [BLOCK_M]
-    b, layer = tl.program_id(2) % batch, tl.program_id(2) // batch
+    rows, blocks = (tl.program_id(1), tl.program_id(2)) if LAYERS_INNER else (tl.program_id(2), tl.program_id(1))
+    b, layer = rows % batch, rows // batch
+    t = blocks * BLOCK_M + tl.arange(0, BLOCK_M)  # [BLOCK_M]
     c = tl.arange(0, BLOCK_K)  # [BLOCK_K]
     i = tl.arange(0, BLOCK_HALF)  # [BLOCK_HALF]
     t_mask, i_mask = t < seq, i < HALF
@@ -325,7 +328,10 @@ def _map_component(
     else:
         stride = 0
     block_k = min(config.block_k, d_s & -d_s)  # the largest power of two dividing d_s (≥ 16)
-    grid = (target_heads, triton.cdiv(seq, config.block_m), target_layers * batch)
+    # layers inner: the L_t·H_t programs that run together read one token block's source rows, which stay in L2 (a
+    # source layer feeds ≈ k·L_t/L_s target layers); layers outer re-reads the whole source once per target layer
+    rows, blocks = target_layers * batch, triton.cdiv(seq, config.block_m)
+    grid = (target_heads, rows, blocks) if config.layers_inner else (target_heads, blocks, rows)
     nonfinite, beyond, bound = flags if flags is not None else (out, out, 0.0)  # dummies: untouched without CHECK
     block_size = out.shape[3] if slots is not None else seq
     interpret = _interpreting()
@@ -336,6 +342,7 @@ def _map_component(
         **_pairs(layout, half), ROPE=rope is not None, CHECK=flags is not None, SLOTS=slots is not None,
         PRECISION=precision,
         UPCAST=interpret and weight.dtype != torch.float32,
+        LAYERS_INNER=config.layers_inner,
         BLOCK_M=config.block_m, BLOCK_K=block_k, BLOCK_HALF=_pow2(half),
         num_warps=config.num_warps, num_stages=config.num_stages,
     )  # fmt: skip

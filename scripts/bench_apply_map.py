@@ -1,4 +1,4 @@
-"""Mapper application at Qwen3-14B → 32B shapes: the reference (the `src.apply.map_layers` path of KVTransfer)
+"""Mapper application at a pair's KV shapes (Qwen3-14B → 32B, or --shapes coder: Qwen2.5-Coder 0.5B → 1.5B): the reference (the `src.apply.map_layers` path of KVTransfer)
 vs the fused Triton path (`kernels.apply_map.map_cache`) and the same under a CUDA graph, per support and prefix.
 
 Random source caches and random coefficients of the exact shapes — timing, memory and numerics only. Rotary
@@ -7,6 +7,7 @@ model is built. Times are CUDA-event p50 / p95 over --reps calls after --warmup;
 the per-layer finiteness KVTransfer checks. Standalone: torch, triton, transformers and `src` only.
 
     python scripts/bench_apply_map.py --out apply_map.json          # one H200: ≈ 1 min
+    python scripts/bench_apply_map.py --shapes coder --k 24 --supports local --prefix 2048 8192 16384 --out coder.json
     python scripts/bench_apply_map.py --quick --out /tmp/apply.json  # CPU smoke (tiny shapes, reference only)
 """
 
@@ -41,24 +42,72 @@ from src.select import depth_layers  # noqa: E402
 from src.support import head_assignment  # noqa: E402
 
 ROPE = {"rope_type": "default", "rope_theta": 1_000_000.0}
-QWEN3 = {  # the KV-relevant sizes of Qwen3-14B and Qwen3-32B (conf/pair/qwen3_14b_to_32b.yaml)
-    "source": dict(hidden_size=5120, intermediate_size=17408, num_hidden_layers=40, num_attention_heads=40),
-    "target": dict(hidden_size=5120, intermediate_size=25600, num_hidden_layers=64, num_attention_heads=64),
+KV8 = dict(num_key_value_heads=8, head_dim=128)
+SHAPES = {  # the KV-relevant sizes of each pair (--shapes); tiny: --quick
+    "qwen3": {  # Qwen3-14B → 32B (conf/pair/qwen3_14b_to_32b.yaml)
+        "source": dict(hidden_size=5120, intermediate_size=17408, num_hidden_layers=40, num_attention_heads=40, **KV8),
+        "target": dict(hidden_size=5120, intermediate_size=25600, num_hidden_layers=64, num_attention_heads=64, **KV8),
+    },
+    "coder": {  # Qwen2.5-Coder 0.5B → 1.5B (conf/pair/qwen25coder_0p5b_to_1p5b.yaml; RoPE as Qwen3's: default, 1e6)
+        "source": dict(
+            hidden_size=896,
+            intermediate_size=4864,
+            num_hidden_layers=24,
+            num_attention_heads=14,
+            num_key_value_heads=2,
+            head_dim=64,
+        ),
+        "target": dict(
+            hidden_size=1536,
+            intermediate_size=8960,
+            num_hidden_layers=28,
+            num_attention_heads=12,
+            num_key_value_heads=2,
+            head_dim=128,
+        ),
+    },
+    "tiny": {
+        "source": dict(
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=4,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=16,
+        ),
+        "target": dict(
+            hidden_size=96,
+            intermediate_size=192,
+            num_hidden_layers=6,
+            num_attention_heads=6,
+            num_key_value_heads=2,
+            head_dim=16,
+        ),
+    },
 }
-TINY = {
-    "source": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4),
-    "target": dict(hidden_size=96, intermediate_size=192, num_hidden_layers=6, num_attention_heads=6),
+PEAKS = {  # dense, by the device name's model
+    "H200": {"bf16_dense_tflops": 790.0, "tf32_dense_tflops": 395.0, "hbm_gbps": 4800.0},
+    "H100": {"bf16_dense_tflops": 989.0, "tf32_dense_tflops": 494.0, "hbm_gbps": 3350.0},  # SXM datasheet
 }
-PEAK = {"bf16_dense_tflops": 790.0, "tf32_dense_tflops": 395.0, "hbm_gbps": 4800.0}  # H200 SXM
-SWEEP = {  # candidate `_map_kernel` tiles (block_m, block_k, num_warps, num_stages)
-    torch.bfloat16: [(128, 64, 8, 3), (128, 64, 8, 4), (128, 32, 8, 4), (64, 64, 4, 3), (64, 64, 4, 4)],
+PEAK = PEAKS["H100" if torch.cuda.is_available() and "H100" in torch.cuda.get_device_name() else "H200"]
+SWEEP = {  # candidate `_map_kernel` tiles (block_m, block_k, num_warps, num_stages), each in both launch orders
+    torch.bfloat16: [
+        (128, 64, 8, 3),
+        (128, 64, 8, 4),
+        (128, 32, 8, 4),
+        (64, 64, 4, 3),
+        (64, 64, 4, 4),
+        (128, 64, 4, 3),
+        (128, 64, 8, 2),
+        (64, 64, 4, 2),
+        (256, 64, 8, 3),
+    ],
     torch.float32: [(128, 32, 8, 3), (128, 32, 8, 2), (64, 32, 4, 3)],
 }
 
 
-def qwen3_config(sizes: dict, quick: bool) -> Qwen3Config:
-    heads = dict(num_key_value_heads=2, head_dim=16) if quick else dict(num_key_value_heads=8, head_dim=128)
-    return Qwen3Config(**sizes, **heads, vocab_size=151936, max_position_embeddings=40960, rope_parameters=ROPE)
+def qwen3_config(sizes: dict) -> Qwen3Config:
+    return Qwen3Config(**sizes, vocab_size=151936, max_position_embeddings=40960, rope_parameters=ROPE)
 
 
 def random_mapper(source: Qwen3Config, target: Qwen3Config, support: str, k: int, dtype, device) -> Mapper:
@@ -157,7 +206,7 @@ def exact_errors(keys, values, mapper: Mapper, tables, outputs: dict, layers: in
 def sweep_tiles(call: tuple, options: dict, compute: torch.dtype, cuda: bool) -> tuple[KernelConfig | None, dict]:
     """p50 of every candidate tile (20 calls each); the fastest, and the per-tile results."""
     timings, sweep = {}, {}
-    for tile in SWEEP[compute]:
+    for tile in [(*tile, inner) for tile in SWEEP[compute] for inner in (True, False)]:  # both launch orders
         config = KernelConfig(*tile)
         try:
             stats = timed(lambda c=config: map_cache(*call, **options, config=c), 20, 3, cuda)
@@ -259,6 +308,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--prefix", type=int, nargs="+", default=[128, 512, 1024])
     parser.add_argument("--supports", nargs="+", default=["local", "full"], choices=["local", "full"])
+    parser.add_argument("--shapes", default="qwen3", choices=["qwen3", "coder"], help="the pair's KV shapes")
     parser.add_argument("--k", type=int, default=8)
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--reps", type=int, default=50)
@@ -277,8 +327,8 @@ def main() -> None:
     device = "cuda" if torch.cuda.is_available() else "cpu"
     if device == "cpu" and not args.quick:
         parser.error("the full benchmark needs CUDA; use --quick for a CPU smoke run")
-    sizes = TINY if args.quick else QWEN3
-    source, target = (qwen3_config(sizes[role], args.quick) for role in ("source", "target"))
+    sizes = SHAPES["tiny" if args.quick else args.shapes]
+    source, target = (qwen3_config(sizes[role]) for role in ("source", "target"))
     torch.manual_seed(0)
     report = {
         "what": "mapper application: reference (src.apply.map_layers path) vs fused Triton; random data, timing only",

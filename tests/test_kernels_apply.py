@@ -10,6 +10,8 @@ Tolerances, as a fraction of the reference's largest |entry| (outputs are O(1)�
 and, bf16 on CUDA, against an fp64 evaluation of the same rounded inputs: kernel error ≤ reference error + 2⁻⁹.
 """
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -217,18 +219,20 @@ INTERPRETED = {  # support, H_s, H_t, d_s, d_t, batch, seq, layout, coefficient 
 @interpreter
 @pytest.mark.filterwarnings("ignore:invalid value encountered in matmul:RuntimeWarning")  # inf · 0 in masked lanes
 @pytest.mark.parametrize("name", sorted(INTERPRETED))
-def test_interpreted_kernel_equals_reference(name, interpreted):
+@pytest.mark.parametrize("layers_inner", [True, False], ids=["layers-inner", "layers-outer"])  # launch orders
+def test_interpreted_kernel_equals_reference(name, layers_inner, interpreted):
     support, source_heads, target_heads, d_s, d_t, batch, seq, layout, dtype = INTERPRETED[name]
     shape = dict(L_s=3, L_t=4, H_s=source_heads, H_t=target_heads, d_s=d_s, d_t=d_t, batch=batch, seq=seq)
     keys, values, tables = _case(shape)
     mapper = _random_mapper(3, 4, source_heads, target_heads, d_s, d_t, support=support, dtype=dtype)
     flags = torch.ones(4, dtype=torch.int32)
     args = (keys, values, mapper, *tables, layout, layout, torch.float32)
-    ours = map_cache(*args, nonfinite=flags, backend="triton", config=SMALL, precision="ieee")
+    config = dataclasses.replace(SMALL, layers_inner=layers_inner)
+    ours = map_cache(*args, nonfinite=flags, backend="triton", config=config, precision="ieee")
     _assert_match(ours, map_cache_ref(*args), TOLERANCE["ieee" if dtype == torch.float32 else "bf16"])
     assert flags.tolist() == [0, 0, 0, 0]
     values[1][0, 0, seq - 1, 0] = float("inf")
-    map_cache(*args, nonfinite=flags, backend="triton", config=SMALL, precision="ieee")
+    map_cache(*args, nonfinite=flags, backend="triton", config=config, precision="ieee")
     assert flags.tolist() == (mapper.source_layers == 1).any(1).int().tolist()
 
 

@@ -162,7 +162,7 @@ def engine_paths(
 
 
 def profile_table(fn: Callable[[], object], device: torch.device, rows: int = 25) -> str:
-    """torch.profiler's table of one call of fn (after one warm call): where its host and device time go."""
+    """torch.profiler's tables of one call of fn (after one warm call): by host time, then (CUDA) by device time."""
     fn()
     activities = [torch.profiler.ProfilerActivity.CPU]
     if device.type == "cuda":
@@ -172,7 +172,9 @@ def profile_table(fn: Callable[[], object], device: torch.device, rows: int = 25
         fn()
         if device.type == "cuda":
             torch.cuda.synchronize(device)
-    return profiler.key_averages().table(sort_by="cpu_time_total", row_limit=rows)
+    table = profiler.key_averages()
+    host = table.table(sort_by="cpu_time_total", row_limit=rows)
+    return host if device.type != "cuda" else host + "\n" + table.table(sort_by="self_cuda_time_total", row_limit=rows)
 
 
 @torch.inference_mode()
