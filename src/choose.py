@@ -71,8 +71,8 @@ def paired(runs: list[dict], rescore: bool) -> list[dict]:
     """The runs with quality metrics on the same items: re-scored on the items every run scored when their item sets
     differ (or when `rescore`: items were dropped); logged metrics where no run kept its items. Runs of which only
     some kept items cannot be paired: a ValueError names them, as does an empty intersection."""
-    keyed = {
-        run["name"]: None if run["items"] is None else {(i["task"], i["index"]) for i in run["items"]} for run in runs
+    keyed = {  # by record file: two runs may share a name (a rerun, another item limit)
+        run["where"]: None if run["items"] is None else {(i["task"], i["index"]) for i in run["items"]} for run in runs
     }
     if all(keys is None for keys in keyed.values()):
         if len(runs) > 1:
@@ -80,7 +80,7 @@ def paired(runs: list[dict], rescore: bool) -> list[dict]:
                 "choose: no run kept its items: compared by their logged metrics, pairing unverified", file=sys.stderr
             )
         return runs
-    if missing := sorted(name for name, keys in keyed.items() if keys is None):
+    if missing := sorted(where.parent.name for where, keys in keyed.items() if keys is None):
         raise ValueError(f"runs {missing} kept no items (artifacts/routed/items.json) while others did: not paired")
     common = set.intersection(*keyed.values())
     if not common:
@@ -88,9 +88,9 @@ def paired(runs: list[dict], rescore: bool) -> list[dict]:
     if not rescore and all(keys == common for keys in keyed.values()):
         return runs
     for run in runs:
-        if len(keyed[run["name"]]) > len(common):
-            print(f"{run['name']}: compared on the {len(common)} items every run scored (of its "
-                  f"{len(keyed[run['name']])})", file=sys.stderr)  # fmt: skip
+        if len(keyed[run["where"]]) > len(common):
+            print(f"{run['where'].parent.name}: compared on the {len(common)} items every run scored (of its "
+                  f"{len(keyed[run['where']])})", file=sys.stderr)  # fmt: skip
         n_boot, seed = (int(require(run["params"], key, run["where"])) for key in ("eval.tasks.n_boot", "seed"))
         kept = [item for item in run["items"] if (item["task"], item["index"]) in common]
         run["metrics"] = run["metrics"] | quality(kept, n_boot, seed)

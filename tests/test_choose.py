@@ -165,3 +165,15 @@ def test_runs_that_cannot_be_paired_are_refused(tmp_path):
     _with_items(tmp_path, "c", 0.2, 0.2, {5: True, 6: True})
     with pytest.raises(ValueError, match="share no item"):
         validation_runs(tmp_path)
+
+
+def test_runs_that_share_a_name_are_paired_each_on_its_own_items(tmp_path):
+    """Two records named alike (a rerun on other items): each is re-scored on the items both scored. Keyed by name,
+    the second's items stood for both, and it kept the item the first never scored (its loss stayed 25 points)."""
+    _with_items(tmp_path, "first", 0.1, 0.1, {i: True for i in range(4)})
+    _with_items(tmp_path, "rerun", 0.1, 0.1, {2: True, 3: True, 4: False, 5: True})
+    for folder in ("first", "rerun"):
+        record = tmp_path / folder / "record.json"
+        record.write_text(record.read_text().replace(f'"name": "{folder}"', '"name": "same"'))
+    runs = validation_runs(tmp_path)
+    assert [r["metrics"]["task.boolq.loss_points"] for r in runs] == [0.0, 0.0]  # both on items 2 and 3
