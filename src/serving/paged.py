@@ -30,6 +30,7 @@ engine (an unknown layout is refused before serving, never misread).
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
@@ -118,6 +119,24 @@ def stack_layers(layers: Sequence[torch.nn.Module]) -> torch.Tensor | None:
     if not alike or step <= 0 or first.dtype not in UNQUANTIZED:
         return None
     return first.as_strided((len(caches), *first.shape), (step, *first.stride()), first.storage_offset())
+
+
+@dataclass(frozen=True)
+class Writer:
+    """How mapped K/V reach an engine's paged blocks, decided once when its caches register (`Writer.over`): each
+    layer's own writer (neither set), one write over every layer (`stacked`), or the map's own stores (`direct`)."""
+
+    stacked: tuple[torch.Tensor, str] | None = None  # `stack_layers`' view [L, B, H, N, 2d] and its layout
+    direct: tuple[torch.Tensor, torch.Tensor] | None = None  # K, V [L, B, H, N, d] the map stores into at slots
+
+    @classmethod
+    def over(cls, stacked: torch.Tensor, layout: str) -> Writer:
+        """The writer of a `stack_layers` view: on the flash layout its K and V halves are the map's destinations
+        (channels contiguous); on the cpu layout (K channel-major) one `write_slots` after the map."""
+        if layout == "flash":
+            d = stacked.shape[-1] // 2
+            return cls(direct=(stacked[..., :d], stacked[..., d:]))
+        return cls(stacked=(stacked, layout))
 
 
 def write_mapped(
