@@ -151,6 +151,7 @@ class KVRelayConnector(KVConnectorBase_V1):
             self.config.apply_backend, self.device,
         )  # fmt: skip
         self.layers: list[torch.nn.Module] = []
+        # a started load, its non-finite flags [L_t], beyond flags [L_t] (a direct map) or peak (a scratch), lease
         self._started: list[tuple[Load, torch.Tensor, torch.Tensor | None, torch.Tensor | None, Lease]] = []
         self._failed: list[tuple[Load, str]] = []
         self._exports: collections.deque[str] = collections.deque()
