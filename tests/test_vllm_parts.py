@@ -509,8 +509,10 @@ def test_a_stacked_write_is_what_vllms_cpu_cache_writer_writes_layer_by_layer():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (vLLM's FlashAttention cache writer)")
 @pytest.mark.parametrize("interleaved", [False, True], ids=["layer-major", "block-major"])
 def test_a_stacked_write_is_what_vllms_flash_cache_writer_writes_layer_by_layer(interleaved):
-    """paged_writer "stacked" on a GPU: the one write over every layer equals FlashAttention's own writer called per
-    layer (`reshape_and_cache_flash`, as `FlashAttentionImpl.do_kv_cache_update` calls it)."""
+    """The stacked write on a GPU: the one write over every layer equals FlashAttention's own writer called per layer
+    (`reshape_and_cache_flash`, as `FlashAttentionImpl.do_kv_cache_update` calls it). paged_writer "stacked" on
+    FlashAttention's layout no longer takes this write (the map stores into the blocks itself): its GPU test is
+    tests/test_paged_direct.py `test_the_direct_map_is_what_vllms_flash_cache_writer_writes_of_the_mapped_scratch`."""
     from vllm import _custom_ops as ops
 
     ours, theirs = (_stacked_caches("flash", dtype=torch.bfloat16, interleaved=interleaved, device="cuda")

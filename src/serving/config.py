@@ -9,7 +9,7 @@
         "compute_dtype": "float32",         # the map's coefficients (KVTransfer's compute_dtype)
         "apply_backend": "torch",           # torch | auto | triton (kernels/apply_map.py)
         "keep_exports": 16,                 # a sender keeps its newest exports, removes older ones
-        "paged_writer": "backend",          # backend | stacked: how mapped K/V reach the paged blocks (paged.py)
+        "paged_writer": "backend",          # backend | stacked (FlashAttention: the map stores into the blocks)
     }
 
 Every key has its default here (an engine that only exports needs none). Refused before serving, with the key named:

@@ -17,10 +17,14 @@ in slot `block_ids[p // block_size] · block_size + p % block_size`. Inside a (b
     backend  (default) it hands them to each layer's own cache writer (`layer.impl.do_kv_cache_update`, what vLLM
              calls for freshly computed tokens), so the layout, the ISA variant and an FP8 cache's scales are the
              backend's by construction — one call per layer (on an H100, ≈ 46 µs of host time each)
-    stacked  one pure-torch write of every layer at once (`write_slots` on `stack_layers`' view), where the layers'
-             caches are one storage a constant step apart (vLLM 0.32 allocates them so: one buffer, a layer stride)
-             and unquantized; elsewhere the backend's. Two indexed writes instead of L calls; on a CPU the write is
-             the copy itself, and vLLM's CPU writer copies faster than torch's indexing: for GPUs (unverified there)
+    stacked  where the layers' caches are one storage a constant step apart (vLLM 0.32 allocates them so: one
+             buffer, a layer stride) and unquantized — elsewhere the backend's — `stack_layers` views them as one
+             tensor, and `Writer.over` (decided once per engine) picks how it is written. On the flash layout the
+             view's K and V halves `[L, B, H, N, d]` are the map's own destinations: it stores into the blocks from
+             its epilogue (`routes.Bound.map_into`), no scratch, no write, and the magnitude guard is the kernel's
+             beyond flags. On the cpu layout (K channel-major) the map fills a scratch and one pure-torch write of
+             every layer follows (`write_slots`): two indexed writes instead of L calls; on a CPU the write is the
+             copy itself, and vLLM's CPU writer copies faster than torch's indexing. For GPUs (unverified there)
 
 `read_slots` / `write_slots` are the pure-torch layouts: the sender reads its export through the first, the tests
 compare the backend's writer with the second, and `check_layout` verifies a reader against the live backend once per
@@ -30,6 +34,7 @@ engine (an unknown layout is refused before serving, never misread).
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
@@ -118,6 +123,24 @@ def stack_layers(layers: Sequence[torch.nn.Module]) -> torch.Tensor | None:
     if not alike or step <= 0 or first.dtype not in UNQUANTIZED:
         return None
     return first.as_strided((len(caches), *first.shape), (step, *first.stride()), first.storage_offset())
+
+
+@dataclass(frozen=True)
+class Writer:
+    """How mapped K/V reach an engine's paged blocks, decided once when its caches register (`Writer.over`): each
+    layer's own writer (neither set), one write over every layer (`stacked`), or the map's own stores (`direct`)."""
+
+    stacked: tuple[torch.Tensor, str] | None = None  # `stack_layers`' view [L, B, H, N, 2d] and its layout
+    direct: tuple[torch.Tensor, torch.Tensor] | None = None  # K, V [L, B, H, N, d] the map stores into at slots
+
+    @classmethod
+    def over(cls, stacked: torch.Tensor, layout: str) -> Writer:
+        """The writer of a `stack_layers` view: on the flash layout its K and V halves are the map's destinations
+        (channels contiguous); on the cpu layout (K channel-major) one `write_slots` after the map."""
+        if layout == "flash":
+            d = stacked.shape[-1] // 2
+            return cls(direct=(stacked[..., :d], stacked[..., d:]))
+        return cls(stacked=(stacked, layout))
 
 
 def write_mapped(

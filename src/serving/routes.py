@@ -123,6 +123,39 @@ class Bound:
         """Source keys / values [L_s, H_s, n, d_s] of positions start..start+n−1 → the target's keys and values
         [L_t, n, H, d_t] of target heads `heads` (this worker's), and int32 flags [L_t]: 1 where a mapped value is
         not finite. No host sync (kernels/apply_map.py `map_cache`)."""
+        (mapped_k, mapped_v), flags, _ = self._map(keys, values, start, heads, out_dtype)  # [L_t, 1, H, n, d_t] each
+        return mapped_k[:, 0].transpose(1, 2), mapped_v[:, 0].transpose(1, 2), flags  # [L_t, n, H, d_t]
+
+    def map_into(
+        self,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        start: int,
+        heads: slice,
+        destinations: tuple[torch.Tensor, torch.Tensor],
+        slots: torch.Tensor,
+        guard: float | None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """As `map`, the mapped keys / values stored straight into destinations [L_t, N_blocks, H, block_size, d_t]
+        (channels contiguous, any other strides: paged blocks) at slots [n] (long, on the mapper's device) — no
+        scratch. Returns int32 flags [L_t] each: non-finite, and beyond (a finite |value| above `guard`; None: no
+        guard). No host sync."""
+        _, nonfinite, beyond = self._map(keys, values, start, heads, destinations[0].dtype, destinations, slots, guard)
+        return nonfinite, beyond
+
+    def _map(
+        self,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        start: int,
+        heads: slice,
+        out_dtype: torch.dtype,
+        out: tuple[torch.Tensor, torch.Tensor] | None = None,
+        slots: torch.Tensor | None = None,
+        guard: float | None = None,
+    ) -> tuple[tuple[torch.Tensor, torch.Tensor], torch.Tensor, torch.Tensor]:
+        """`map_cache` of this worker's heads: (keys, values) [L_t, 1, H, n, d_t] (or `out`, at `slots`), the
+        non-finite flags [L_t] and the beyond flags [L_t] (all 0 without a guard)."""
         m = self.mapper
         own = Mapper(m.source_layers, m.head_index[heads], m.weight_k[:, heads], m.bias_k[:, heads],
                      m.weight_v[:, heads], m.bias_v[:, heads], m.manifest)  # fmt: skip
@@ -130,14 +163,30 @@ class Bound:
         positions = torch.arange(start, start + keys.shape[2], device=device)  # [n]
         source_cos, source_sin = rope_cos_sin(self.source_rotary, positions)
         target_cos, target_sin = rope_cos_sin(self.target_rotary, positions)
-        flags = torch.zeros(m.weight_k.shape[0], dtype=torch.int32, device=device)  # [L_t]
-        mapped_k, mapped_v = map_cache(
+        nonfinite, beyond = (torch.zeros(m.weight_k.shape[0], dtype=torch.int32, device=device) for _ in range(2))
+        mapped = map_cache(
             keys[:, None].to(device), values[:, None].to(device), own,  # [L_s, 1, H_s, n, d_s]
             source_cos, source_sin, target_cos, target_sin,
             self.source_kv.rope_layout, self.target_kv.rope_layout, out_dtype,
-            nonfinite=flags, backend=self.backend,
-        )  # fmt: skip  # [L_t, 1, H, n, d_t] each
-        return mapped_k[:, 0].transpose(1, 2), mapped_v[:, 0].transpose(1, 2), flags  # [L_t, n, H, d_t]
+            nonfinite=nonfinite, backend=self.backend, out=out, slots=slots,
+            beyond=None if guard is None else beyond, bound=guard,
+        )  # fmt: skip
+        return mapped, nonfinite, beyond
+
+
+def load_refusal(
+    nonfinite: torch.Tensor, beyond: torch.Tensor | None, peak: torch.Tensor | None, guard: float | None
+) -> str | None:
+    """Why a worker's mapped span must be recomputed — a mapped target layer not finite (flags [L_t]), or past the
+    magnitude guard `guard`: `beyond` flags [L_t] (`Bound.map_into`) or the `peak` max(|K|, |V|) of a mapped
+    scratch — or None. Reads the flags on the host (after the forward is queued)."""
+    if bool(nonfinite.any()):
+        return f"mapped target layer {int(nonfinite.nonzero()[0])} is not finite"
+    if beyond is not None and bool(beyond.any()):
+        return f"guard: mapped |K|, |V| of target layer {int(beyond.nonzero()[0])} exceed {guard:g}"
+    if peak is not None and float(peak) > guard:
+        return f"guard: mapped |K|, |V| reach {float(peak):.3g} > {guard:g}"
+    return None
 
 
 def bound_routes(

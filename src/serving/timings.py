@@ -17,10 +17,14 @@ shared null context: no clock read, no file. The phases, in the order one handof
                alloc    the Load, once vLLM allocated the span's blocks
     worker     load     the span from the transport (Transport.load)        export  the K/V read and published
                slots    the span's slots on the device
-               map      the mapper (routes.Bound.map)
+               map      the mapper (routes.Bound.map; Bound.map_into: straight into the blocks)
                write    the paged blocks (paged.write_mapped)
                guard    the magnitude guard's peak
-               check    the finiteness flags and the peak read, the lease released (get_block_ids_with_load_errors)
+               check    the finiteness flags and the peak (or beyond flags) read, the lease released
+                        (get_block_ids_with_load_errors)
+
+"write" and "guard" do not occur where the map stores into the blocks itself (paged_writer "stacked" on
+FlashAttention's layout, paged.Writer): its "map" includes the stores, and the guard is the kernel's beyond flags.
 """
 
 from __future__ import annotations

@@ -19,8 +19,9 @@ the claim is refused there too — becomes a `Load` that carries the plan and th
 kvrelay parameters gets a record in its output.
 
 Worker: `start_load_kv` (before the forward) reads each load's span plan.start..plan.end − 1 from the transport,
-maps it for this worker's KV heads (`routes.Bound.map`) and writes it into the paged blocks (`paged.write_mapped`),
-no host sync; the finiteness flags and the magnitude guard are read afterwards, in `get_block_ids_with_load_errors`,
+maps it for this worker's KV heads (`routes.Bound.map`) and writes it into the paged blocks (`paged.write_mapped`;
+`paged_writer` "stacked" on FlashAttention's layout: the map stores into them itself, `Bound.map_into`), no host
+sync; the finiteness flags and the magnitude guard are read afterwards, in `get_block_ids_with_load_errors`,
 where the export's lease is released (its reads have ended: transport.py) and a failed load's blocks are reported —
 vLLM then recomputes them (kv_load_failure_policy "recompute"), discarding the step's output for that request. A
 load that cannot even start (export missing or malformed), or that the scheduler refused, is reported the same way.
@@ -50,10 +51,10 @@ from vllm.utils.hashing import get_hash_fn_by_name
 from src.runtime.plan import SplicePlan
 from src.serving.claim import claim
 from src.serving.config import connector_config
-from src.serving.paged import check_layout, read_slots, slots_for, stack_layers, write_mapped
+from src.serving.paged import Writer, check_layout, read_slots, slots_for, stack_layers, write_mapped
 from src.serving.params import KEY, Handoff, RelayParams, parse
 from src.serving.provenance import rekey
-from src.serving.routes import bound_routes, model_tokenizer_hash, scheduled_routes
+from src.serving.routes import bound_routes, load_refusal, model_tokenizer_hash, scheduled_routes
 from src.serving.timings import Timings
 from src.serving.transport import ExportError, Header, Lease, Transport
 
@@ -150,7 +151,8 @@ class KVRelayConnector(KVConnectorBase_V1):
             self.config.apply_backend, self.device,
         )  # fmt: skip
         self.layers: list[torch.nn.Module] = []
-        self._started: list[tuple[Load, torch.Tensor, torch.Tensor | None, Lease]] = []  # load, flags [L_t], peak
+        # a started load, its non-finite flags [L_t], beyond flags [L_t] (a direct map) or peak (a scratch), lease
+        self._started: list[tuple[Load, torch.Tensor, torch.Tensor | None, torch.Tensor | None, Lease]] = []
         self._failed: list[tuple[Load, str]] = []
         self._exports: collections.deque[str] = collections.deque()
 
@@ -297,14 +299,14 @@ class KVRelayConnector(KVConnectorBase_V1):
         named = sorted((extract_layer_index(name), context[name]) for name in kv_caches)
         self.layers = [layer for _, layer in named]
         self.layout = check_layout(self.layers[0])
-        self.stacked = None  # paged_writer "stacked": every layer's cache as one view, and its layout (paged.py)
+        self.writer = Writer()  # paged_writer: each layer's own writer, one write, or the map's stores (paged.py)
         if self.config.paged_writer == "stacked":
             view = stack_layers(self.layers)
             if view is None:
                 logger.warning("kvrelay: paged_writer stacked: this engine's caches are not one storage of alike "
                                "unquantized caches a constant step apart; each layer's own writer writes")  # fmt: skip
             else:
-                self.stacked = (view, self.layout)
+                self.writer = Writer.over(view, self.layout)
         heads, total = self.layers[0].kv_cache.shape[1], self._vllm_config.model_config.get_total_num_kv_heads()
         first = self.rank * heads if total >= self.ranks else self.rank * total // self.ranks  # else: replicated
         self.heads = slice(first, first + heads)  # this worker's KV heads: vLLM splits them contiguously
@@ -341,33 +343,36 @@ class KVRelayConnector(KVConnectorBase_V1):
             if tuple(keys.shape) != (kv.num_layers, kv.num_kv_heads, end - start, kv.head_dim):
                 raise ExportError(f"export {load.export_id} holds K/V {tuple(keys.shape)}, the mapper's source "
                                   f"{kv.num_layers} × {kv.num_kv_heads} × n × {kv.head_dim}")  # fmt: skip
-            dtype = self.layers[0].kv_cache.dtype
             with phase("slots"):  # block_ids[0] holds position start: a claim starts on a block (provenance.py)
                 slots = slots_for(load.block_ids, self.block_size, 0, end - start, self.device)  # [n]
+            guard = self.config.policy.guard_max_abs
+            if self.writer.direct is not None:  # into the blocks: no scratch, no write, the guard's flags [L_t]
+                with phase("map"):
+                    flags, beyond = bound.map_into(keys, values, start, self.heads, self.writer.direct, slots, guard)
+                self._started.append((load, flags, beyond, None, lease))
+                return
             with phase("map"):
-                mapped_k, mapped_v, flags = bound.map(keys, values, start, self.heads, dtype)  # [L_t, n, H, d_t]
+                mapped_k, mapped_v, flags = bound.map(keys, values, start, self.heads, self.layers[0].kv_cache.dtype)
             with phase("write"):
-                write_mapped(self.layers, mapped_k, mapped_v, slots, self.stacked)
+                write_mapped(self.layers, mapped_k, mapped_v, slots, self.writer.stacked)
         except BaseException:
             if self.device.type == "cuda":  # reads of the sender's memory may be queued: let them end first
                 torch.cuda.current_stream(self.device).synchronize()
             lease.release()
             raise
         with phase("guard"):
-            bound_abs = self.config.policy.guard_max_abs
-            peak = None if bound_abs is None else torch.maximum(mapped_k.abs().amax(), mapped_v.abs().amax()).float()
-        self._started.append((load, flags, peak, lease))
+            peak = None if guard is None else torch.maximum(mapped_k.abs().amax(), mapped_v.abs().amax()).float()
+        self._started.append((load, flags, None, peak, lease))
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         """The blocks of every load refused on the worker this step (read once the forward is queued)."""
         failed = list(self._failed)
         guard = self.config.policy.guard_max_abs
-        for load, flags, peak, lease in self._started:
+        for load, flags, beyond, peak, lease in self._started:
             with self.timings.phase("check", load.request_id, load.plan.end - load.plan.start):
-                if bool(flags.any()):  # a device read: the map, and its reads of the export before it, have ended
-                    failed.append((load, f"mapped target layer {int(flags.nonzero()[0])} is not finite"))
-                elif peak is not None and float(peak) > guard:
-                    failed.append((load, f"guard: mapped |K|, |V| reach {float(peak):.3g} > {guard:g}"))
+                # device reads: the map, and its reads of the export before it, have ended
+                if reason := load_refusal(flags, beyond, peak, guard):
+                    failed.append((load, reason))
                 lease.release()
         self._started, self._failed = [], []
         for load, reason in failed:
