@@ -74,7 +74,7 @@ EOF
     python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site "$HOME"/stage/wheels/*.whl
     python3 -c "import torch, vllm, src.serving.vllm_connector; print(torch.__version__, vllm.__version__)" ;;
   test)
-    python3 -m pytest -q -p no:cacheprovider -m "gpu or not gpu" tests/test_vllm_parts.py tests/test_transport.py 2>&1 |
+    python3 -m pytest -q -p no:cacheprovider -m "gpu or not gpu" tests/test_vllm_parts.py tests/test_transport.py tests/test_paged_direct.py 2>&1 |
       tee "$OUT/vllm-tests.txt" | tail -8 ;;
   bench)
     memory=${MEMORY:-device}  # the sender's exports: on its GPU (CUDA IPC), or MEMORY=host (files)
