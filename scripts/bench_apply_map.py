@@ -42,49 +42,18 @@ from src.select import depth_layers  # noqa: E402
 from src.support import head_assignment  # noqa: E402
 
 ROPE = {"rope_type": "default", "rope_theta": 1_000_000.0}
-KV8 = dict(num_key_value_heads=8, head_dim=128)
-SHAPES = {  # the KV-relevant sizes of each pair (--shapes); tiny: --quick
-    "qwen3": {  # Qwen3-14B → 32B (conf/pair/qwen3_14b_to_32b.yaml)
-        "source": dict(hidden_size=5120, intermediate_size=17408, num_hidden_layers=40, num_attention_heads=40, **KV8),
-        "target": dict(hidden_size=5120, intermediate_size=25600, num_hidden_layers=64, num_attention_heads=64, **KV8),
-    },
-    "coder": {  # Qwen2.5-Coder 0.5B → 1.5B (conf/pair/qwen25coder_0p5b_to_1p5b.yaml; RoPE as Qwen3's: default, 1e6)
-        "source": dict(
-            hidden_size=896,
-            intermediate_size=4864,
-            num_hidden_layers=24,
-            num_attention_heads=14,
-            num_key_value_heads=2,
-            head_dim=64,
-        ),
-        "target": dict(
-            hidden_size=1536,
-            intermediate_size=8960,
-            num_hidden_layers=28,
-            num_attention_heads=12,
-            num_key_value_heads=2,
-            head_dim=128,
-        ),
-    },
-    "tiny": {
-        "source": dict(
-            hidden_size=64,
-            intermediate_size=128,
-            num_hidden_layers=4,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            head_dim=16,
-        ),
-        "target": dict(
-            hidden_size=96,
-            intermediate_size=192,
-            num_hidden_layers=6,
-            num_attention_heads=6,
-            num_key_value_heads=2,
-            head_dim=16,
-        ),
-    },
-}
+
+
+def sizes(hidden: int, intermediate: int, layers: int, heads: int, kv_heads: int, head_dim: int) -> dict:
+    return dict(hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=layers,
+                num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=head_dim)  # fmt: skip
+
+
+SHAPES = {  # the KV-relevant sizes of each pair (--shapes; tiny: --quick), as (source, target)
+    "qwen3": (sizes(5120, 17408, 40, 40, 8, 128), sizes(5120, 25600, 64, 64, 8, 128)),  # Qwen3-14B → 32B
+    "coder": (sizes(896, 4864, 24, 14, 2, 64), sizes(1536, 8960, 28, 12, 2, 128)),  # Qwen2.5-Coder 0.5B → 1.5B
+    "tiny": (sizes(64, 128, 4, 4, 2, 16), sizes(96, 192, 6, 6, 2, 16)),
+}  # RoPE of both pairs: default, θ = 1e6 (Qwen2.5-Coder's too)
 PEAKS = {  # dense, by the device name's model
     "H200": {"bf16_dense_tflops": 790.0, "tf32_dense_tflops": 395.0, "hbm_gbps": 4800.0},
     "H100": {"bf16_dense_tflops": 989.0, "tf32_dense_tflops": 494.0, "hbm_gbps": 3350.0},  # SXM datasheet
@@ -327,8 +296,7 @@ def main() -> None:
     device = "cuda" if torch.cuda.is_available() else "cpu"
     if device == "cpu" and not args.quick:
         parser.error("the full benchmark needs CUDA; use --quick for a CPU smoke run")
-    sizes = SHAPES["tiny" if args.quick else args.shapes]
-    source, target = (qwen3_config(sizes[role]) for role in ("source", "target"))
+    source, target = (qwen3_config(role) for role in SHAPES["tiny" if args.quick else args.shapes])
     torch.manual_seed(0)
     report = {
         "what": "mapper application: reference (src.apply.map_layers path) vs fused Triton; random data, timing only",
