@@ -45,6 +45,7 @@ ENGINE_V2C = "engine-h100-2026-12-06c"  # the same pair job at a35c14b: the map 
 GATE_FIRST = "gate-h100-2026-12-06"  # the first gate run: 8 shards, before its plan named 4 (unregistered)
 GATE = "gate-h100-2026-12-06b"  # scripts/device_quality.sh gate as registered: 200-shot ARC, bf16, graph engine
 FRONTIER_CPU = "frontier-cpu-2026-12-06"  # issue 34 item 2: the passage frontier on the CPU, fp32
+FRONTIER_CPU_TEST = "frontier-cpu-test-2026-12-06"  # the levers chosen on its validation runs, on test items
 FUSED = "fused-fit-h200-2026-12-03/bench_fused_fit.json"
 COVERAGE = "gate-coverage-cpu-2026-12-06/coverage.json"  # scripts/gate_coverage.py
 VLLM_FILE = "vllm-h100-2026-12-06/vllm_ttft_file.json"  # scripts/bench_vllm_ttft.py, one H100
@@ -91,6 +92,8 @@ TABLES: dict[str, Table] = {
     "routed_frontier_cpu": Table((FRONTIER_CPU,), routed),
     "routed_frontier_cpu_tasks": Table((FRONTIER_CPU,), routed_tasks),
     "routed_frontier_cpu_paired": Table((FRONTIER_CPU,), routed_paired),  # the rules at equal prefill, same items
+    "routed_frontier_cpu_test": Table((FRONTIER_CPU_TEST,), routed),
+    "routed_frontier_cpu_test_tasks": Table((FRONTIER_CPU_TEST,), routed_tasks),
     "engine": Table((ENGINE,), engine),
     "engine_v2": Table((ENGINE_V2,), engine),
     "engine_v2b": Table((ENGINE_V2B,), engine),
