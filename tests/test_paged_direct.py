@@ -38,11 +38,14 @@ def pair():
 
 
 @pytest.fixture(params=BACKENDS)
-def backend(request):
-    """Each apply path; Triton through its CPU interpreter (skipped where it cannot run), compiled on CUDA."""
-    if request.param == "triton" and not torch.cuda.is_available():
+def backend(request) -> tuple[str, str]:
+    """Each apply path and its device: Triton compiled on CUDA where there is one (its CPU interpreter is not run
+    beside a GPU: test_kernels_apply.py), else interpreted (skipped where it cannot run); torch on the CPU."""
+    if request.param == "triton" and torch.cuda.is_available():
+        return "triton", "cuda"
+    if request.param == "triton":
         request.getfixturevalue("interpreted")
-    return request.param
+    return request.param, "cpu"
 
 
 def _route(pair, backend: str, device: str = "cpu") -> Bound:
@@ -68,31 +71,33 @@ def _flash(interleaved: bool, device: str = "cpu") -> tuple[list[torch.Tensor], 
 
 @pytest.mark.parametrize("interleaved", [False, True], ids=["layer-major", "block-major"])
 def test_the_map_stores_into_flash_blocks_what_a_stacked_write_of_its_scratch_writes(pair, backend, interleaved):
-    route, (keys, values) = _route(pair, backend), _span()
-    _, ours = _flash(interleaved)
-    _, theirs = _flash(interleaved)
+    name, device = backend
+    route, (keys, values), slots = _route(pair, name, device), _span(device), SLOTS.to(device)
+    _, ours = _flash(interleaved, device)
+    _, theirs = _flash(interleaved, device)
     writer = Writer.over(ours, "flash")
     assert writer.stacked is None and writer.direct is not None
     assert Writer.over(ours, "cpu") == Writer(stacked=(ours, "cpu"))  # channel-major K: the map, then one write
-    nonfinite, beyond = route.map_into(keys, values, START, HEADS, writer.direct, SLOTS, 1e6)
+    nonfinite, beyond = route.map_into(keys, values, START, HEADS, writer.direct, slots, 1e6)
     mapped_k, mapped_v, flags = route.map(keys, values, START, HEADS, torch.float32)  # [L_t, n, H, d_t]
-    write_slots(theirs, mapped_k, mapped_v, SLOTS, "flash")
+    write_slots(theirs, mapped_k, mapped_v, slots, "flash")
     assert torch.equal(ours, theirs)  # bit for bit, every block
     assert not (nonfinite.any() or beyond.any() or flags.any())
     assert bool((ours[:, [0, 2]] == 7.0).all()) and bool((ours[:, 1, :, 8:] == 7.0).all())  # outside the span
     for layer, (k, v) in enumerate(zip(mapped_k, mapped_v, strict=True)):
-        read = read_slots(ours[layer], SLOTS, "flash")  # [n, H, d] each: K in the first half, V in the second
+        read = read_slots(ours[layer], slots, "flash")  # [n, H, d] each: K in the first half, V in the second
         assert torch.equal(read[0], k) and torch.equal(read[1], v)
     assert (mapped_k - mapped_v).abs().max() > 0.1 and (mapped_k - keys[:, HEADS].transpose(1, 2)).abs().max() > 0.1
 
 
 def test_the_guard_flags_a_mapped_value_past_it_and_the_check_refuses_naming_it(pair, backend):
-    route, (keys, values) = _route(pair, backend), _span()
+    name, device = backend
+    route, (keys, values), slots = _route(pair, name, device), _span(device), SLOTS.to(device)
     mapped_k, mapped_v, _ = route.map(keys, values, START, HEADS, torch.float32)
     peak = torch.maximum(mapped_k.abs().amax(), mapped_v.abs().amax())
     for guard, refused in ((2 * float(peak), False), (float(peak) / 2, True), (None, False)):
-        _, stacked = _flash(False)
-        nonfinite, beyond = route.map_into(keys, values, START, HEADS, Writer.over(stacked, "flash").direct, SLOTS,
+        _, stacked = _flash(False, device)
+        nonfinite, beyond = route.map_into(keys, values, START, HEADS, Writer.over(stacked, "flash").direct, slots,
                                            guard)  # fmt: skip
         assert bool(beyond.any()) == refused and not nonfinite.any()
         reason = load_refusal(nonfinite, beyond, None, guard)
@@ -101,7 +106,7 @@ def test_the_guard_flags_a_mapped_value_past_it_and_the_check_refuses_naming_it(
             assert reason.startswith("guard: mapped |K|, |V| of target layer ") and f"exceed {guard:g}" in reason
     poisoned = values.clone()
     poisoned[1, 1, 4, 2] = float("nan")  # source layer 1 feeds target layer 1
-    nonfinite, beyond = route.map_into(keys, poisoned, START, HEADS, Writer.over(stacked, "flash").direct, SLOTS, 1e6)
+    nonfinite, beyond = route.map_into(keys, poisoned, START, HEADS, Writer.over(stacked, "flash").direct, slots, 1e6)
     assert load_refusal(nonfinite, beyond, None, 1e6) == "mapped target layer 1 is not finite"
 
 
