@@ -310,12 +310,14 @@ def main(argv: list[str] | None = None) -> int:
              "paged_writer": args.paged_writer}  # fmt: skip
     small = engine(small_dir, sender | dtypes, **settings)  # the sender fingerprints in the fitted dtype
     large = engine(large_dir, exports | route | policy | dtypes, **settings)
-    rows = measure(small, large, mapper_id(load_mapper(mapper_dir)), lengths, repeats, fresh, timings=timings)
     run = {"export_memory": args.export_memory, "apply_backend": args.apply_backend, "paged_writer": args.paged_writer,
            "dtype": dtype,
            "commit": commit(), "timings": args.timings,
            "histories": f"text: {args.text}" if args.models else "random tokens"} | dtypes  # fmt: skip
-    write(rows, label, run, args.out, weights)
+    rows, mapper = [], mapper_id(load_mapper(mapper_dir))
+    for n in lengths:  # the record rewritten after each length: a call cut by its time limit keeps what ran
+        rows += measure(small, large, mapper, [n], repeats, fresh, timings=timings)
+        write(rows, label, run | {"lengths_done": f"{len(rows)} of {len(lengths)}"}, args.out, weights)
     for row in rows:
         print(row["tokens"], {k: round(v, 2) for k, v in row["median_ms"].items()})
         for role, phases in row.get("host_ms", {}).items():
