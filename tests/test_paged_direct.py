@@ -125,7 +125,8 @@ def test_the_worker_maps_straight_into_flash_blocks_and_refuses_past_the_guard(p
     """register_kv_caches decides the direct map once (flash caches that stack, paged_writer "stacked"); a load is
     then timed as load, slots, map, check — no write, no guard pass — its blocks hold what the map and a stacked
     write give, and past the guard (half the mapped peak) its blocks are reported for recomputation."""
-    from src.serving.vllm_connector import KVRelayConnector, KVRelayMetadata, Load
+    from src.serving.metadata import KVRelayMetadata, Load
+    from src.serving.vllm_connector import KVRelayConnector
 
     route, (keys, values) = _route(pair, "torch"), _span()
     mapped_k, mapped_v, _ = route.map(keys, values, START, HEADS, torch.float32)

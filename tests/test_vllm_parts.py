@@ -156,7 +156,8 @@ def test_vllm_counting_other_than_the_planned_span_is_refused_and_its_blocks_rec
     """update_state_after_alloc: the plan's span counted → a Load of its blocks carrying the plan; none counted → a
     refusal (an ordinary prefill); another count → a refused Load whose counted blocks the worker reports as failed
     (vLLM recomputes them), never a span the plan did not map."""
-    from src.serving.vllm_connector import KVRelayConnector, KVRelayMetadata, _Tracked
+    from src.serving.metadata import KVRelayMetadata
+    from src.serving.vllm_connector import KVRelayConnector, _Tracked
 
     scheduler = KVRelayConnector.__new__(KVRelayConnector)  # its role's state only: no engine
     scheduler.block_size, scheduler.config, scheduler._loads = 32, connector_config({}, "recompute"), []

@@ -5,8 +5,8 @@ receiver's paged blocks.
                      kv_role="kv_both", kv_load_failure_policy="recompute", kv_connector_extra_config={...})
 
 (settings: src/serving/config.py; request parameters: src/serving/params.py). One class, two roles, as vLLM's own
-connectors: the scheduler side decides, once per step, and writes its decisions into `KVRelayMetadata`; the worker
-side only executes them.
+connectors: the scheduler side decides, once per step, and writes its decisions into `KVRelayMetadata`
+(metadata.py); the worker side only executes them.
 
 Scheduler: a request asking for an export gets an id (returned in its output's `kv_transfer_params`), and when its
 prefill completes the step's metadata carries a `Save` of its prompt's blocks. A handoff request is claimed in
@@ -39,11 +39,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from vllm.distributed.kv_transfer.kv_connector.v1.base import (
-    KVConnectorBase_V1,
-    KVConnectorMetadata,
-    KVConnectorRole,
-)
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, KVConnectorRole
 from vllm.logger import init_logger
 from vllm.model_executor.models.utils import extract_layer_index
 from vllm.utils.hashing import get_hash_fn_by_name
@@ -51,6 +47,7 @@ from vllm.utils.hashing import get_hash_fn_by_name
 from src.runtime.plan import SplicePlan
 from src.serving.claim import claim
 from src.serving.config import connector_config
+from src.serving.metadata import KVRelayMetadata, Load, Save
 from src.serving.paged import Writer, check_layout, read_slots, slots_for, stack_layers, write_mapped
 from src.serving.params import KEY, Handoff, RelayParams, parse
 from src.serving.provenance import rekey
@@ -59,37 +56,6 @@ from src.serving.timings import Timings
 from src.serving.transport import ExportError, Header, Lease, Transport
 
 logger = init_logger(__name__)
-
-
-@dataclass
-class Load:
-    """Map the span of a request's plan, positions plan.start..plan.end − 1 of an export, into the blocks it fills
-    (the worker derives their slots on its device: block ids travel, not one slot per token) — or, `refusal` set,
-    nothing: the worker reports those blocks as failed."""
-
-    request_id: str
-    export_id: str
-    mapper_id: str
-    plan: SplicePlan
-    block_ids: list[int]  # the request's blocks from the one holding plan.start (vLLM counts them as loaded)
-    refusal: str | None = None  # why the scheduler refused it after vLLM allocated its blocks
-
-
-@dataclass
-class Save:
-    """Publish the K/V of a request's prompt (token ids, positions 0..T−1, in blocks `block_ids`) as an export."""
-
-    request_id: str
-    export_id: str
-    ids: list[int]
-    block_ids: list[int]
-    mapped: tuple[int, int] | None
-
-
-@dataclass
-class KVRelayMetadata(KVConnectorMetadata):
-    loads: list[Load] = field(default_factory=list)
-    saves: list[Save] = field(default_factory=list)
 
 
 @dataclass
