@@ -1,5 +1,6 @@
-"""Mapper application at a pair's KV shapes (Qwen3-14B → 32B, or --shapes coder: Qwen2.5-Coder 0.5B → 1.5B): the reference (the `src.apply.map_layers` path of KVTransfer)
-vs the fused Triton path (`kernels.apply_map.map_cache`) and the same under a CUDA graph, per support and prefix.
+"""Mapper application at a pair's KV shapes (Qwen3-14B → 32B; --shapes coder: Qwen2.5-Coder 0.5B → 1.5B): the
+reference (the `src.apply.map_layers` path of KVTransfer) vs the fused Triton path (`kernels.apply_map.map_cache`)
+and the same under a CUDA graph, per support and prefix.
 
 Random source caches and random coefficients of the exact shapes — timing, memory and numerics only. Rotary
 tables come from `transformers.Qwen3Config` (the real 14B / 32B sizes) through its rotary embedding class; no
@@ -75,8 +76,8 @@ SWEEP = {  # candidate `_map_kernel` tiles (block_m, block_k, num_warps, num_sta
 }
 
 
-def qwen3_config(sizes: dict) -> Qwen3Config:
-    return Qwen3Config(**sizes, vocab_size=151936, max_position_embeddings=40960, rope_parameters=ROPE)
+def qwen3_config(kv_sizes: dict) -> Qwen3Config:
+    return Qwen3Config(**kv_sizes, vocab_size=151936, max_position_embeddings=40960, rope_parameters=ROPE)
 
 
 def random_mapper(source: Qwen3Config, target: Qwen3Config, support: str, k: int, dtype, device) -> Mapper:

@@ -74,8 +74,8 @@ EOF
     python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site "$HOME"/stage/wheels/*.whl
     python3 -c "import torch, vllm, src.serving.vllm_connector; print(torch.__version__, vllm.__version__)" ;;
   test)  # ≈ 2 min on a fresh machine (a 70 s limit cut it, 2026-12-06): give it 180 s
-    python3 -m pytest -q -p no:cacheprovider -m "gpu or not gpu" tests/test_vllm_parts.py tests/test_transport.py tests/test_paged_direct.py 2>&1 |
-      tee "$OUT/vllm-tests.txt" | tail -8 ;;
+    python3 -m pytest -q -p no:cacheprovider -m "gpu or not gpu" tests/test_vllm_parts.py tests/test_transport.py \
+      tests/test_paged_direct.py 2>&1 | tee "$OUT/vllm-tests.txt" | tail -8 ;;
   bench)  # both engines start in ≈ 90 s each on a fresh machine (compile, graphs): ≥ 360 s for three lengths; the
     # record is rewritten after each length, so a cut call keeps the lengths that ran
     memory=${MEMORY:-device}  # the sender's exports: on its GPU (CUDA IPC), or MEMORY=host (files)

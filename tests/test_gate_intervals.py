@@ -1,8 +1,8 @@
 """The gate's small-sample statistics (src/eval/intervals.py): Tango's interval against PropCIs::scoreci.mp, the exact
 unconditional test whose false-PASS rate at the margin is at most 2.5 % at every n and discordance (computed exactly
 here, and where Tango's asymptotic test exceeds it), the design effect of clustered turns, Nam's sample size, the
-order-statistic interval of a median and of a ratio of two medians timed apart, MOVER over tasks. The simulated coverage over n = 20 … 800 and true losses
-0 … 3 points is scripts/gate_coverage.py (BENCHMARKS § reliability)."""
+order-statistic interval of a median and of a ratio of two medians timed apart, MOVER over tasks. The simulated
+coverage over n = 20 … 800 and true losses 0 … 3 points is scripts/gate_coverage.py (BENCHMARKS § reliability)."""
 
 import math
 
