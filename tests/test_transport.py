@@ -12,8 +12,9 @@ import pytest
 import safetensors.torch
 import torch
 
+from src.serving import transport as transport_module
 from src.serving.config import connector_config
-from src.serving.transport import ExportError, Transport
+from src.serving.transport import ExportError, Transport, publish
 
 
 def _kv(layers=2, heads=2, tokens=6, d=4, seed=0, device="cpu"):
@@ -32,6 +33,21 @@ def _put(transport: Transport, export_id: str, keys: torch.Tensor, values: torch
         (0, keys.shape[1], keys.shape[1]),
         fingerprint_dtype="float32",
     )
+
+
+def test_an_export_is_published_whole_and_fsynced_only_where_it_holds_the_kv(tmp_path, monkeypatch):
+    """A host export's file is fsynced (its bytes are the K/V), a device export's is not (handles to memory that dies
+    with its sender); both appear whole under their name by a rename, and a failed write leaves nothing behind."""
+    synced = []
+    monkeypatch.setattr(transport_module.os, "fsync", lambda fd: synced.append(fd))
+    _put(Transport(tmp_path), "h1", *_kv())
+    assert len(synced) == 1  # the host export's put, through publish
+    publish(tmp_path / "d.safetensors", b"handles", durable=False)
+    assert len(synced) == 1 and (tmp_path / "d.safetensors").read_bytes() == b"handles"
+    monkeypatch.setattr(transport_module.os, "replace", lambda *_: (_ for _ in ()).throw(OSError("disk full")))
+    with pytest.raises(OSError, match="disk full"):
+        publish(tmp_path / "x.safetensors", b"never", durable=True)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["d.safetensors", "h1.rank0-of-1.safetensors"]
 
 
 def test_a_receivers_lease_defers_its_senders_removal(tmp_path):

@@ -42,6 +42,7 @@ ENGINE = "engine-h200-2026-12-05"
 ENGINE_V2 = "engine-h100-2026-12-06"  # the engine with the receiver protocol and map_into, random weights, one H100
 ENGINE_V2B = "engine-h100-2026-12-06b"  # the same pair job at 732d5f6: host reads cut, capture_all, timed attention
 ENGINE_V2C = "engine-h100-2026-12-06c"  # the same pair job at a35c14b: the map replayed as a CUDA graph
+ENGINE_V2D = "engine-h100-2026-12-06d"  # the same at e04778a: the map's launch order, samples and intervals kept
 GATE_FIRST = "gate-h100-2026-12-06"  # the first gate run: 8 shards, before its plan named 4 (unregistered)
 GATE = "gate-h100-2026-12-06b"  # scripts/device_quality.sh gate as registered: 200-shot ARC, bf16, graph engine
 FRONTIER_CPU = "frontier-cpu-2026-12-06"  # issue 34 item 2: the passage frontier on the CPU, fp32
@@ -57,6 +58,8 @@ VLLM_TRITON = "vllm-h100-2026-12-06/vllm_ttft_device_triton.json"  # the same, t
 # The device records name their export memory; the map kernel comes from the call (COMMANDS.md beside them)
 VLLM_TIMED = "vllm-h100-2026-12-06b/vllm_ttft_device_timings.json"  # device exports, Triton map, per-phase host times
 VLLM_REAL = "vllm-h100-2026-12-06b/vllm_ttft_real.json"  # the real pair and its bf16 mapper, real-text histories
+VLLM_BACKEND = "vllm-h100-2026-12-06c/vllm_ttft_device_backend.json"  # e04778a: each layer's own block writer
+VLLM_STACKED = "vllm-h100-2026-12-06c/vllm_ttft_device_stacked.json"  # paged_writer stacked asked: fell back (per layer)
 VLLM_RUNS = {
     VLLM_FILE: BenchRun("file, exports on the machine's disk (/tmp/vllm-bench/exports)", "bf16", "732d5f6"),
     VLLM_SHM: BenchRun("file, exports on /dev/shm (tmpfs)", "bf16", "732d5f6"),
@@ -71,6 +74,13 @@ VLLM_RUNS = {
         "device, the sender's GPU (CUDA IPC), map kernel Triton (apply_backend auto)",
         "bf16",
         "a35c14b + the sender's fitted dtypes (da7ff57's script change)",
+    ),  # fmt: skip
+    VLLM_BACKEND: BenchRun("device (CUDA IPC), Triton map, paged_writer backend (each layer's writer)", "bf16", "e04778a"),
+    VLLM_STACKED: BenchRun(
+        "device (CUDA IPC), Triton map, paged_writer stacked asked — not engaged: vLLM 0.26 allocates each layer's "
+        "cache apart, so each layer's writer wrote (the connector's warning)",
+        "bf16",
+        "e04778a",
     ),  # fmt: skip
 }
 
@@ -98,10 +108,13 @@ TABLES: dict[str, Table] = {
     "engine_v2": Table((ENGINE_V2,), engine),
     "engine_v2b": Table((ENGINE_V2B,), engine),
     "engine_v2c": Table((ENGINE_V2C,), engine),
+    "engine_v2d": Table((ENGINE_V2D,), engine),
     "vllm_ttft": Table((), partial(vllm_ttft, runs=VLLM_RUNS), files=(VLLM_TRITON, VLLM_DEVICE)),
     "vllm_ttft_file": Table((), partial(vllm_ttft, runs=VLLM_RUNS), files=(VLLM_FILE, VLLM_SHM)),
     "vllm_ttft_b": Table((), partial(vllm_ttft, runs=VLLM_RUNS), files=(VLLM_TIMED, VLLM_REAL)),
     "vllm_phases": Table((), vllm_phases, files=(VLLM_TIMED, VLLM_REAL)),
+    "vllm_ttft_c": Table((), partial(vllm_ttft, runs=VLLM_RUNS), files=(VLLM_BACKEND, VLLM_STACKED)),
+    "vllm_phases_c": Table((), vllm_phases, files=(VLLM_BACKEND, VLLM_STACKED)),
     "routed_gate": Table((GATE,), lambda rows: routed(joined(rows))),
     "routed_gate_tasks": Table((GATE,), lambda rows: routed_tasks(joined(rows))),
     "routed_gate_first": Table((GATE_FIRST,), lambda rows: routed(joined(rows))),

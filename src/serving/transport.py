@@ -3,7 +3,10 @@
 The directory is the rendezvous: `/dev/shm/kvrelay` by default — tmpfs, which every process of the host shares, so
 two engines (two `vllm serve` processes, or two `LLM` objects) hand K/V over without a network hop; any other
 directory works for host exports (a disk, a mount two hosts share). A file is written under a staging name, flushed
-and fsynced, then renamed into place: a reader sees a complete export or none — nothing half-written ever loads.
+(and fsynced where it holds the K/V: a host export), then renamed into place: a reader sees a complete export or none —
+nothing half-written ever loads. A device export's file is not fsynced: its bytes are handles to memory that dies with
+the sender's process, so durability past a crash buys nothing, and an fsync on a disk costs the sender's request a
+disk flush (the rename alone is what readers rely on).
 
     <export>.rank<r>-of-<n>.safetensors
         keys, values   [L_s, H_r, T, d_s]  the sender's cache dtype; H_r: the heads sender rank r holds
@@ -139,6 +142,22 @@ def open_cuda(shared: dict, shape: tuple[int, ...], dtype: torch.dtype, device: 
     )
 
 
+def publish(path: Path, data: bytes, durable: bool) -> None:
+    """`data` at `path`, atomically: written under a staging name beside it, flushed (fsynced when `durable`), renamed
+    into place — a reader sees the whole file or none; nothing is left behind on a failure."""
+    handle, staging = tempfile.mkstemp(prefix=".staging-", dir=path.parent)
+    try:
+        with os.fdopen(handle, "wb") as stream:
+            stream.write(data)
+            stream.flush()
+            if durable:
+                os.fsync(stream.fileno())
+        os.replace(staging, path)
+    except BaseException:
+        Path(staging).unlink(missing_ok=True)
+        raise
+
+
 def gpu_uuid(device: torch.device | int) -> str:
     return str(torch.cuda.get_device_properties(device).uuid)
 
@@ -219,18 +238,8 @@ class Transport:
         else:
             tensors = {"keys": keys.cpu(), "values": values.cpu()}
         tensors["ids"] = torch.tensor(ids, dtype=torch.int64)  # [T] (a tensor: no JSON of T numbers to parse)
-        data = safetensors.torch.save(tensors, metadata)
         path = self._path(export_id, rank, ranks)
-        handle, staging = tempfile.mkstemp(prefix=".staging-", dir=self.directory)
-        try:
-            with os.fdopen(handle, "wb") as stream:
-                stream.write(data)
-                stream.flush()
-                os.fsync(stream.fileno())
-            os.replace(staging, path)
-        except BaseException:
-            Path(staging).unlink(missing_ok=True)
-            raise
+        publish(path, safetensors.torch.save(tensors, metadata), durable=self.memory == "host")
         if self.memory == "device":
             self._held[path] = (keys, values)
         return path
