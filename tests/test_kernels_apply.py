@@ -27,6 +27,7 @@ from kernels.apply_map import (
 from src.apply import KVTransfer
 from src.artifact import Mapper
 from src.forward import prefill
+from src.maps import LayerViews
 from src.models import describe_kv, fingerprint, vocabulary_hash
 from src.rope import remove_rope, rope_cos_sin
 from src.select import depth_layers
@@ -350,3 +351,27 @@ def test_map_writes_into_the_slots_of_a_static_cache(backend, interpreted):
         assert bool((buffer[:, :, :7] == 7).all()) and bool((buffer[:, :, 28:] == 7).all())
     with pytest.raises(ValueError, match="out keys"):
         map_cache(*args, backend=backend, out=(buffers[0][:, None, :, :20], views[1]))
+
+
+@interpreter
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+def test_map_writes_into_layers_allocated_apart(backend, interpreted):
+    """`out` as `LayerViews`: each target layer its own [1, H_t, T, d_t] allocation, decoys between them and later
+    layers at lower addresses (negative offsets), holds what the stacked result holds, bit for bit; the decoys keep
+    their contents."""
+    shape = dict(L_s=3, L_t=4, H_s=2, H_t=2, d_s=16, d_t=32, batch=1, seq=21)
+    keys, values, tables = _case(shape)
+    mapper = _random_mapper(3, 4, 2, 2, 16, 32)
+    args = (keys, values, mapper, *tables, "half", "half", torch.float32)
+    expected = map_cache(*args, backend=backend, config=SMALL, precision="ieee")  # [L_t, 1, H_t, T, d_t] each
+    layers, decoys = [], []
+    for i in range(8):
+        layers.append(torch.full((1, 2, 21, 32), 7.0))
+        decoys.append(torch.full((50 + 90 * i,), 7.0))
+    layers.sort(key=torch.Tensor.data_ptr, reverse=True)
+    out = (LayerViews.of(layers[:4]), LayerViews.of(layers[4:]))
+    assert (out[0].offsets[1:] < 0).all() and len(set(out[0].offsets.diff().tolist())) > 1
+    map_cache(*args, backend=backend, config=SMALL, precision="ieee", out=out)
+    for views, want in zip(out, expected, strict=True):
+        assert all(torch.equal(got, want[layer]) for layer, got in enumerate(views.views))
+    assert all(bool((decoy == 7).all()) for decoy in decoys)
