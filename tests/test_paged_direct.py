@@ -28,7 +28,7 @@ from src.serving.paged import Writer, read_slots, slots_for, stack_layers, write
 from src.serving.routes import Bound, load_refusal
 from src.serving.timings import Timings
 from tests.exact_pair import exact_pair
-from tests.test_kernels_apply import interpreted  # noqa: F401  (the fixture)
+from tests.test_kernels_apply import interpreted, uneven  # noqa: F401  (the fixture)
 from tests.test_vllm_parts import _Layer, _stacked_caches, needs_vllm
 
 BACKENDS = ["torch", pytest.param("triton", marks=pytest.mark.skipif(not HAVE_TRITON, reason="needs triton"))]
@@ -82,10 +82,11 @@ def _apart(descending: bool, device: str = "cpu", dtype=torch.float32) -> tuple[
     with decoys allocated between them, every element 7; layers in address order, or (`descending`) later layers at
     lower addresses. Returns (caches, decoys)."""
     caches, decoys = [], []
-    for i in range(3):
+    for i in range(4):  # one spare: three of four lie at uneven steps
         caches.append(torch.full((4, 32, 1, 32), 7.0, dtype=dtype, device=device).transpose(1, 2))  # [B, H, N, 2d]
-        decoys.append(torch.full((100 + 300 * i,), 7.0, dtype=dtype, device=device))  # uneven gaps
-    return sorted(caches, key=torch.Tensor.data_ptr, reverse=descending), decoys
+        decoys.append(torch.full((100 + 300 * i,), 7.0, dtype=dtype, device=device))
+    chosen = uneven(caches, 3, descending)
+    return chosen, decoys + [kv for kv in caches if all(kv is not c for c in chosen)]  # the spare: a decoy too
 
 
 def _layers(caches: list[torch.Tensor]) -> list[_Layer]:
@@ -128,6 +129,10 @@ def test_the_map_stores_into_flash_blocks_what_each_layers_write_of_its_scratch_
     nonfinite, beyond = route.map_into(keys, values, START, HEADS, writer.direct, slots, 1e6)
     mapped_k, mapped_v, flags = route.map(keys, values, START, HEADS, torch.float32)  # [L_t, n, H, d_t]
     write_mapped(_layers(theirs), mapped_k, mapped_v, slots)  # each layer's own writer
+    if name == "triton":  # the scratch's layers are placed by the same offsets: the reference places them
+        placed = _route(pair, "torch", device).map(keys, values, START, HEADS, torch.float32)[:2]
+        for got, want in zip((mapped_k, mapped_v), placed, strict=True):
+            torch.testing.assert_close(got, want, rtol=0, atol=1e-4)  # layers differ by ≫ 1e-4
     assert all(torch.equal(a, b) for a, b in zip(ours, theirs, strict=True))  # bit for bit, every block
     assert not (nonfinite.any() or beyond.any() or flags.any())
     assert all(bool((decoy == 7.0).all()) for decoy in decoys)
