@@ -71,8 +71,12 @@ class LayerViews:
 
     @classmethod
     def stacked(cls, stacked: torch.Tensor) -> LayerViews:
-        """The layers of one tensor [L, ...]: a constant step, offsets ℓ · stride(0) (made on its device, no copy)."""
-        return cls(stacked, torch.arange(stacked.shape[0], device=stacked.device) * stacked.stride(0))  # [L]
+        """The layers of one tensor [L, ...]: a constant step, offsets ℓ · stride(0) (made on its device in one launch,
+        no copy: map_cache makes them on every call with a stacked destination)."""
+        layers, step = stacked.shape[0], stacked.stride(0)
+        if step == 0:  # one layer, or a broadcast one
+            return cls(stacked, torch.zeros(layers, dtype=torch.long, device=stacked.device))  # [L]
+        return cls(stacked, torch.arange(0, layers * step, step, device=stacked.device))  # [L]
 
     @classmethod
     def of(cls, views: Sequence[torch.Tensor]) -> LayerViews:
