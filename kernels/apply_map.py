@@ -9,7 +9,9 @@ Fast path (Triton, CUDA): `_derope_kernel` takes the source RoPE off every sourc
 feeds ≈ k·L_t/L_s target layers, so this beats de-rotating inside every GEMM prologue) and rounds it as the
 reference does; `_map_kernel`, once per component, gathers by pointer arithmetic inside its K-loop (no feature
 copy), multiplies with `tl.dot` (compute-dtype inputs, fp32 accumulator), adds the bias, rotates the fp32
-accumulator with the target's RoPE, casts and stores straight into [L_t, B, H_t, T, d_t]. Each program
+accumulator with the target's RoPE, casts and stores straight into [L_t, B, H_t, T, d_t] — each target layer
+at its own offset from the first (`LayerViews`: a stacked tensor's constant step, or per-layer allocations at any
+addresses, as vLLM's GPU runner gives its paged caches), at slots when given. Each program
 computes one target head's columns as two halves — the two members of every RoPE pair — so the rotation needs
 no register shuffles; the interleaved layout is the same code with stride-2 column offsets. Full-Head (every
 target head reads the same source heads) is the same kernel: the H_t programs of one token block read the
@@ -29,7 +31,7 @@ from types import SimpleNamespace
 import torch
 
 from src.artifact import Mapper
-from src.maps import layer_flags, layer_groups, map_layers, shares_heads, store_slots
+from src.maps import LayerViews, layer_flags, layer_groups, map_layers, shares_heads, store_slots
 from src.rope import apply_rope, remove_rope
 
 try:
@@ -44,6 +46,7 @@ except ImportError:  # CPU CI: the reference only; annotations below still need 
 LAYOUTS = ("half", "interleaved")
 DEROPE_BLOCK_T = 16  # tokens per `_derope_kernel` program (memory bound: small tiles, few registers)
 Layers = torch.Tensor | Sequence[torch.Tensor]  # stacked [L_s, B, H_s, T, d_s] or L_s tensors [B, H_s, T, d_s]
+Destination = torch.Tensor | LayerViews  # a map's stores of one component: stacked [L_t, ...], or per-layer views
 
 
 @dataclass(frozen=True)
@@ -122,7 +125,8 @@ def _map_kernel(
     bias_ptr,  # [L_t, H_t, d_t]
     layers_ptr,  # [L_t, K_SEL] int64 source layer of each selected block
     heads_ptr,  # [H_t, FAN_IN] int64 source heads of each target head
-    out_ptr,  # [L_t, B, H_t, T, d_t], or with SLOTS [L_t, N_blocks, H_t, block_size, d_t]; channels contiguous
+    out_ptr,  # layer 0's [B, H_t, T, d_t], or with SLOTS [N_blocks, H_t, block_size, d_t]; channels contiguous
+    offsets_ptr,  # [L_t] int64: target layer ℓ's first element − out's, in elements (any sign: separate allocations)
     cos_ptr,  # [B or 1, T, d_t] float32 (target RoPE; unused when not ROPE)
     sin_ptr,
     flag_ptr,  # [L_t] int32: set to 1 where a stored value is not finite (when CHECK)
@@ -138,7 +142,6 @@ def _map_kernel(
     sxh,
     sxt,
     scb,
-    sol,
     sob,
     soh,
     sot,
@@ -208,7 +211,8 @@ def _map_kernel(
         block, row = slot // block_size, slot % block_size
     else:
         block, row = (b + 0 * t).to(tl.int64), t.to(tl.int64)  # [BLOCK_M]
-    out_row = out_ptr + (layer.to(tl.int64) * sol + h * soh) + (block * sob + row * sot)[:, None]  # [BLOCK_M, 1]
+    out_layer = out_ptr + tl.load(offsets_ptr + layer) + h * soh  # layer ℓ's cache, wherever it was allocated
+    out_row = out_layer + (block * sob + row * sot)[:, None]  # [BLOCK_M, 1]
     tl.store(out_row + col_lo[None, :], y_lo, mask=mask)
     tl.store(out_row + col_hi[None, :], y_hi, mask=mask)
     if CHECK:  # instead of an isfinite pass over the output: an atomic per non-finite (or too large) entry only
@@ -304,15 +308,15 @@ def _map_component(
     bias: torch.Tensor,
     mapper: Mapper,
     rope: tuple[torch.Tensor, torch.Tensor, str] | None,
-    out: torch.Tensor,
+    out: LayerViews,
     flags: tuple[torch.Tensor, torch.Tensor, float] | None,
     slots: torch.Tensor | None,
     config: KernelConfig,
     precision: str,
 ) -> None:
-    """One launch of `_map_kernel`: x [L_s, B, H_s, T, d_s] → out [L_t, B, H_t, T, d_t] (RoPE'd when rope), or with
-    slots [T] → out [L_t, N_blocks, H_t, block_size, d_t] at their slots; flags: (non-finite [L_t], beyond [L_t],
-    bound), the int32 flags set in the epilogue."""
+    """One launch of `_map_kernel`: x [L_s, B, H_s, T, d_s] → out's L_t layers [B, H_t, T, d_t] (RoPE'd when rope),
+    or with slots [T] → out's L_t layers [N_blocks, H_t, block_size, d_t] at their slots, each layer at its offset
+    from out.base; flags: (non-finite [L_t], beyond [L_t], bound), the int32 flags set in the epilogue."""
     _, batch, _, seq, d_s = x.shape
     target_layers, target_heads, _, d_t = weight.shape
     weight, bias = weight.contiguous(), bias.contiguous()  # no copies for a loaded mapper
@@ -321,7 +325,8 @@ def _map_component(
         mapper.head_index.long().contiguous(),
     )  # [L_t, k], [H_t, f]
     half = d_t // 2
-    cos, sin, layout = rope if rope is not None else (out, out, "half")  # dummies: never read without ROPE
+    base = out.base  # [B or N_blocks, H_t, T or block_size, d_t]: layer 0's; layer ℓ at out.offsets[ℓ] from it
+    cos, sin, layout = rope if rope is not None else (base, base, "half")  # dummies: never read without ROPE
     if rope is not None:
         cos, stride = _rope_table(cos, seq)  # [B or 1, T, d_t]
         sin, _ = _rope_table(sin, seq)
@@ -332,12 +337,13 @@ def _map_component(
     # source layer feeds ≈ k·L_t/L_s target layers); layers outer re-reads the whole source once per target layer
     rows, blocks = target_layers * batch, triton.cdiv(seq, config.block_m)
     grid = (target_heads, rows, blocks) if config.layers_inner else (target_heads, blocks, rows)
-    nonfinite, beyond, bound = flags if flags is not None else (out, out, 0.0)  # dummies: untouched without CHECK
-    block_size = out.shape[3] if slots is not None else seq
+    nonfinite, beyond, bound = flags if flags is not None else (base, base, 0.0)  # dummies: untouched without CHECK
+    block_size = base.shape[2] if slots is not None else seq
     interpret = _interpreting()
     _jit("map", interpret)[grid](
-        x, weight, bias, layers, heads, out, cos, sin, nonfinite, beyond, slots if slots is not None else layers,
-        bound, block_size, seq, batch, target_heads, *x.stride()[:4], stride, *out.stride()[:4],
+        x, weight, bias, layers, heads, base, out.offsets, cos, sin, nonfinite, beyond,
+        slots if slots is not None else layers, bound, block_size, seq, batch, target_heads, *x.stride()[:4], stride,
+        *base.stride()[:3],
         K_SEL=layers.shape[1], FAN_IN=heads.shape[1], D_S=d_s, D_T=d_t, HALF=half,
         **_pairs(layout, half), ROPE=rope is not None, CHECK=flags is not None, SLOTS=slots is not None,
         PRECISION=precision,
@@ -368,7 +374,7 @@ def map_cache(
     backend: str = "auto",
     config: KernelConfig | None = None,
     precision: str | None = None,
-    out: tuple[torch.Tensor, torch.Tensor] | None = None,
+    out: tuple[Destination, Destination] | None = None,
     slots: torch.Tensor | None = None,
     beyond: torch.Tensor | None = None,
     bound: float | None = None,
@@ -377,7 +383,9 @@ def map_cache(
     tensors, or `out` — two [L_t, B, H_t, T, d_t] views with contiguous channels, or with `slots` [T] (long, on the
     device; B = 1) two [L_t, N_blocks, H_t, block_size, d_t] destinations where token t lands in block
     slots[t] // block_size, row slots[t] % block_size (a static cache's slots, `Engine.blocks`, or paged blocks) —
-    written in place by the kernel (the reference stores into them). Nothing here reads a value on the host.
+    written in place by the kernel (the reference stores into them), and returned as given. Either destination
+    may instead be a `LayerViews` of L_t layers [B or N_blocks, H_t, T or block_size, d_t] at any addresses (vLLM's
+    per-layer paged caches, `paged.Writer`). Nothing here reads a value on the host.
 
     source_keys / source_values: stacked [L_s, B, H_s, T, d_s] or a sequence of L_s layers [B, H_s, T, d_s]
     (RoPE'd keys, as cached). mapper: already on the device in the compute dtype (`KVTransfer.mapper`).
@@ -395,8 +403,9 @@ def map_cache(
         raise ValueError(f"beyond must be an int32 [L_t] tensor, not {beyond.dtype}")
     keys = _stacked(source_keys)  # [L_s, B, H_s, T, d_s]
     out_dtype = out_dtype or keys.dtype
-    if out is not None:
-        _check_out(out, keys, mapper, out_dtype, slots)
+    views = None if out is None else tuple(_layer_views(given) for given in out)  # (K, V), L_t layers each
+    if views is not None:
+        _check_out(views, keys, mapper, out_dtype, slots)
     elif slots is not None:
         raise ValueError("slots address `out`: pass the destinations")
     reason = triton_unsupported(keys, mapper, source_cos, target_cos, (source_layout, target_layout))
@@ -407,11 +416,12 @@ def map_cache(
         target_k, target_v = map_cache_ref(keys, source_values, mapper, *args, nonfinite, beyond, bound)
         if out is None:
             return target_k, target_v
-        for destination, mapped in zip(out, (target_k, target_v), strict=True):
+        for destination, mapped in zip(views, (target_k, target_v), strict=True):
             if slots is None:
-                destination.copy_(mapped)
+                for layer, layer_mapped in zip(destination.views, mapped, strict=True):
+                    layer.copy_(layer_mapped)  # [B, H_t, T, d_t]
             else:
-                store_slots(destination, mapped[:, 0], slots)  # [L_t, H_t, T, d_t] at the slots
+                store_slots(destination.views, mapped[:, 0], slots)  # [L_t, H_t, T, d_t] at the slots
         return out
     values = _stacked(source_values)  # [L_s, B, H_s, T, d_s]
     _, batch, _, seq, _ = keys.shape
@@ -424,6 +434,7 @@ def map_cache(
     if out is None:
         target_k = torch.empty(shape, dtype=out_dtype, device=keys.device)  # [L_t, B, H_t, T, d_t]
         target_v = torch.empty(shape, dtype=out_dtype, device=keys.device)  # [L_t, B, H_t, T, d_t]
+        views = (LayerViews.stacked(target_k), LayerViews.stacked(target_v))
     else:
         target_k, target_v = out
     rope = (target_cos, target_sin, target_layout)
@@ -435,17 +446,23 @@ def map_cache(
         )  # [L_t] each
         flags = (nonfinite, beyond, float("inf") if bound is None else float(bound))
     common = (flags, slots, config, precision)
-    _map_component(content, mapper.weight_k, mapper.bias_k, mapper, rope, target_k, *common)
-    _map_component(values, mapper.weight_v, mapper.bias_v, mapper, None, target_v, *common)
+    _map_component(content, mapper.weight_k, mapper.bias_k, mapper, rope, views[0], *common)
+    _map_component(values, mapper.weight_v, mapper.bias_v, mapper, None, views[1], *common)
     return target_k, target_v
+
+
+def _layer_views(out: Destination) -> LayerViews:
+    """A destination as per-layer views: a stacked tensor's layers a constant step apart, or the views as given."""
+    return out if isinstance(out, LayerViews) else LayerViews.stacked(out)
 
 
 @torch.no_grad()
 def _check_out(
-    out: tuple[torch.Tensor, torch.Tensor], keys: torch.Tensor, mapper: Mapper, dtype: torch.dtype, slots
+    out: tuple[LayerViews, LayerViews], keys: torch.Tensor, mapper: Mapper, dtype: torch.dtype, slots
 ) -> None:
-    """A ValueError unless `out` is two [L_t, B, H_t, T, d_t] tensors — with slots [T] (long, keys' device, B = 1):
-    [L_t, N_blocks, H_t, block_size, d_t] — of the out dtype, on the keys' device, channels contiguous."""
+    """A ValueError unless `out` is two sets of L_t layers [B, H_t, T, d_t] — with slots [T] (long, keys' device,
+    B = 1): [N_blocks, H_t, block_size, d_t] — of the out dtype, on the keys' device, channels contiguous, with
+    L_t int64 offsets there."""
     target_layers, target_heads, _, d_t = mapper.weight_k.shape
     if slots is None:
         shape = (target_layers, keys.shape[1], target_heads, keys.shape[3], d_t)
@@ -461,13 +478,18 @@ def _check_out(
                 f"slots: {tuple(slots.shape)} {slots.dtype} on {slots.device} for a batch of "
                 f"{keys.shape[1]}; expected [{seq}] long slots of one conversation on {keys.device}"
             )
-        shape = (target_layers, out[0].shape[1], target_heads, out[0].shape[3], d_t)
-    for name, t in zip(("keys", "values"), out, strict=True):
-        if tuple(t.shape) != shape or t.dtype != dtype or t.device != keys.device or t.stride(-1) != 1:
+        shape = (target_layers, out[0].base.shape[0], target_heads, out[0].base.shape[2], d_t)
+    for name, views in zip(("keys", "values"), out, strict=True):
+        t, offsets = views.base, views.offsets  # [B or N_blocks, H_t, T or block_size, d_t], [L]
+        given = (len(offsets), *t.shape)
+        if given != shape or t.dtype != dtype or t.device != keys.device or t.stride(-1) != 1:
             raise ValueError(
-                f"out {name}: {tuple(t.shape)} {t.dtype} on {t.device} (channel stride {t.stride(-1)}); expected "
+                f"out {name}: {given} {t.dtype} on {t.device} (channel stride {t.stride(-1)}); expected "
                 f"{shape} {dtype} on {keys.device}, channels contiguous"
             )
+        if offsets.dtype != torch.long or offsets.device != keys.device or len(views.views) != len(offsets):
+            raise ValueError(f"out {name}: {len(views.views)} layers, offsets {offsets.dtype} on {offsets.device}; "
+                             f"expected one int64 offset per layer on {keys.device}")  # fmt: skip
 
 
 def map_cache_ref(

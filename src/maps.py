@@ -7,6 +7,7 @@ and `kernels/`, so neither imports the other's internals.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
@@ -54,11 +55,67 @@ def map_refusal(flags: Sequence[MapFlags]) -> str | None:
     return None
 
 
-def store_slots(destination: torch.Tensor, mapped: torch.Tensor, slots: torch.Tensor) -> None:
-    """mapped [L, H, T, d] into destination [L, N_blocks, H, block_size, d] at slots [T] (slot s: block
-    s // block_size, row s % block_size) — the torch path's store; device index ops, no host sync."""
-    block_size = destination.shape[3]
-    destination[:, slots // block_size, :, slots % block_size] = mapped.permute(2, 0, 1, 3).to(destination.dtype)
+@dataclass(frozen=True, eq=False)
+class LayerViews:
+    """Where one component (K or V) of a map lands, layer by layer: L views alike in shape, strides, dtype and device,
+    at any addresses — slices of one stacked tensor, or separate allocations (vLLM's GPU runner allocates each layer's
+    paged cache on its own). The Triton path addresses layer ℓ as `base` + offsets[ℓ] elements, the torch path writes
+    `views[ℓ]`: the same elements."""
+
+    views: Sequence[torch.Tensor]  # L × [N_blocks, H, block_size, d] (or [B, H, T, d]): a stacked tensor or a tuple
+    offsets: torch.Tensor  # [L] int64 on their device: view ℓ's first element − view 0's, in elements (may be < 0)
+
+    @property
+    def base(self) -> torch.Tensor:
+        return self.views[0]  # [N_blocks, H, block_size, d]: the kernel's `out`, whose strides every layer shares
+
+    @classmethod
+    def stacked(cls, stacked: torch.Tensor) -> LayerViews:
+        """The layers of one tensor [L, ...]: a constant step, offsets ℓ · stride(0) (made on its device in one launch,
+        no copy: map_cache makes them on every call with a stacked destination)."""
+        layers, step = stacked.shape[0], stacked.stride(0)
+        if step == 0:  # one layer, or a broadcast one
+            return cls(stacked, torch.zeros(layers, dtype=torch.long, device=stacked.device))  # [L]
+        return cls(stacked, torch.arange(0, layers * step, step, device=stacked.device))  # [L]
+
+    @classmethod
+    def of(cls, views: Sequence[torch.Tensor]) -> LayerViews:
+        """Separate views (built once: one small host → device copy of the offsets); a ValueError naming the layer and
+        what differs where they are not alike (`unlike`), or where a view does not start a whole number of elements
+        from view 0's first element."""
+        if reason := unlike(views):
+            raise ValueError(reason)
+        size, offsets = views[0].element_size(), []
+        for layer, view in enumerate(views):
+            gap = view.data_ptr() - views[0].data_ptr()  # bytes
+            if gap % size:
+                raise ValueError(f"layer {layer}'s cache starts {gap} bytes from layer 0's: not a whole number of "
+                                 f"{size}-byte elements")  # fmt: skip
+            offsets.append(gap // size)
+        return cls(tuple(views), torch.tensor(offsets, dtype=torch.long, device=views[0].device))  # [L]
+
+
+def unlike(views: Sequence[torch.Tensor]) -> str | None:
+    """Why these layers' views are not alike in shape, strides, dtype and device (naming the first layer that
+    differs from layer 0, and how), or None."""
+    first = _described(views[0])
+    for layer, view in enumerate(views):
+        if differs := [f"{key} {mine} ≠ {first[key]}" for key, mine in _described(view).items() if mine != first[key]]:
+            return f"layer {layer}'s cache is not alike layer 0's: {', '.join(differs)}"
+    return None
+
+
+def _described(view: torch.Tensor) -> dict[str, object]:
+    return {"shape": tuple(view.shape), "strides": view.stride(), "dtype": view.dtype, "device": view.device}
+
+
+def store_slots(destination: Sequence[torch.Tensor], mapped: torch.Tensor, slots: torch.Tensor) -> None:
+    """mapped [L, H, T, d] into destination's L layers [N_blocks, H, block_size, d] (a stacked tensor or separate
+    views: `LayerViews.views`) at slots [T] (slot s: block s // block_size, row s % block_size) — the torch path's
+    store; device index ops, no host sync."""
+    block, row = slots // destination[0].shape[2], slots % destination[0].shape[2]  # [T]
+    for layer, values in zip(destination, mapped, strict=True):
+        layer[block, :, row] = values.transpose(0, 1).to(layer.dtype)  # [T, H, d]: indexing puts T first
 
 
 def layer_flags(layers: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:

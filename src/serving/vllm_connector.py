@@ -48,7 +48,7 @@ from src.runtime.plan import SplicePlan
 from src.serving.claim import claim
 from src.serving.config import connector_config
 from src.serving.metadata import KVRelayMetadata, Load, Save
-from src.serving.paged import Writer, check_layout, read_slots, slots_for, stack_layers, write_mapped
+from src.serving.paged import Writer, check_layout, read_slots, slots_for, write_mapped
 from src.serving.params import KEY, Handoff, RelayParams, parse
 from src.serving.provenance import rekey
 from src.serving.routes import bound_routes, load_refusal, model_tokenizer_hash, scheduled_routes
@@ -267,12 +267,10 @@ class KVRelayConnector(KVConnectorBase_V1):
         self.layout = check_layout(self.layers[0])
         self.writer = Writer()  # paged_writer: each layer's own writer, one write, or the map's stores (paged.py)
         if self.config.paged_writer == "stacked":
-            view = stack_layers(self.layers)
-            if view is None:
-                logger.warning("kvrelay: paged_writer stacked: this engine's caches are not one storage of alike "
-                               "unquantized caches a constant step apart; each layer's own writer writes")  # fmt: skip
-            else:
-                self.writer = Writer.over(view, self.layout)
+            try:
+                self.writer = Writer.over(self.layers, self.layout)
+            except ValueError as why:
+                logger.warning("kvrelay: paged_writer stacked: %s; each layer's own writer writes", why)
         heads, total = self.layers[0].kv_cache.shape[1], self._vllm_config.model_config.get_total_num_kv_heads()
         first = self.rank * heads if total >= self.ranks else self.rank * total // self.ranks  # else: replicated
         self.heads = slice(first, first + heads)  # this worker's KV heads: vLLM splits them contiguously
