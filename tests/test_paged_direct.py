@@ -292,3 +292,17 @@ def test_the_direct_map_is_what_vllms_flash_cache_writer_writes_of_the_mapped_sc
         ops.reshape_and_cache_flash(k.contiguous(), v.contiguous(), key_cache, value_cache, slots, "auto", one, one)
     assert all(torch.equal(a, b) for a, b in zip(ours, theirs, strict=True))
     assert all(bool((decoy == 7.0).all()) for decoy in decoys) and not (nonfinite.any() or beyond.any())
+
+
+def test_slots_come_from_block_ids_and_reach_a_gpu_without_holding_the_host():
+    """Slots of positions start..end−1 from one id per block; on a GPU the ids cross without waiting for the stream
+    (a pageable copy held `wait_for_save` until the sender's whole forward had run)."""
+    assert slots_for([3, 1], 4, 2, 7).tolist() == [14, 15, 4, 5, 6]  # blocks 3 then 1, of 4 slots each
+    with pytest.raises(ValueError, match="2 blocks of 4 do not hold positions 0..8"):
+        slots_for([3, 1], 4, 0, 9)
+    if not torch.cuda.is_available():
+        return
+    torch.cuda._sleep(2_000_000_000)  # ≈ 1 s of GPU time queued ahead of the copy
+    slots = slots_for([3, 1], 4, 2, 7, "cuda")
+    assert not torch.cuda.current_stream().query(), "slots_for waited for the stream to drain"
+    assert slots.tolist() == [14, 15, 4, 5, 6]

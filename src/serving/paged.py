@@ -62,10 +62,14 @@ def slots_for(
 ) -> torch.Tensor:
     """Slots [end − start] (int64, on `device`) of positions start..end−1 of a request whose blocks are `block_ids`
     (computed there: one id per block crosses from the host, not one slot per token; every block's slots, then the
-    span's); a ValueError when the blocks do not hold those positions."""
+    span's); a ValueError when the blocks do not hold those positions. To a GPU the ids cross from pinned memory
+    without waiting: a pageable copy holds the host until the stream drains — in `wait_for_save`, until the sender's
+    forward and sampling had run, so the export's launches and file write came after them, not beside them."""
     if not 0 <= start <= end <= len(block_ids) * block_size:
         raise ValueError(f"{len(block_ids)} blocks of {block_size} do not hold positions {start}..{end - 1}")
-    blocks = torch.as_tensor(block_ids, dtype=torch.long, device=device)  # [B]
+    blocks = torch.tensor(block_ids, dtype=torch.long)  # [B] on the host
+    if torch.device(device).type == "cuda":  # the caching host allocator keeps the pinned ids until the copy ran
+        blocks = blocks.pin_memory().to(device, non_blocking=True)
     return (blocks[:, None] * block_size + torch.arange(block_size, device=device)).view(-1)[start:end]
 
 
