@@ -19,7 +19,8 @@
 #                capacity point's mapper at bf16 (CAPACITY of device_quality.sh), a tiny fit_eval job that fits it or
 #                finds it in /tmp/kvh/mappers (a gate stage's fit is the same artifact); parity — scripts/vllm_parity.py
 #                on PARITY_ITEMS (40) validation passages, bf16, blocks of 16, eager (PARITY_GRAPHS=1: CUDA graphs)
-#                → $OUT/vllm_parity_<up|down>.json; ttft — scripts/bench_vllm_ttft.py --models/--mapper, real-text
+#                (PARITY_WRITER=stacked: the receiver's direct writer; the same items' record with the backend's writer
+#                should agree bit for bit) → $OUT/vllm_parity_<up|down>.json; ttft — scripts/bench_vllm_ttft.py --models/--mapper, real-text
 #                histories, REAL_LENGTHS (1K–8K: 8 × the 1,024-token calibration), REAL_REPEATS (9), device exports,
 #                the Triton map → $OUT/vllm_ttft_real.json. One line of summary per part.
 # scripts/vllm_gpu_wheels.txt: vllm 0.26.0's Requires-Dist less the device image's packages (KINDS.md's list of
@@ -100,9 +101,11 @@ EOF
       python3 scripts/find_mapper.py "$OUT/trk-fit-$1" "$KVRELAY_HOME/mappers"
       echo "fit $1: $((SECONDS - began)) s" >&2
     }
-    parity() {  # parity MAPPER NAME
+    parity() {  # parity MAPPER NAME — its scratch (a K/V file per item) outside $OUT: 80 files there were over a call's
+      # count and took the record with them (2026-12-06, seventh session); PARITY_WRITER=stacked: the direct writer
       timeout "$(left)" python3 scripts/vllm_parity.py --mapper "$1" --items "${PARITY_ITEMS:-40}" --device cuda \
         --dtype bfloat16 --block 16 --apply-backend auto ${PARITY_GRAPHS:+--cuda-graphs} --data "$HOME/data" \
+        --paged-writer "${PARITY_WRITER:-backend}" --scratch "/tmp/parity-$2" \
         --out "$OUT/vllm_parity_$2.json" > "$OUT/vllm-parity-$2.txt" 2>&1 || echo "parity $2 FAILED (rc $?)"
       python3 -c "import json, sys; r = json.load(open(sys.argv[1])); v, a = r['verdict'], r['aggregate']
 print('parity', sys.argv[2], r['mapper_id'], a['items'], 'items: floor', f\"{v['floor']:.2e}\", 'adds_difference',
@@ -116,7 +119,7 @@ print('parity', sys.argv[2], r['mapper_id'], a['items'], 'items: floor', f\"{v['
       esac
       case $part in
         fit) up=$(fit qwen25coder_0p5b_to_1p5b) && echo "mapper up: $up" ;;
-        parity) parity "$up" up ;;
+        parity) parity "$up" "up${PARITY_WRITER:+-$PARITY_WRITER}" ;;
         ttft)
           timeout "$(left)" python3 scripts/bench_vllm_ttft.py --models "$models/qwen25coder_0p5b" \
             "$models/qwen25coder_1p5b" --mapper "$up" --lengths "${REAL_LENGTHS:-1024,2048,4096,8192}" \

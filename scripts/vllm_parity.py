@@ -190,6 +190,11 @@ def engine_settings(args, manifest: dict) -> tuple[dict, dict]:
     return settings, fitted_dtypes(manifest) | {"apply_backend": args.apply_backend}
 
 
+def receiver_settings(args) -> dict:
+    """The receiver's own connector settings beyond the route: how it writes mapped K/V into its blocks."""
+    return {"paged_writer": args.paged_writer}
+
+
 def vllm_phase(args, items: list[dict], scratch: Path) -> None:
     """Run the handoff and the re-prefill in vLLM for every item; write scratch/vllm.json and per-item K/V."""
     from vllm import SamplingParams
@@ -208,7 +213,7 @@ def vllm_phase(args, items: list[dict], scratch: Path) -> None:
     identity = mapper_id(loaded)
     settings, connector = engine_settings(args, loaded.manifest)
     route = {"transport": exports, "routes": [{"mapper": str(mapper), "source": str(source)}]}
-    receiver = engine(target, route | connector, **settings)
+    receiver = engine(target, route | connector | receiver_settings(args), **settings)
     sender = engine(source, {"transport": exports} | connector, **settings)  # fingerprints as the mapper was fitted
     transport = Transport(exports)
 
@@ -406,7 +411,7 @@ def meta_of(args, manifest: dict) -> dict:
         "versions": {"vllm": vllm.__version__, "torch": torch.__version__, "transformers": transformers.__version__,
                      "python": platform.python_version()},
         "settings": {"dtype": args.dtype, "device": args.device, "enforce_eager": settings["enforce_eager"],
-                     "prefix_caching": True, "block_size": args.block, **connector,
+                     "prefix_caching": True, "block_size": args.block, **connector, **receiver_settings(args),
                      "top_logprobs": TOP, "greedy_steps": STEPS, "max_history": MAX_HISTORY, "tasks": list(TASKS),
                      "split": "valid", "hf_attention": "sdpa"},
     }  # fmt: skip
@@ -430,6 +435,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cuda-graphs", action="store_true", help="the engines capture CUDA graphs (else eager)")
     parser.add_argument("--apply-backend", choices=("torch", "auto", "triton"), default="torch",
                         help="the map's kernel, in the receiver engine and in kvrelay's splice alike")  # fmt: skip
+    parser.add_argument("--paged-writer", choices=("backend", "stacked"), default="backend",
+                        help="how the receiver writes mapped K/V (kv_connector_extra_config paged_writer): two runs "
+                        "that differ only here agree bit for bit where the writers do")  # fmt: skip
     args = parser.parse_args(argv)
     from src.artifact import load_mapper
     from src.models import load_tokenizer

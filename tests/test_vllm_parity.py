@@ -130,3 +130,6 @@ def test_the_engines_follow_the_options_and_the_mappers_fitted_dtypes():
     assert settings["kv_cache_memory_bytes"] is None and settings["gpu_memory_utilization"] == 0.35
     assert (settings["dtype"], settings["block_size"], settings["enforce_eager"]) == ("bfloat16", 16, False)
     assert connector == {"fingerprint_dtype": "bfloat16", "compute_dtype": "float32", "apply_backend": "auto"}
+    # the writer is the receiver's alone (a sender writes no mapped K/V), and the command line's choice
+    assert parity.receiver_settings(Namespace(paged_writer="stacked")) == {"paged_writer": "stacked"}
+    assert "paged_writer" not in connector
