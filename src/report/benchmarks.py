@@ -59,9 +59,7 @@ VLLM_TRITON = "vllm-h100-2026-12-06/vllm_ttft_device_triton.json"  # the same, t
 VLLM_TIMED = "vllm-h100-2026-12-06b/vllm_ttft_device_timings.json"  # device exports, Triton map, per-phase host times
 VLLM_REAL = "vllm-h100-2026-12-06b/vllm_ttft_real.json"  # the real pair and its bf16 mapper, real-text histories
 VLLM_BACKEND = "vllm-h100-2026-12-06c/vllm_ttft_device_backend.json"  # e04778a: each layer's own block writer
-VLLM_STACKED = (
-    "vllm-h100-2026-12-06c/vllm_ttft_device_stacked.json"  # paged_writer stacked asked: fell back (per layer)
-)
+VLLM_STACKED = "vllm-h100-2026-12-06c/vllm_ttft_device_stacked.json"  # "stacked" asked, fell back to per layer
 VLLM_RUNS = {
     VLLM_FILE: BenchRun("file, exports on the machine's disk (/tmp/vllm-bench/exports)", "bf16", "732d5f6"),
     VLLM_SHM: BenchRun("file, exports on /dev/shm (tmpfs)", "bf16", "732d5f6"),
