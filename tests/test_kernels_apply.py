@@ -393,3 +393,16 @@ def test_map_writes_into_layers_allocated_apart(backend, interpreted):
         for layer, got in enumerate(views.views):
             torch.testing.assert_close(got, placed[layer], rtol=0, atol=TOLERANCE["ieee"])
     assert all(bool((decoy == 7).all()) for decoy in decoys)
+
+
+def test_layer_views_refuse_unlike_or_misaligned_layers_naming_which():
+    """`LayerViews.of` on its own (the connector's `Writer.over` checks first): offsets are the element gaps from
+    layer 0, any sign; a layer unlike layer 0 is a ValueError naming it (a fraction of an element away:
+    tests/test_paged_direct.py)."""
+    storage = torch.zeros(64)
+    views = [storage[32:40].view(2, 4), storage[0:8].view(2, 4), storage[16:24].view(2, 4)]
+    assert LayerViews.of(views).offsets.tolist() == [0, -32, -16]
+    with pytest.raises(ValueError, match=r"layer 1's cache is not alike layer 0's: shape \(4, 2\)"):
+        LayerViews.of([views[0], storage[0:8].view(4, 2)])
+    with pytest.raises(ValueError, match="layer 1's cache is not alike layer 0's: dtype torch.float64"):
+        LayerViews.of([views[0], torch.zeros(2, 4, dtype=torch.float64)])
