@@ -3,7 +3,7 @@
 Floors, bottom to top (a module may import its own floor and the floors below it):
 models and their streamed identity, rope, task data, records, the MLflow store and tracking, model fetching → corpus, traces, statistics, support, weighting, artifact → selection, map
 arithmetic, forward passes, Fused-Fit kernel → fit, a mapper's pair check, probe, synthetic, apply kernel → apply → runtime room (levers, recompute,
-the splice plan → a span's map graph → the receiver engine → the receivers → the one splice → routing → a model's reader → generation, a handoff's pieces → a handoff's cover → router session) → serving (the vLLM connector, its router) → eval → pipeline (cfg → objects), workloads → jobs (bench, routed, sweep, gate,
+the splice plan → a span's map graph → the forward's graphs → the receiver engine → the receivers → the one splice → routing → a model's reader → generation, a handoff's pieces → a handoff's cover → router session) → serving (the vLLM connector, its router) → eval → pipeline (cfg → objects), workloads → jobs (bench, routed, sweep, gate,
 distributed) → routed_merge (a run's item shards joined) → report (tables from records) → choose, length evidence → config check → run (dispatch). A new module must be given a floor here before it can land.
 """
 
@@ -42,6 +42,7 @@ FLOORS = [
     {"src.runtime.plan", "src.runtime.recompute"},
     {"src.runtime.plan"},  # the splice decided once per handoff (its receiver's capabilities, its recomputed set)
     {"src.runtime.map_graph"},  # a span's map replayed as one CUDA graph on the engine
+    {"src.runtime.forward_graph"},  # the engine's forwards replayed as CUDA graphs, one per token-count bucket
     {"src.runtime.engine"},
     {"src.runtime.receivers"},  # the Receiver protocol: the DynamicCache reference, the static engine
     {"src.runtime.splice"},
