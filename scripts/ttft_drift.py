@@ -27,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from src.eval.intervals import median_interval
 from src.records import RecordError, items_path, read_items, read_record, require  # noqa: E402
 from src.routed import timing  # noqa: E402
-from src.runtime.engine import GRAPH_BUCKETS  # noqa: E402
+from src.runtime.forward_graph import GRAPH_BUCKETS  # noqa: E402
 
 PATHS = ("routed", "reprefill", "hit")
 ESTIMATE = re.compile(r"auto: (?:re-prefill|map) ≈ ([\d.]+) ms [≤<] (?:map|re-prefill) ≈ ([\d.]+) ms")

@@ -28,6 +28,8 @@ def dequantize(source: Path, out_dir: Path, name: str) -> dict[str, Any]:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from src.models import dtype_name
+
     t0 = time.perf_counter()
     tokenizer = AutoTokenizer.from_pretrained(source.parent, gguf_file=source.name)
     apply_gguf_bos_eos(tokenizer, source)
@@ -56,7 +58,7 @@ def dequantize(source: Path, out_dir: Path, name: str) -> dict[str, Any]:
     if gguf_ids != reloaded_ids:
         raise RuntimeError(f"{name}: greedy ids changed by save/reload: {gguf_ids} != {reloaded_ids}")
     return {
-        "dtype": str(reloaded.dtype).removeprefix("torch."),
+        "dtype": dtype_name(reloaded.dtype),
         "tokenizer": {
             "converted_as": type(tokenizer).__name__,
             "add_bos_token": tokenizer.add_bos_token,

@@ -59,6 +59,11 @@ class KVInterface:
         return asdict(self)
 
 
+def dtype_name(dtype: torch.dtype) -> str:
+    """A dtype as configs and records spell it ("bfloat16"; `getattr(torch, name)` reads it back)."""
+    return str(dtype).removeprefix("torch.")
+
+
 def build_random_model(
     config: dict,
     seed: int,

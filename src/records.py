@@ -1,5 +1,5 @@
 """Committed run records read as data, without MLflow: a record folder (record.json + artifacts/, the JSON tracking
-backend's layout, src/tracking.py) and its routed items. Every record reader goes through `read_record` /
+backend's layout, src/tracking.py; named by `record_dir`) and its routed items. Every record reader goes through `read_record` /
 `read_items`: a truncated file, or one without a key the reader needs, is a RecordError that names the file and the
 key, never a bare JSON or key error. Committed records keep their items packed (`items.json.gz`, the same JSON
 gzipped: `pack`): `items_path` finds a run's items either way and `read_json` reads both. Records made before a config
@@ -10,8 +10,10 @@ today's names (`current_params`).
 from __future__ import annotations
 
 import gzip
+import hashlib
 import json
 import os
+import re
 import zlib
 from pathlib import Path
 
@@ -67,6 +69,16 @@ def stored(path: Path) -> Path:
     if path.is_file() and packed.is_file():
         raise RecordError(f"{path} and {packed}: both present, which may disagree (keep one: `pack` packs the first)")
     return packed if packed.is_file() else path
+
+
+def record_digest(params: dict[str, str]) -> str:
+    """The 8 hex digits that name a JSON record's folder: its params' digest (a rerun of one config replaces it)."""
+    return hashlib.sha256(json.dumps(params, sort_keys=True, default=str).encode()).hexdigest()[:8]
+
+
+def record_dir(root: Path, name: str, digest: str) -> Path:
+    """A JSON record's folder under root: its run name (filesystem-safe) and its params' digest."""
+    return root / f"{re.sub(r'[^A-Za-z0-9._-]+', '_', name)}-{digest}"
 
 
 def items_path(run: str | Path) -> Path:

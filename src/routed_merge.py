@@ -35,11 +35,12 @@ from src.records import (
     metric_values,
     read_json,
     read_record,
+    record_digest,
+    record_dir,
     require,
     rows_with,
 )
 from src.routed import handoffs, quality, timing
-from src.tracking import record_digest, record_dir
 
 SHARD_PARAMS = ("workload.shard", "tracking.json_dir")  # the only params shards of one run may differ in
 # the only tags they may differ in besides `shard`: the commit a lease's copy of the tree named — its code is the

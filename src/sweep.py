@@ -17,7 +17,7 @@ import optuna
 from omegaconf import DictConfig, OmegaConf
 from transformers import AutoConfig
 
-from src import tracking
+from src import mlflow_store
 from src.corpus import VALIDATION
 from src.support import coefficient_count
 
@@ -56,7 +56,7 @@ def optimize(cfg: DictConfig, job: Callable[[DictConfig], float]) -> float:
     check_objective(cfg.objective)
     if sweep.get("alpha_cap") is not None and cfg.weighting.kind != "attn_repair":
         raise ValueError("sweep.alpha_cap needs weighting=attn_repair (uniform weighting has no α)")
-    tracking.configure(cfg.tracking.uri, cfg.tracking.experiment, cfg.tracking.artifacts)
+    mlflow_store.configure(cfg.tracking.uri, cfg.tracking.experiment, cfg.tracking.artifacts)
     study = optuna.create_study(
         study_name=sweep.study_name, storage=sweep.storage, direction=sweep.direction, load_if_exists=True
     )

@@ -17,12 +17,12 @@ from src.apply import KVTransfer
 from src.eval.intervals import median_ratio_interval
 from src.eval.ttft import ENGINES, engine_paths, handoff_paths, handoff_ttft, recompute_path, transport
 from src.forward import prefill
+from src.mlflow_store import import_records
 from src.models import describe_kv
 from src.report.engine_table import engine as engine_table
 from src.report.rows import record_rows
 from src.support import coefficient_count
 from src.synthetic import synthetic_mapper, synthetic_traces
-from src.tracking import import_records
 from tests.conftest import CountingTransfer, calibration_ids, tiny
 from tests.exact_pair import exact_pair
 from tests.test_run import config, runs, ws  # noqa: F401  (ws is a fixture)

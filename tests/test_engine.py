@@ -12,7 +12,8 @@ from src.apply import KVTransfer
 from src.eval.ttft import handoff_ttft
 from src.forward import prefill
 from src.maps import cache_layers
-from src.runtime.engine import GRAPH_BUCKETS, Engine
+from src.runtime.engine import Engine
+from src.runtime.forward_graph import GRAPH_BUCKETS
 from src.runtime.plan import Levers
 from src.runtime.splice import engine_handoff, spliced_cache
 from tests.conftest import calibration_ids, tiny
@@ -164,12 +165,12 @@ def test_capture_all_captures_every_bucket_and_leaves_the_cache_as_it_was():
     assert engine.capture_all() == len(GRAPH_BUCKETS) - 1  # the 30-token forward captured bucket 32 already
     assert torch.equal(_engine_cache(engine, 30), before) and engine.capture_all() == 0
     engine.forward(ids[30:33], torch.arange(30, 33))
-    assert len(engine._graphs) == len(GRAPH_BUCKETS)
+    assert len(engine.forward_graphs._graphs) == len(GRAPH_BUCKETS)
 
 
 def test_capture_all_is_a_no_op_without_graphs():
     engine = Engine(tiny("qwen2", hidden_size=64, num_attention_heads=4, num_key_value_heads=2), 64, graphs=False)
-    assert engine.capture_all() == 0 and engine._graphs == {}
+    assert engine.capture_all() == 0 and engine.forward_graphs._graphs == {}
 
 
 @cuda

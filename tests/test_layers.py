@@ -1,9 +1,9 @@
 """The import contract of `src/` and `kernels/`: imports only point down the pipeline, and there is no cycle.
 
 Floors, bottom to top (a module may import its own floor and the floors below it):
-models and their streamed identity, rope, task data, records and tracking, model fetching → corpus, traces, statistics, support, weighting, artifact → selection, map
+models and their streamed identity, rope, task data, records, the MLflow store and tracking, model fetching → corpus, traces, statistics, support, weighting, artifact → selection, map
 arithmetic, forward passes, Fused-Fit kernel → fit, a mapper's pair check, probe, synthetic, apply kernel → apply → runtime room (levers, recompute,
-the splice plan → a span's map graph → the receiver engine → the receivers → the one splice → routing → a model's reader → generation, a handoff's pieces → a handoff's cover → router session) → serving (the vLLM connector, its router) → eval → pipeline (cfg → objects), workloads → jobs (bench, routed, sweep, gate,
+the splice plan → a span's map graph → the forward's graphs → the receiver engine → the receivers → the one splice → routing → a model's reader → generation, a handoff's pieces → a handoff's cover → router session) → serving (the vLLM connector, its router) → eval → pipeline (cfg → objects), workloads → jobs (bench, routed, sweep, gate,
 distributed) → routed_merge (a run's item shards joined) → report (tables from records) → choose, length evidence → config check → run (dispatch). A new module must be given a floor here before it can land.
 """
 
@@ -19,8 +19,9 @@ FLOORS = [
         "src.model_identity",  # a model directory's fingerprint streamed from its files (imports src.models)
         "src.rope",
         "src.tasks",
-        "src.records",  # committed run records read as data (src.tracking imports it)
-        "src.tracking",
+        "src.records",  # committed run records read as data, a record folder's name
+        "src.mlflow_store",  # the MLflow store; JSON records imported into it, its runs exported as records
+        "src.tracking",  # a job's tracked run, and the command line (imports the two above)
         "kernels.jit",
         "src.fetch",
         "src.dequantize",
@@ -41,6 +42,7 @@ FLOORS = [
     {"src.runtime.plan", "src.runtime.recompute"},
     {"src.runtime.plan"},  # the splice decided once per handoff (its receiver's capabilities, its recomputed set)
     {"src.runtime.map_graph"},  # a span's map replayed as one CUDA graph on the engine
+    {"src.runtime.forward_graph"},  # the engine's forwards replayed as CUDA graphs, one per token-count bucket
     {"src.runtime.engine"},
     {"src.runtime.receivers"},  # the Receiver protocol: the DynamicCache reference, the static engine
     {"src.runtime.splice"},

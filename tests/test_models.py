@@ -18,6 +18,7 @@ from src.models import (
     check_compatible,
     config_hash,
     describe_kv,
+    dtype_name,
     fingerprint,
     load_model,
     tokenizer_hash,
@@ -273,3 +274,9 @@ def test_fingerprint_before_save_matches_reloaded_model(tmp_path):
     recorded = fingerprint(model)
     model.save_pretrained(tmp_path)
     assert fingerprint(load_model(tmp_path)) == recorded
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float8_e4m3fn])
+def test_a_dtype_name_reads_back_as_its_dtype(dtype):
+    """What transports and records write (`dtype_name`) is what their readers parse (`getattr(torch, name)`)."""
+    assert getattr(torch, dtype_name(dtype)) is dtype and "." not in dtype_name(dtype)

@@ -36,7 +36,7 @@ def test_a_sweep_refuses_to_tune_on_test_metrics(tmp_path, objective):
 
 def test_a_sweep_tunes_on_a_validation_metric(tmp_path, monkeypatch):
     ignore = lambda *_, **__: None
-    monkeypatch.setattr(src.sweep.tracking, "configure", ignore)
+    monkeypatch.setattr(src.sweep.mlflow_store, "configure", ignore)
     stub = dict(start_run=lambda **_: nullcontext(), active_run=ignore, set_tags=ignore, log_params=ignore)
     monkeypatch.setattr(src.sweep, "mlflow", SimpleNamespace(**stub, log_metric=ignore))
     cfg = composed(tmp_path, f"objective={VALIDATION}nll_gap_recovered", "sweep.n_trials=2")

@@ -13,7 +13,7 @@ import pytest
 from mlflow import MlflowClient
 from omegaconf import OmegaConf
 
-from src import records, tracking
+from src import mlflow_store, records, tracking
 from src.records import ITEMS, RecordError
 
 INTERVAL_ENV = "MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL"
@@ -53,7 +53,7 @@ def test_experiment_is_a_model_training_one(store):
     with tracking.job_run(cfg(store, "kind"), "job", {"job": "fit_eval"}) as run:
         pass
     experiment = MlflowClient(store["uri"]).get_experiment_by_name("kind")
-    assert experiment.tags[tracking.EXPERIMENT_KIND_TAG] == "custom_model_development"
+    assert experiment.tags[mlflow_store.EXPERIMENT_KIND_TAG] == "custom_model_development"
     # MLflow 3.17's UI picks its GenAI / Model-training view from the URL: the printed link asks for the runs table
     assert f"/#/experiments/{experiment.experiment_id}?workflowType=machine_learning" in run.where()
 
@@ -61,11 +61,11 @@ def test_experiment_is_a_model_training_one(store):
 def test_kind_added_to_an_old_experiment_but_a_chosen_kind_stays(store):
     client = MlflowClient(store["uri"])
     client.create_experiment("old")  # made before the tag existed
-    client.set_experiment_tag(client.create_experiment("chosen"), tracking.EXPERIMENT_KIND_TAG, "genai_development")
-    tracking.configure(store["uri"], "old", store["artifacts"])
-    tracking.configure(store["uri"], "chosen", store["artifacts"])
-    assert client.get_experiment_by_name("old").tags[tracking.EXPERIMENT_KIND_TAG] == "custom_model_development"
-    assert client.get_experiment_by_name("chosen").tags[tracking.EXPERIMENT_KIND_TAG] == "genai_development"
+    client.set_experiment_tag(client.create_experiment("chosen"), mlflow_store.EXPERIMENT_KIND_TAG, "genai_development")
+    mlflow_store.configure(store["uri"], "old", store["artifacts"])
+    mlflow_store.configure(store["uri"], "chosen", store["artifacts"])
+    assert client.get_experiment_by_name("old").tags[mlflow_store.EXPERIMENT_KIND_TAG] == "custom_model_development"
+    assert client.get_experiment_by_name("chosen").tags[mlflow_store.EXPERIMENT_KIND_TAG] == "genai_development"
 
 
 @pytest.mark.parametrize("backend", ["mlflow", "json"])
@@ -117,7 +117,7 @@ def test_system_metrics_cover_the_job(store):
 
 
 def test_nested_under_the_multirun_parent(store):
-    tracking.configure(store["uri"], "nested", store["artifacts"])
+    mlflow_store.configure(store["uri"], "nested", store["artifacts"])
     with mlflow.start_run(run_name="sweep:nested") as parent:
         with tracking.job_run(cfg(store, "nested"), "child", {"job": "fit_eval"}):
             pass
@@ -140,12 +140,12 @@ def test_json_record_renamed_then_imported_and_exported_unchanged(store, tmp_pat
     assert record["name"] == "tiny:head_local:k4" and record["_dir"].rsplit("/", 1)[1].startswith("tiny_head_local_k4-")
     assert record["tags"]["method"] == "head_local" and record["params"]["fit.k"] == "4"
     assert f"{record['_dir']}/record.json" in run.where()
-    assert tracking.import_records(config.tracking.json_dir, store["uri"], store["artifacts"]) == 1
-    assert tracking.import_records(config.tracking.json_dir, store["uri"], store["artifacts"]) == 0  # already there
+    assert mlflow_store.import_records(config.tracking.json_dir, store["uri"], store["artifacts"]) == 1
+    assert mlflow_store.import_records(config.tracking.json_dir, store["uri"], store["artifacts"]) == 0  # already there
     imported = only_run(store, "round_trip")
     assert (imported.info.start_time, imported.info.end_time) == (record["start_time"], record["end_time"])
     assert imported.info.status == "FINISHED" and imported.info.run_name == "tiny:head_local:k4"
-    assert tracking.export_records("round_trip", tmp_path / "out", store["uri"]) == 1
+    assert mlflow_store.export_records("round_trip", tmp_path / "out", store["uri"]) == 1
     (path,) = (tmp_path / "out").glob("*/record.json")
     exported = json.loads(path.read_text())
     for key in ("name", "experiment", "status", "start_time", "end_time", "params"):
@@ -163,7 +163,7 @@ def test_runs_logged_with_the_old_policy_keys_read_under_todays(store):
     `policy.*` in the store's table rows (src/report/rows.py `mlflow_rows`), as read_record gives a JSON record's."""
     from src.report.rows import mlflow_rows
 
-    experiment = tracking.configure(store["uri"], "old_keys", store["artifacts"])
+    experiment = mlflow_store.configure(store["uri"], "old_keys", store["artifacts"])
     client = MlflowClient(store["uri"])
     run_id = client.create_run(experiment, run_name="old").info.run_id
     old = {"eval.levers.recompute": "0.25", "workload.policy": "auto", "workload.max_length_factor": "8.0",
@@ -292,7 +292,7 @@ def test_import_logs_packed_items_as_their_json_and_the_gate_reads_them(store, t
     (folder / "record.json").write_text(json.dumps(record | {"experiment": "packed_items"}))
     original = (folder / ITEMS).read_bytes()
     assert len(records.pack([tmp_path / "records"])) == 1
-    assert tracking.import_records(tmp_path / "records", store["uri"], store["artifacts"]) == 1
+    assert mlflow_store.import_records(tmp_path / "records", store["uri"], store["artifacts"]) == 1
     run_id = only_run(store, "packed_items").info.run_id
     assert [a.path for a in MlflowClient(store["uri"]).list_artifacts(run_id, "routed")] == ["routed/items.json"]
     downloaded = download_artifacts(run_id=run_id, artifact_path="routed/items.json", dst_path=str(tmp_path / "dl"))
@@ -319,5 +319,5 @@ def test_import_refuses_a_damaged_or_doubled_packed_artifact_and_imports_nothing
         else:
             (folder / ITEMS).write_text("{}")
         with pytest.raises(RecordError, match=fault):
-            tracking.import_records(tmp_path / name, store["uri"], store["artifacts"])
+            mlflow_store.import_records(tmp_path / name, store["uri"], store["artifacts"])
         assert MlflowClient(store["uri"]).get_experiment_by_name(f"packed_{name}") is None

@@ -30,7 +30,8 @@ from src.eval.intervals import median_ratio_interval
 from src.eval.latency import percentiles, time_ms
 from src.forward import prefill
 from src.maps import cache_layers
-from src.runtime.engine import GRAPH_BUCKETS, Engine
+from src.runtime.engine import Engine
+from src.runtime.forward_graph import GRAPH_BUCKETS
 from src.runtime.plan import NO_LEVERS, Levers
 from src.runtime.splice import engine_handoff
 

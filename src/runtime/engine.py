@@ -14,13 +14,10 @@ One forward covers every path a server runs: a prefill (positions 0..n−1), the
 a decode step (T = 1), and fused recompute — selected mapped positions + hold-back + turn in one forward: a recomputed
 token's fresh K/V replace its mapped slot in each layer before that layer's attention, so every later query (and the
 turn) reads them, as CacheBlend does. Forwards of ≤ `GRAPH_BUCKETS[-1]` tokens replay a CUDA graph captured once per
-token-count bucket (padded queries sit at position 0 — they read one slot — and write the scratch slot, which no query
-reads; the graphs share one memory pool); the attention kernel (kernels/turn_attention.py) reads the positions from device memory, so one graph serves every
-history length up to the capacity. Manual `torch.cuda.graph` capture rather than `torch.compile(mode=
-"reduce-overhead")`: no compile step on a bare lease, the same kernels eager and replayed (their equality is a test),
-and the bucket logic is ours to read. Long contiguous prefills run eagerly on sdpa's causal flash path (compute-bound,
-as a server's prefill), unless `forward(..., graph=True)` asks for the replayed kernel path.
-A span's map (`map_span`) replays one CUDA graph per (mapper, span bucket) in the same pool (src/runtime/map_graph.py).
+token-count bucket on the turn-attention kernel (src/runtime/forward_graph.py). Long contiguous prefills run eagerly on
+sdpa's causal flash path (compute-bound, as a server's prefill), unless `forward(..., graph=True)` asks for the replayed
+kernel path. A span's map (`map_span`) replays one CUDA graph per (mapper, span bucket) in the same memory pool
+(src/runtime/map_graph.py).
 On CPU everything is eager, with the kernel's torch reference.
 A fused recompute (`Recompute`, src/runtime/plan.py) runs eagerly.
 """
@@ -43,11 +40,10 @@ from src.apply import KVTransfer
 from src.maps import MapFlags
 from src.models import describe_kv
 from src.rope import rope_cos_sin
+from src.runtime.forward_graph import GRAPH_BUCKETS, ForwardGraphs
 from src.runtime.map_graph import SPAN_BUCKETS, MapGraphs, SpanRoute, span_bucket, span_route
 from src.runtime.plan import Recompute, check_recompute, picked
 
-GRAPH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 192, 256, 384, 512, 768, 1024, 1536, 2048, 3072, 4096)  # token counts
-# captured as CUDA graphs (on first use, or all at once: capture_all; ≤ 1.5× padding above 128); longer forwards eager
 FLASH_MIN_TOKENS = 256  # a contiguous forward at least this long uses sdpa's causal flash path (eager)
 
 
@@ -106,9 +102,9 @@ class Engine:
         self.graphs_enabled = self.device.type == "cuda" if graphs is None else graphs
         if self.graphs_enabled and self.device.type != "cuda":
             raise ValueError("CUDA graphs need the model on a CUDA device")
-        self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, dict[str, torch.Tensor]]] = {}
         cuda = self.device.type == "cuda"
         self._pool = torch.cuda.graph_pool_handle() if cuda else None  # one pool for every graph, the maps' too
+        self.forward_graphs = ForwardGraphs(self.device, self.scratch, self._pool)  # src/runtime/forward_graph.py
         largest = span_bucket(capacity) or SPAN_BUCKETS[-1]  # a span's map: src/runtime/map_graph.py
         self.map_graphs = MapGraphs(self.blocks(), self.scratch, largest, self._pool, replay=cuda)
 
@@ -161,11 +157,12 @@ class Engine:
         positions: torch.Tensor,
         slots: torch.Tensor,
         rows: torch.Tensor,
-        flash: int | None,
+        flash: int | None = None,
         plan: Recompute | None = None,
     ) -> torch.Tensor:
         """ids, positions, slots [T] (device) → logits [R, V] at rows [R] of the last layer's rows; every layer's K/V
-        written into `slots`. plan: a recompute set that starts at a layer or shrinks with depth (`Recompute`)."""
+        written into `slots`. flash: `_attend`'s (None: the turn kernel, what a graph captures); plan: a recompute set
+        that starts at a layer or shrinks with depth (`Recompute`)."""
         decoder = self.model.model
         start, size = (0, 0) if plan is None else (plan.start, plan.positions.numel())
         hidden = decoder.embed_tokens(ids) if plan is None or plan.hidden is None else plan.hidden  # [T, hidden]
@@ -228,7 +225,7 @@ class Engine:
         replay, long = replay and plan is None, contiguous and count >= FLASH_MIN_TOKENS and plan is None  # plan: eager
         flash = first + count if long and not (replay and graph) else None
         if replay and flash is None:
-            logits = self._replay(ids, positions)
+            logits = self.forward_graphs.run(self._layers, ids, positions)
         else:
             on = lambda t: t.to(self.device, torch.long)
             logits = self._layers(on(ids), on(positions), on(positions), on(rows), flash, plan)
@@ -271,27 +268,7 @@ class Engine:
             )
         return ids, positions, host
 
-    # --- CUDA graphs, one per token-count bucket --------------------------------------------------------------------
-
-    def _capture(self, bucket: int) -> tuple[torch.cuda.CUDAGraph, dict[str, torch.Tensor]]:
-        """Capture the forward of `bucket` tokens on static inputs; warm-up and capture write only the scratch slot."""
-        static = {
-            "ids": torch.zeros(bucket, dtype=torch.long, device=self.device),
-            "positions": torch.zeros(bucket, dtype=torch.long, device=self.device),
-            "slots": torch.full((bucket,), self.scratch, dtype=torch.long, device=self.device),
-            "rows": torch.zeros(1, dtype=torch.long, device=self.device),
-        }
-        run = lambda: self._layers(static["ids"], static["positions"], static["slots"], static["rows"], None)
-        stream = torch.cuda.Stream(self.device)
-        stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(stream):  # compile the kernels and warm the allocator outside the capture
-            for _ in range(2):
-                run()
-        torch.cuda.current_stream(self.device).wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool):
-            static["logits"] = run()  # [1, V]
-        return graph, static
+    # --- CUDA graphs, one per token-count bucket (src/runtime/forward_graph.py) ------------------------------------
 
     def capture_all(self, transfers: tuple[KVTransfer, ...] = ()) -> int:
         """Capture every bucket's graph now (a server's start-up), so that no timed forward or map pays a capture: the
@@ -299,27 +276,9 @@ class Engine:
         how many were captured (0 without graphs). Capture writes only the scratch slot: the cache is unchanged."""
         if not self.graphs_enabled:
             return 0
-        missing = [b for b in GRAPH_BUCKETS if b not in self._graphs]
-        with torch.inference_mode():
-            for bucket in missing:
-                self._graphs[bucket] = self._capture(bucket)
+        captured = self.forward_graphs.capture_all(self._layers)
         mappers = dict.fromkeys((*transfers, *self.map_graphs.transfers()))  # once each, in order
-        return len(missing) + sum(self.map_graphs.capture(transfer) for transfer in mappers)
-
-    def _replay(self, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        count = ids.numel()
-        bucket = next(b for b in GRAPH_BUCKETS if b >= count)
-        if bucket not in self._graphs:
-            self._graphs[bucket] = self._capture(bucket)
-        graph, static = self._graphs[bucket]
-        pad = bucket - count
-        static["ids"].copy_(torch.cat([ids.reshape(-1), ids.reshape(-1)[-1:].expand(pad)]))
-        static["positions"].copy_(torch.cat([positions, positions.new_zeros(pad)]))  # pads read slot 0 alone
-        slots = torch.cat([positions, torch.full((pad,), self.scratch, dtype=positions.dtype, device=positions.device)])
-        static["slots"].copy_(slots)  # pads write only the scratch slot
-        static["rows"].fill_(count - 1)
-        graph.replay()
-        return static["logits"].clone()  # [1, V]
+        return captured + sum(self.map_graphs.capture(transfer) for transfer in mappers)
 
     # --- what the splice needs -------------------------------------------------------------------------------------
 

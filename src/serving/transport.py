@@ -51,6 +51,8 @@ import safetensors
 import safetensors.torch
 import torch
 
+from src.models import dtype_name
+
 DEFAULT_DIRECTORY = "/dev/shm/kvrelay"
 EXPORT_ID = re.compile(r"[A-Za-z0-9_-]{1,64}")
 SUFFIX = ".safetensors"
@@ -231,7 +233,7 @@ class Transport:
         if self.memory == "device":
             if not keys.is_cuda:
                 raise ExportError(f"export {export_id}: a device export holds CUDA tensors, not {keys.device} ones")
-            metadata |= {"shape": ",".join(str(n) for n in keys.shape), "dtype": str(keys.dtype).removeprefix("torch."),
+            metadata |= {"shape": ",".join(str(n) for n in keys.shape), "dtype": dtype_name(keys.dtype),
                          "gpu": gpu_uuid(keys.device), "keys": json.dumps(share_cuda(keys)),
                          "values": json.dumps(share_cuda(values))}  # fmt: skip
             tensors = {}

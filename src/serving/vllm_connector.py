@@ -44,6 +44,7 @@ from vllm.logger import init_logger
 from vllm.model_executor.models.utils import extract_layer_index
 from vllm.utils.hashing import get_hash_fn_by_name
 
+from src.models import dtype_name
 from src.runtime.plan import SplicePlan
 from src.serving.claim import claim
 from src.serving.config import connector_config
@@ -362,7 +363,7 @@ class KVRelayConnector(KVConnectorBase_V1):
         heads = (self.heads.start, self.heads.stop - self.heads.start, self.total_heads)
         self.transport.put(save.export_id, keys, values, save.ids, self.identity.fingerprint,
                            self.identity.tokenizer_hash, heads, save.mapped, self.rank, self.ranks,
-                           fingerprint_dtype=str(self.config.fingerprint_dtype).removeprefix("torch."))  # fmt: skip
+                           fingerprint_dtype=dtype_name(self.config.fingerprint_dtype))  # fmt: skip
         self._exports.append(save.export_id)  # each rank removes its own part (and frees its device memory)
         while len(self._exports) > self.config.keep_exports and self.transport.remove(
             self._exports[0], self.rank, self.ranks
