@@ -1,7 +1,7 @@
 """Tracking records as table rows, and the cell formatting every table shares.
 
 A row is one FINISHED record flattened the way MLflow's search_runs names columns: `params.<dotted cfg key>` (under
-today's key: src/tracking.py `current_params`), `tags.<tag>`, `metrics.<key>` (the value at the largest step), plus
+today's key: src/records.py `current_params`), `tags.<tag>`, `metrics.<key>` (the value at the largest step), plus
 `series.<key>` ({step: value}) for stepped metrics, and `record` (the record.json it came from).
 """
 
