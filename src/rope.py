@@ -25,6 +25,32 @@ def rope_cos_sin(rotary_emb: torch.nn.Module, positions: torch.Tensor) -> tuple[
     return cos[:, None].float(), sin[:, None].float()
 
 
+DYNAMIC_ROPE = ("dynamic", "longrope")  # rope types whose tables depend on the longest position a call holds
+
+
+class RopeTable:
+    """A rotary module's cos, sin for positions start..start+n−1 as views of one table of positions 0..N−1, grown
+    (doubling, on the module's device) when a span reaches past it — a handoff's per-call RoPE without a rotary
+    forward: the same values, since every entry is one product inv_freq · position and its cos / sin. Rope types whose
+    tables depend on the call's longest position (`DYNAMIC_ROPE`) compute per call, as `rope_cos_sin`. Its memory:
+    2 · N · rope_dim float32 (N the longest position mapped, rounded up by doubling; 32 MiB at 32K for rope_dim 128)."""
+
+    def __init__(self, rotary_emb: torch.nn.Module):
+        self.rotary = rotary_emb
+        self.static = getattr(rotary_emb, "rope_type", "default") not in DYNAMIC_ROPE
+        self._cos = self._sin = None  # [1, 1, N, rope_dim] float32
+
+    def at(self, start: int, count: int, device: torch.device | str) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin [1, 1, count, rope_dim] float32 of positions start..start+count−1 (`rope_cos_sin`'s)."""
+        if not self.static:
+            return rope_cos_sin(self.rotary, torch.arange(start, start + count, device=device))
+        end = start + count
+        if self._cos is None or self._cos.shape[2] < end:
+            size = max(end, 2 * (0 if self._cos is None else self._cos.shape[2]), 1024)
+            self._cos, self._sin = rope_cos_sin(self.rotary, torch.arange(size, device=device))
+        return self._cos[:, :, start:end], self._sin[:, :, start:end]
+
+
 def rotate(x: torch.Tensor, layout: str = "half") -> torch.Tensor:
     """The 90° partner of each rotated pair: rotate_half for "half", (-x2, x1) per pair for "interleaved"."""
     if layout == "half":

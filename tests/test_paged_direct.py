@@ -23,6 +23,7 @@ from kernels.apply_map import HAVE_TRITON
 from src.maps import LayerViews
 from src.models import describe_kv
 from src.pair_check import bound_mapper
+from src.rope import RopeTable
 from src.serving.config import connector_config
 from src.serving.paged import Writer, read_slots, slots_for, stack_layers, write_mapped, write_slots
 from src.serving.routes import Bound, load_refusal
@@ -57,7 +58,7 @@ def backend(request) -> tuple[str, str]:
 
 def _route(pair, backend: str, device: str = "cpu") -> Bound:
     """The wrong mapper (exact + noise) bound as a worker binds it (routes.bound_routes)."""
-    rotary = lambda model: copy.deepcopy(model.model.rotary_emb).to(device)  # noqa: E731
+    rotary = lambda model: RopeTable(copy.deepcopy(model.model.rotary_emb).to(device))  # noqa: E731
     return Bound(bound_mapper(pair.wrong, device, torch.float32), describe_kv(pair.source), describe_kv(pair.target),
                  rotary(pair.source), rotary(pair.target), backend)  # fmt: skip
 

@@ -7,7 +7,7 @@ import torch
 from conftest import tiny
 
 from src.models import describe_kv
-from src.rope import apply_rope, remove_rope, rope_cos_sin
+from src.rope import RopeTable, apply_rope, remove_rope, rope_cos_sin
 from src.traces import content_kv
 
 ATOL = 1e-5
@@ -83,6 +83,25 @@ def test_round_trips_at_arbitrary_positions(rope_models, rope_type):
     # the rotation itself preserves norms up to attention_scaling
     scale = float(rotary.attention_scaling)
     torch.testing.assert_close(apply_rope(x, cos, sin).norm(dim=-1), x.norm(dim=-1) * scale, atol=1e-4, rtol=1e-5)
+
+
+@pytest.mark.parametrize("rope_type", [*sorted(ROPE_TYPES), "dynamic"])
+def test_a_rope_table_gives_each_spans_cos_sin_bit_for_bit_as_the_rotary_module(rope_models, rope_type):
+    """`RopeTable.at` slices one grown table (a handoff's RoPE without a rotary forward): every span equals
+    `rope_cos_sin` of its positions exactly — before the table grows, across its growth, and after; a dynamic rope
+    type (its table depends on the call's longest position) computes per call."""
+    if rope_type == "dynamic":
+        model = tiny("llama", rope_parameters={"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 2.0})
+    else:
+        model = rope_models[rope_type]
+    rotary = model.model.rotary_emb
+    table = RopeTable(rotary)
+    assert table.static == (rope_type != "dynamic")
+    for start, count in ((0, 5), (1500, 700), (3, 4), (2100, 100)):  # 1,024 first, then grown past it
+        expected = rope_cos_sin(rotary, torch.arange(start, start + count))
+        for got, want in zip(table.at(start, count, "cpu"), expected, strict=True):
+            assert got.shape == want.shape == (1, 1, count, 16)
+            assert torch.equal(got, want), (rope_type, start, count)
 
 
 def test_rotation_is_relative(rope_models):

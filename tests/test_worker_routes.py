@@ -46,8 +46,8 @@ def _assert_same(bound, loaded):
         assert (a.source_kv, a.target_kv, a.backend) == (b.source_kv, b.target_kv, b.backend)
         for name, t in a.mapper.tensors().items():
             assert torch.equal(t, getattr(b.mapper, name)), name
-        for mine, theirs in ((a.source_rotary, b.source_rotary), (a.target_rotary, b.target_rotary)):
-            for x, y in zip(rope_cos_sin(mine, positions), rope_cos_sin(theirs, positions), strict=True):
+        for mine, theirs in ((a.source_rope, b.source_rope), (a.target_rope, b.target_rope)):
+            for x, y in zip(rope_cos_sin(mine.rotary, positions), rope_cos_sin(theirs.rotary, positions), strict=True):
                 assert torch.equal(x, y)
 
 

@@ -40,7 +40,7 @@ from src.models import (
     vocabulary_hash,
 )
 from src.pair_check import ModelView, bound_mapper
-from src.rope import rope_cos_sin
+from src.rope import RopeTable
 from src.runtime.routing import Route, mapper_id, view_refusal
 from src.serving.config import RouteSpec, fitted_dtypes
 
@@ -114,8 +114,8 @@ class Bound:
     mapper: Mapper  # KVTransfer.mapper: compute dtype, on the worker's device
     source_kv: KVInterface
     target_kv: KVInterface
-    source_rotary: torch.nn.Module
-    target_rotary: torch.nn.Module
+    source_rope: RopeTable  # the sender's rotary module, its cos / sin tabled once (src/rope.py)
+    target_rope: RopeTable
     backend: str
 
     def map(
@@ -163,9 +163,9 @@ class Bound:
         own = Mapper(m.source_layers, m.head_index[heads], m.weight_k[:, heads], m.bias_k[:, heads],
                      m.weight_v[:, heads], m.bias_v[:, heads], m.manifest)  # fmt: skip
         device = m.weight_k.device
-        positions = torch.arange(start, start + keys.shape[2], device=device)  # [n]
-        source_cos, source_sin = rope_cos_sin(self.source_rotary, positions)
-        target_cos, target_sin = rope_cos_sin(self.target_rotary, positions)
+        count = keys.shape[2]  # positions start..start+count−1: [1, 1, count, rope_dim] each, views of a table
+        source_cos, source_sin = self.source_rope.at(start, count, device)
+        target_cos, target_sin = self.target_rope.at(start, count, device)
         nonfinite, beyond = (torch.zeros(m.weight_k.shape[0], dtype=torch.int32, device=device) for _ in range(2))
         mapped = map_cache(
             keys[:, None].to(device), values[:, None].to(device), own,  # [L_s, 1, H_s, n, d_s]
@@ -216,5 +216,6 @@ def bound_routes(
             raise ValueError(f"kvrelay: mapper {spec.mapper} reads the target's token features (a layer-0 receiver "
                              "prefill inside the load): not served by the connector")  # fmt: skip
         bound[mapper_id(mapper)] = Bound(bound_mapper(mapper, device, compute_dtype), sender.kv, receiver.kv,
-                                         sender.rotary.to(device), receiver.rotary.to(device), backend)  # fmt: skip
+                                         RopeTable(sender.rotary.to(device)), RopeTable(receiver.rotary.to(device)),
+                                         backend)  # fmt: skip
     return receiver_id, bound
