@@ -20,8 +20,8 @@
 #                finds it in /tmp/kvh/mappers (a gate stage's fit is the same artifact); parity — scripts/vllm_parity.py
 #                on PARITY_ITEMS (40) validation passages, bf16, blocks of 16, eager (PARITY_GRAPHS=1: CUDA graphs)
 #                (PARITY_WRITER=stacked: the receiver's direct writer; the same items' record with the backend's writer
-#                should agree bit for bit) → $OUT/vllm_parity_<up|down>.json; ttft — scripts/bench_vllm_ttft.py --models/--mapper, real-text
-#                histories, REAL_LENGTHS (1K–8K: 8 × the 1,024-token calibration), REAL_REPEATS (9), device exports,
+#                should agree bit for bit) → $OUT/vllm_parity_<up|down>.json; ttft — scripts/bench_vllm_ttft.py
+#                --models/--mapper, real-text histories, REAL_LENGTHS (1K–8K: 8 × the 1,024-token calibration), REAL_REPEATS (9), device exports,
 #                the Triton map → $OUT/vllm_ttft_real.json. One line of summary per part.
 # scripts/vllm_gpu_wheels.txt: vllm 0.26.0's Requires-Dist less the device image's packages (KINDS.md's list of
 # 2026-11-17), plus their own missing needs and three pins found on an H100 (2026-12-06): openai 2.29 (3.x imports

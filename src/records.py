@@ -1,10 +1,10 @@
 """Committed run records read as data, without MLflow: a record folder (record.json + artifacts/, the JSON tracking
-backend's layout, src/tracking.py; named by `record_dir`) and its routed items. Every record reader goes through `read_record` /
-`read_items`: a truncated file, or one without a key the reader needs, is a RecordError that names the file and the
-key, never a bare JSON or key error. Committed records keep their items packed (`items.json.gz`, the same JSON
-gzipped: `pack`): `items_path` finds a run's items either way and `read_json` reads both. Records made before a config
-key moved name it the old way; `read_record` (and the MLflow rows of src/report/rows.py) hand params over under
-today's names (`current_params`).
+backend's layout, src/tracking.py; named by `record_dir`) and its routed items. Every record reader goes through
+`read_record` / `read_items`: a truncated file, or one without a key the reader needs, is a RecordError that names
+the file and the key, never a bare JSON or key error. Committed records keep their items packed (`items.json.gz`, the
+same JSON gzipped: `pack`): `items_path` finds a run's items either way and `read_json` reads both. Records made
+before a config key moved name it the old way; `read_record` (and the MLflow rows of src/report/rows.py) hand params
+over under today's names (`current_params`).
 """
 
 from __future__ import annotations

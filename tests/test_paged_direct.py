@@ -164,7 +164,8 @@ def test_unlike_or_quantized_caches_get_no_direct_writer_and_the_refusal_names_w
     half = [caches[0], caches[1].half(), caches[2]]  # one layer in another dtype
     hnd = [caches[0], torch.full((4, 1, 32, 32), 7.0), caches[2]]  # one layer HND: other strides
     short = [caches[0], caches[1][:3], caches[2]]  # one layer with fewer blocks
-    for unlike, what in ((half, "dtype torch.float16 ≠ torch.float32"), (hnd, "strides (1024, 1024, 32, 1) ≠ (1024, 32, 32, 1)"),
+    for unlike, what in ((half, "dtype torch.float16 ≠ torch.float32"),
+                         (hnd, "strides (1024, 1024, 32, 1) ≠ (1024, 32, 32, 1)"),
                          (short, "shape (3, 1, 32, 32) ≠ (4, 1, 32, 32)")):  # fmt: skip
         with pytest.raises(ValueError, match=re.escape(f"layer 1's cache is not alike layer 0's: {what}")):
             Writer.over(_layers(unlike), "flash")

@@ -122,13 +122,11 @@ def stack_layers(layers: Sequence[torch.nn.Module]) -> torch.Tensor | None:
     first = caches[0]
     step = caches[1].storage_offset() - first.storage_offset() if len(caches) > 1 else 1
     storage = first.untyped_storage().data_ptr()
-    alike = all(
-        cache.untyped_storage().data_ptr() == storage
-        and (cache.shape, cache.stride(), cache.dtype) == (first.shape, first.stride(), first.dtype)
-        and cache.storage_offset() == first.storage_offset() + i * step
+    one = all(
+        cache.untyped_storage().data_ptr() == storage and cache.storage_offset() == first.storage_offset() + i * step
         for i, cache in enumerate(caches)
     )
-    if not alike or step <= 0 or first.dtype not in UNQUANTIZED:
+    if unlike(caches) or not one or step <= 0 or first.dtype not in UNQUANTIZED:
         return None
     return first.as_strided((len(caches), *first.shape), (step, *first.stride()), first.storage_offset())
 
