@@ -280,14 +280,19 @@ def test_the_direct_map_is_what_vllms_flash_cache_writer_writes_of_the_mapped_sc
     """On a GPU, the compiled kernel's stores into bf16 flash blocks — one storage, or each layer its own allocation
     (vLLM 0.26's GPU runner) — equal mapping to scratch and FlashAttention's own writer per layer
     (`reshape_and_cache_flash`, as `FlashAttentionImpl.do_kv_cache_update` calls it)."""
-    from vllm import _custom_ops as ops
-
     route, (keys, values) = _route(pair, "triton", "cuda"), _span("cuda")
     slots = SLOTS.cuda()
-    (ours, decoys), (theirs, _) = (_caches(allocation, "cuda", torch.bfloat16) for _ in range(2))
+    ours, decoys = _caches(allocation, "cuda", torch.bfloat16)
+    theirs, _ = _caches(allocation, "cuda", torch.bfloat16)
     direct = Writer.over(_layers(ours), "flash").direct
     nonfinite, beyond = route.map_into(keys, values, START, HEADS, direct, slots, None)
     mapped_k, mapped_v, _ = route.map(keys, values, START, HEADS, torch.bfloat16)  # [L_t, n, H, d_t]
+    torch.cuda.synchronize()
+    # imported last: on an H100 (vllm 0.26, 2026-12-06, eighth session) this test hung on its first parametrization
+    # before any vLLM op ran, in C code under the line that allocated the caches right after this import
+    # (results/vllm-h100-2026-12-06e/fa-hang.txt); device_vllm.sh's test stage runs it on its own, last
+    from vllm import _custom_ops as ops
+
     one = torch.tensor(1.0, device="cuda")
     for kv, k, v in zip(theirs, mapped_k, mapped_v, strict=True):
         key_cache, value_cache = kv.transpose(1, 2).split(16, dim=-1)  # FlashAttentionImpl's view: [B, N, H, d]

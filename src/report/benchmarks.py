@@ -60,6 +60,8 @@ VLLM_TIMED = "vllm-h100-2026-12-06b/vllm_ttft_device_timings.json"  # device exp
 VLLM_REAL = "vllm-h100-2026-12-06b/vllm_ttft_real.json"  # the real pair and its bf16 mapper, real-text histories
 VLLM_BACKEND = "vllm-h100-2026-12-06c/vllm_ttft_device_backend.json"  # e04778a: each layer's own block writer
 VLLM_STACKED = "vllm-h100-2026-12-06c/vllm_ttft_device_stacked.json"  # "stacked" asked, fell back to per layer
+VLLM_BACKEND_E = "vllm-h100-2026-12-06e/vllm_ttft_device_backend.json"  # 5566976: each layer's own block writer
+VLLM_DIRECT = "vllm-h100-2026-12-06e/vllm_ttft_device_stacked.json"  # 5566976: the map's stores are the block writes
 VLLM_RUNS = {
     VLLM_FILE: BenchRun("file, exports on the machine's disk (/tmp/vllm-bench/exports)", "bf16", "732d5f6"),
     VLLM_SHM: BenchRun("file, exports on /dev/shm (tmpfs)", "bf16", "732d5f6"),
@@ -83,6 +85,15 @@ VLLM_RUNS = {
         "cache apart, so each layer's writer wrote (the connector's warning)",
         "bf16",
         "e04778a",
+    ),  # fmt: skip
+    VLLM_BACKEND_E: BenchRun(
+        "device (CUDA IPC), Triton map, paged_writer backend (each layer's writer)", "bf16", "5566976"
+    ),
+    VLLM_DIRECT: BenchRun(
+        "device (CUDA IPC), Triton map, paged_writer stacked — engaged: the map's stores into each layer's own "
+        "allocation through its offset table, no separate block write",
+        "bf16",
+        "5566976",
     ),  # fmt: skip
 }
 
@@ -117,6 +128,8 @@ TABLES: dict[str, Table] = {
     "vllm_phases": Table((), vllm_phases, files=(VLLM_TIMED, VLLM_REAL)),
     "vllm_ttft_c": Table((), partial(vllm_ttft, runs=VLLM_RUNS), files=(VLLM_BACKEND, VLLM_STACKED)),
     "vllm_phases_c": Table((), vllm_phases, files=(VLLM_BACKEND, VLLM_STACKED)),
+    "vllm_ttft_d": Table((), partial(vllm_ttft, runs=VLLM_RUNS), files=(VLLM_BACKEND_E, VLLM_DIRECT)),
+    "vllm_phases_d": Table((), vllm_phases, files=(VLLM_BACKEND_E, VLLM_DIRECT)),
     "routed_gate": Table((GATE,), lambda rows: routed(joined(rows))),
     "routed_gate_tasks": Table((GATE,), lambda rows: routed_tasks(joined(rows))),
     "routed_gate_first": Table((GATE_FIRST,), lambda rows: routed(joined(rows))),

@@ -77,8 +77,9 @@ def vllm_ttft(rows: list, *documents: Document, runs: dict[str, BenchRun]) -> st
 
 def vllm_phases(rows: list, *documents: Document) -> str:
     """Where a handoff's host time goes (`--timings` records, src/serving/timings.py): per history length, the
-    median host ms of each phase over the measured repeats, the receiver's phases summed beside its mapped request's
-    excess over the hit (map − hit, medians). The worker's export includes its wait for the sender's own forward."""
+    median host ms of each phase over the measured repeats (—: the phase never ran, e.g. `write` under the direct
+    writer), the receiver's phases summed beside its mapped request's excess over the hit (map − hit, medians). The
+    worker's export includes its wait for the sender's own forward."""
     lines = []
     for where, bench in documents:
         scheduler, worker = TIMED["scheduler"], TIMED["worker"]
@@ -97,7 +98,7 @@ def vllm_phases(rows: list, *documents: Document) -> str:
             excess = median["map"] - median["hit"]
             lines.append(
                 f"| {row['tokens']:,} | " + " | ".join(fmt(x, 2) for x in cells)
-                + f" | {fmt(sum(cells), 2)} | {fmt(excess, 1)} | {fmt(host['worker'].get('export', math.nan), 1)} |"
+                + f" | {fmt(sum(x for x in cells if not math.isnan(x)), 2)} | {fmt(excess, 1)} | {fmt(host['worker'].get('export', math.nan), 1)} |"
             )  # fmt: skip
         lines.append("")
     return "\n".join(lines).rstrip()
