@@ -56,24 +56,28 @@ from src.eval.intervals import median_interval  # noqa: E402
 TURN = 16
 
 
-def _timed(llm, prompt: list[int], params: dict | None = None) -> tuple[float, dict]:
-    """(ms, the connector's record) of one greedy token after `prompt`."""
+def _timed(llm, prompt: list[int], params: dict | None = None, salt: str | None = None) -> tuple[float, dict]:
+    """(ms, the connector's record) of one greedy token after `prompt` (a request with `salt` as its cache_salt)."""
     from vllm import SamplingParams
 
     sampling = SamplingParams(temperature=0.0, max_tokens=1, detokenize=False,
                               extra_args=None if params is None else {"kv_transfer_params": params})  # fmt: skip
     began = time.perf_counter()
-    output = llm.generate([{"prompt_token_ids": prompt}], sampling, use_tqdm=False)[0]
+    request = {"prompt_token_ids": prompt} | ({} if salt is None else {"cache_salt": salt})
+    output = llm.generate([request], sampling, use_tqdm=False)[0]
     return (time.perf_counter() - began) * 1e3, (output.kv_transfer_params or {}).get("kvrelay", {})
 
 
 def measure(
     small, large, mapper: str, lengths: list[int], repeats: int, fresh: Callable[[int], list[int]],
-    timings: Path | None = None,
+    timings: Path | None = None, keys: str = "cache_salt",
 ) -> list[dict]:  # fmt: skip
     """One row per length: every repeat's ms per path, and what the receiver mapped (module docstring); `fresh(n)`:
     n tokens no engine has seen (`random_tokens`, `text_tokens`); with `timings` (the engines' KVRELAY_TIMINGS
-    file), the median host ms of each phase (`host_ms`)."""
+    file), the median host ms of each phase (`host_ms`); `keys`: how the handoff's prefix-cache keys are kept apart
+    — "cache_salt" (its provenance salt, as the router sends it) or "re-keyed" (none: the connector re-keys)."""
+    from src.serving.provenance import provenance_salt
+
     rows = []
     for n in lengths:
         row = {"tokens": n, "reprefill_ms": [], "hit_ms": [], "map_ms": [], "export_ms": [], "mapped": []}
@@ -90,9 +94,11 @@ def measure(
             history = fresh(n)  # new to both engines
             with_export, exported = _timed(small, history, {"kvrelay": {"export": True}})
             handoff = {"kvrelay": {"handoff": {"export": exported["export"], "mapper": mapper}}}
-            mapped, record = _timed(large, history + turn, handoff)
-            if record.get("handoff", {}).get("status") != "mapped":
-                raise RuntimeError(f"the handoff at {n} tokens was not mapped: {record}")
+            salt = provenance_salt(exported["export"], mapper) if keys == "cache_salt" else None
+            mapped, record = _timed(large, history + turn, handoff, salt)
+            done = record.get("handoff", {})
+            if (done.get("status"), done.get("keys")) != ("mapped", keys):
+                raise RuntimeError(f"the handoff at {n} tokens was not mapped with keys {keys!r}: {record}")
             if repeat:
                 row["reprefill_ms"].append(reprefill)
                 row["hit_ms"].append(hit)
@@ -253,6 +259,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="the receiver's map kernel (kv_connector_extra_config apply_backend)")  # fmt: skip
     parser.add_argument("--paged-writer", choices=("backend", "stacked"), default="backend",
                         help="how the receiver writes mapped K/V (kv_connector_extra_config paged_writer)")  # fmt: skip
+    parser.add_argument("--keys", choices=("cache_salt", "re-keyed"), default="cache_salt",
+                        help="the handoff carries its provenance salt (as the router sends it), or none: the "
+                             "connector re-keys (src/serving/provenance.py)")  # fmt: skip
     args = parser.parse_args(argv)
     if (args.models is None) != (args.mapper is None) or (args.models and args.smoke):
         parser.error("--models and --mapper go together, without --smoke")
@@ -311,12 +320,12 @@ def main(argv: list[str] | None = None) -> int:
     small = engine(small_dir, sender | dtypes, **settings)  # the sender fingerprints in the fitted dtype
     large = engine(large_dir, exports | route | policy | dtypes, **settings)
     run = {"export_memory": args.export_memory, "apply_backend": args.apply_backend, "paged_writer": args.paged_writer,
-           "dtype": dtype,
+           "keys": args.keys, "dtype": dtype,
            "commit": commit(), "timings": args.timings,
            "histories": f"text: {args.text}" if args.models else "random tokens"} | dtypes  # fmt: skip
     rows, mapper = [], mapper_id(load_mapper(mapper_dir))
     for n in lengths:  # the record rewritten after each length: a call cut by its time limit keeps what ran
-        rows += measure(small, large, mapper, [n], repeats, fresh, timings=timings)
+        rows += measure(small, large, mapper, [n], repeats, fresh, timings=timings, keys=args.keys)
         write(rows, label, run | {"lengths_done": f"{len(rows)} of {len(lengths)}"}, args.out, weights)
     for row in rows:
         print(row["tokens"], {k: round(v, 2) for k, v in row["median_ms"].items()})

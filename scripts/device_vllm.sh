@@ -12,7 +12,8 @@
 #                and a device export across two processes (the gpu mark)
 #   D bench      scripts/bench_vllm_ttft.py, random weights of the 0.5B → 1.5B shapes, 1K–16K, the sender's exports
 #                on its GPU (MEMORY=device, the default) or in files (MEMORY=host), the receiver's block writes per
-#                layer (PAGED_WRITER=backend, the default) or stacked → $OUT/vllm_ttft_<memory>_<writer>.json
+#                layer (PAGED_WRITER=backend, the default) or stacked, the handoff salted (KEYS=cache_salt, the
+#                default) or re-keyed → $OUT/vllm_ttft_<memory>_<writer>_<keys>.json
 #   D real       the real pair (after scripts/device_quality.sh setup + models on this machine): PARTS (default
 #                "fit parity ttft"; "down" for the reverse direction's fit + parity; without fit, MAPPER=<dir> names
 #                the 0.5B → 1.5B mapper, e.g. one `scripts/find_mapper.py` printed) inside BUDGET_S (540): fit — the
@@ -87,9 +88,11 @@ EOF
     # record is rewritten after each length, so a cut call keeps the lengths that ran
     memory=${MEMORY:-device}  # the sender's exports: on its GPU (CUDA IPC), or MEMORY=host (files)
     writer=${PAGED_WRITER:-backend}  # the receiver's block writes: per layer (backend) or PAGED_WRITER=stacked
+    keys=${KEYS:-cache_salt}  # the handoff's provenance salt (the router's), or KEYS=re-keyed (the connector re-keys)
     python3 scripts/bench_vllm_ttft.py --export-memory "$memory" --apply-backend auto --timings \
-      --paged-writer "$writer" --out "$OUT/vllm_ttft_${memory}_$writer.json" \
-      --work /tmp/vllm-bench 2>&1 | tee "$OUT/vllm-bench-$memory-$writer.txt" | grep -v -E "^\(|^INFO|^WARNING" | tail -12 ;;
+      --paged-writer "$writer" --keys "$keys" --out "$OUT/vllm_ttft_${memory}_${writer}_$keys.json" \
+      --work /tmp/vllm-bench 2>&1 | tee "$OUT/vllm-bench-$memory-$writer-$keys.txt" | grep -v -E "^\(|^INFO|^WARNING" \
+      | tail -12 ;;
   real)
     export KVRELAY_HOME=/tmp/kvh
     deadline=$((SECONDS + ${BUDGET_S:-540}))

@@ -6,8 +6,9 @@ the small server reads the history and exports it; the large server maps that ex
 
 Both servers load the kvrelay connector from this checkout (`--kv-transfer-config`, module src.serving.vllm_connector;
 run from the repository root). The request carries `kv_transfer_params` ({"kvrelay": {"export": true}}, then
-{"kvrelay": {"handoff": {"export": id, "mapper": id}}}); each response returns the connector's record in its own
-`kv_transfer_params`. The servers this script started are stopped when it ends (or after --timeout seconds).
+{"kvrelay": {"handoff": {"export": id, "mapper": id}}}, with the conversation's provenance salt as its `cache_salt`:
+src/serving/provenance.py); each response returns the connector's record in its own `kv_transfer_params`. The
+servers this script started are stopped when it ends (or after --timeout seconds).
 """
 
 from __future__ import annotations
@@ -80,6 +81,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     from src.artifact import load_mapper
     from src.runtime.routing import mapper_id
+    from src.serving.provenance import provenance_salt
 
     work = Path(tempfile.mkdtemp(prefix="kvrelay-serve-"))
     if args.smoke:
@@ -102,11 +104,14 @@ def main(argv: list[str] | None = None) -> int:
                                   "kv_transfer_params": {"kvrelay": {"export": True}}})  # fmt: skip
         export = small["kv_transfer_params"]["kvrelay"]["export"]
         print("small:", small["choices"][0]["text"][:40], small["kv_transfer_params"])
-        handoff = {"kvrelay": {"handoff": {"export": export, "mapper": mapper_id(load_mapper(args.mapper))}}}
+        mapper = mapper_id(load_mapper(args.mapper))
+        handoff = {"kvrelay": {"handoff": {"export": export, "mapper": mapper}}}
         large = post(large_port, {"model": str(args.large), "prompt": follow_up, "max_tokens": 4, "temperature": 0,
+                                  "cache_salt": provenance_salt(export, mapper),  # nothing native on large
                                   "kv_transfer_params": handoff})  # fmt: skip
         print("large:", large["choices"][0]["text"][:40], large["kv_transfer_params"], large.get("usage"))
-        return 0 if large["kv_transfer_params"]["kvrelay"]["handoff"]["status"] == "mapped" else 1
+        done = large["kv_transfer_params"]["kvrelay"]["handoff"]
+        return 0 if (done["status"], done.get("keys")) == ("mapped", "cache_salt") else 1
     finally:
         for process in servers:
             if process.poll() is None:

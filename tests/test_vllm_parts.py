@@ -256,6 +256,35 @@ def test_the_one_loop_chain_gives_vllms_own_keys_and_extra_keys_take_vllms_hashe
     assert len(tail.block_hashes) == 6 and tail.block_hashes[:5] == native[:5] and tail.block_hashes[5] != native[5]
 
 
+@needs_vllm
+def test_a_provenance_salt_keys_every_block_apart_and_names_exactly_its_mapper():
+    """A request carrying `provenance_salt(export, mapper)` as its cache_salt gets, from vLLM's own hasher, keys
+    none of which a plain request or a re-keyed one has; `salted` holds for that mapper only — not for a mapper
+    whose id it merely begins with, nor for a tenant's salt or none — and a bad export id is refused."""
+    from vllm import SamplingParams
+    from vllm.utils.hashing import get_hash_fn_by_name
+    from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+    from vllm.v1.request import Request
+
+    from src.serving.provenance import provenance_salt, rekey, salted
+
+    hash_fn = get_hash_fn_by_name("sha256")
+    init_none_hash(hash_fn)
+    hasher = get_request_block_hasher(32, hash_fn)
+    make = lambda salt=None: Request("r", list(range(3, 163)), SamplingParams(max_tokens=1), None,  # noqa: E731
+                                     block_hasher=hasher, cache_salt=salt)  # fmt: skip
+    salt = provenance_salt("0123456789abcdef" * 2, "local+attn_repair:1a2b")
+    assert salt == "kvrelay:0123456789abcdef0123456789abcdef:local+attn_repair:1a2b"
+    plain, keyed, rekeyed = make(), make(salt), make()
+    rekey(rekeyed, 0, "local+attn_repair:1a2b", 32, hash_fn)
+    assert len(keyed.block_hashes) == 5 and not set(keyed.block_hashes) & set(plain.block_hashes + rekeyed.block_hashes)
+    assert salted(keyed, "local+attn_repair:1a2b")
+    assert not salted(keyed, "local+attn_repair") and not salted(keyed, "attn_repair:1a2b")
+    assert not any(salted(make(other), "local+attn_repair:1a2b") for other in (None, "tenant-a", salt + "x"))
+    with pytest.raises(ValueError, match="32 hex digits"):
+        provenance_salt("e1", "m:1")
+
+
 # ---------------------------------------------------------------------------------------------------- transport
 
 

@@ -25,6 +25,7 @@ pytest.importorskip("vllm", reason="vLLM is not installed (pip install -e '.[ser
 from src.artifact import load_mapper  # noqa: E402
 from src.models import load_tokenizer  # noqa: E402
 from src.runtime.routing import mapper_id  # noqa: E402
+from src.serving.provenance import provenance_salt  # noqa: E402
 from src.serving.router import Router  # noqa: E402
 from src.serving.timings import ENV as TIMINGS  # noqa: E402
 from src.serving.timings import PHASES  # noqa: E402
@@ -156,6 +157,26 @@ def test_mapped_blocks_never_serve_a_plain_request_and_native_blocks_still_hit(s
     assert generate(served.large, conversation).num_cached_tokens == 128  # its own native blocks now
 
 
+def test_a_salted_handoff_is_keyed_apart_by_vllm_and_a_tenants_salt_is_re_keyed(served):
+    """A handoff carrying its provenance salt (as the router sends it) is mapped without a re-key; the conversation's
+    later request with that salt hits it all, a plain request of the same prompt none of it. A handoff under a
+    tenant's own salt is re-keyed: a plain request under that salt then misses the mapped blocks too."""
+    prompt = fresh(128)
+    conversation = prompt + fresh(8)
+    export_id = export(served.small, prompt)
+    salt = provenance_salt(export_id, served.fitted)
+    out = generate(served.large, conversation, handoff(export_id, served.fitted), salt=salt)
+    done = record(out)["handoff"]
+    assert (done["status"], done["keys"], done["start"], done["end"]) == ("mapped", "cache_salt", 0, 128)
+    assert "rekey" not in {phase for _, phase, _ in _timed_phases(served, out)}
+    assert generate(served.large, conversation, salt=salt).num_cached_tokens == 128  # a later turn of it
+    assert generate(served.large, conversation).num_cached_tokens == 0  # plain: none of the mapped blocks
+    other = fresh(128)
+    out = generate(served.large, other + fresh(8), handoff(export(served.small, other), served.fitted), salt="tenant")
+    assert (record(out)["handoff"]["status"], record(out)["handoff"]["keys"]) == ("mapped", "re-keyed")
+    assert generate(served.large, other + fresh(8), salt="tenant").num_cached_tokens == 0
+
+
 # ---------------------------------------------------------------------------------------------------- refusals
 
 
@@ -261,6 +282,7 @@ def test_the_router_maps_a_switch_and_continues_on_the_mapped_cache(served):
         router.generate("large", [], 2)
     record = router.switch_to("large", fresh(5))
     assert (record.path, record.status, record.hit, record.mapped) == ("map", "applied", 0, 96)
+    assert router.last.record["handoff"]["keys"] == "cache_salt"  # nothing native on large: vLLM keys it apart
     assert record.context == 100 and record.turn == 5 and record.prefilled == 4
     router.generate("large", [], 4)
     assert router.last.cached >= 96  # the continuation hits the handoff's blocks under their keys
@@ -324,16 +346,17 @@ def test_the_ttft_bench_runs_its_paths_at_tiny_sizes(served, tmp_path):
     starting two more engines): every path timed, the handoff mapped, the JSON written."""
     bench = ttft_bench()
     fresh = bench.random_tokens(VOCAB)
-    rows = bench.measure(served.small, served.large, served.fitted, [64, 128], 1, fresh, timings=served.timings)
+    rows = bench.measure(served.small, served.large, served.fitted, [64], 1, fresh, timings=served.timings)
+    rows += bench.measure(served.small, served.large, served.fitted, [128], 1, fresh, served.timings, "re-keyed")
     result = json.loads(json.dumps(bench.write(rows, "smoke", {"export_memory": "host"}, tmp_path / "ttft.json")))
     assert json.loads((tmp_path / "ttft.json").read_text()) == result
     assert [row["tokens"] for row in result["rows"]] == [64, 128]
     assert [row["mapped"] for row in result["rows"]] == [[64], [128]]
-    for row in result["rows"]:
+    for row, skipped in zip(result["rows"], ({"rekey"}, set()), strict=True):  # the salted handoff re-keys nothing
         assert set(row["median_ms"]) == {"reprefill", "hit", "map", "routed"}
         assert all(value > 0 for value in row["median_ms"].values())
         assert {role: set(phases) for role, phases in row["host_ms"].items()} == {
-            role: set(phases) for role, phases in PHASES.items()
+            role: set(phases) - skipped for role, phases in PHASES.items()
         }  # the receiver's phases (its sender's timings are off)
 
 

@@ -147,8 +147,9 @@ def stacked_write_matches(worker, block_ids: list[int], tokens: int) -> bool:
     return all(torch.equal(a, b) for a, b in zip(*written, strict=True)) and not torch.equal(written[0][0], saved[0])
 
 
-def generate(llm, prompts, params=None, n: int = 4):
-    """Greedy outputs (2 logprobs per step) of one batch; `params` the kv_transfer_params of every prompt, or a list."""
+def generate(llm, prompts, params=None, n: int = 4, salt: str | None = None):
+    """Greedy outputs (2 logprobs per step) of one batch; `params` the kv_transfer_params of every prompt, or a list;
+    `salt` every prompt's cache_salt."""
     from vllm import SamplingParams
 
     batch = prompts if isinstance(prompts[0], list) else [prompts]
@@ -158,7 +159,8 @@ def generate(llm, prompts, params=None, n: int = 4):
                        extra_args=None if p is None else {"kv_transfer_params": p})
         for p in given
     ]  # fmt: skip
-    outputs = llm.generate([{"prompt_token_ids": p} for p in batch], sampling, use_tqdm=False)
+    salted = {} if salt is None else {"cache_salt": salt}
+    outputs = llm.generate([{"prompt_token_ids": p} | salted for p in batch], sampling, use_tqdm=False)
     return outputs if isinstance(prompts[0], list) else outputs[0]
 
 

@@ -15,7 +15,10 @@ its prompt's K/V; a switch first brings the sender's export up to the whole conv
 sender's own cache and computes only the rest), and, with `sink` > 0, makes the receiver read the first `sink`
 tokens natively if it does not hold them (the connector serves a sink only as a native prefix hit). Once a model
 holds a mapped span, its later requests name it (`params.Mapped`) so its prefix-cache keys — and hits — stay those
-of the handoff. Refusals are the connector's: the request is then an ordinary prefill, and the record says why.
+of the handoff. A handoff into a model that holds none of the conversation, with no sink, carries the
+conversation's provenance salt (`cache_salt`, src/serving/provenance.py), and so does every later request of that
+model: vLLM then keys its blocks apart itself and the connector re-keys nothing. Refusals are the connector's: the
+request is then an ordinary prefill, and the record says why.
 Checked before any request: model names, token ids (integers inside every engine's vocabulary), routes.
 """
 
@@ -27,6 +30,7 @@ from dataclasses import dataclass
 
 from src.runtime.session import HandoffRecord
 from src.serving.params import KEY, Handoff, Mapped, request_params
+from src.serving.provenance import provenance_salt
 
 
 @dataclass(frozen=True)
@@ -61,6 +65,7 @@ class Router:
         self.holds = {name: 0 for name in self.engines}  # conversation tokens each model has been given
         self.exports: dict[str, tuple[str, int]] = {}  # model → (its newest export id, tokens it holds)
         self.mapped: dict[str, Mapped] = {}  # model → the mapped span its cache holds (keys, exports)
+        self.salts: dict[str, str] = {}  # model → the cache_salt of its requests (module docstring)
         self.logprobs: list[dict[int, float]] = []
         self.records: list[HandoffRecord] = []
         self.last: Reply | None = None  # the newest request's reply
@@ -89,7 +94,8 @@ class Router:
         params = request_params(export=True, handoff=handoff, mapped=self.mapped.get(model))
         sampling = SamplingParams(temperature=0.0, max_tokens=max_tokens, logprobs=self.top, detokenize=False,
                                   extra_args={"kv_transfer_params": params})  # fmt: skip
-        output = self.engines[model].generate([{"prompt_token_ids": prompt}], sampling, use_tqdm=False)[0]
+        request = {"prompt_token_ids": prompt} | ({"cache_salt": self.salts[model]} if model in self.salts else {})
+        output = self.engines[model].generate([request], sampling, use_tqdm=False)[0]
         record = (output.kv_transfer_params or {}).get(KEY, {})
         completion = output.outputs[0]
         logprobs = [{t: entry.logprob for t, entry in step.items()} for step in completion.logprobs or []]
@@ -138,6 +144,8 @@ class Router:
             handoff = Handoff(self._export(sender), mapper)
             if self.sink and self.holds[model] < self.sink <= total:  # a sink is served as a native prefix hit
                 self._request(model, self.ids[: self.sink], 1)
+            elif not held and not self.sink:  # nothing native to keep: vLLM keys the blocks apart itself
+                self.salts.setdefault(model, provenance_salt(handoff.export_id, mapper))
         reply = self._request(model, self.ids + ids, 1, handoff)
         done = reply.record.get("handoff", {})
         hit, mapped = done.get("hit", min(reply.cached, total)), done.get("mapped", 0)

@@ -316,6 +316,8 @@ class Transport:
             order = sorted(keys)
             if [h for first in order for h in range(first, first + keys[first].shape[1])] != list(range(total)):
                 raise ExportError(f"export {export_id!r}: its ranks hold heads from {order}, not each of {total} once")
+            if len(order) == 1:  # one part: its span as it is (a view of device memory: the map reads it in place)
+                return keys[order[0]].to(device), values[order[0]].to(device), lease
             return (torch.cat([keys[f] for f in order], 1).to(device),
                     torch.cat([values[f] for f in order], 1).to(device), lease)  # fmt: skip
         except BaseException:

@@ -14,7 +14,7 @@ prefill completes the step's metadata carries a `Save` of its prompt's blocks. A
 decision is a `SplicePlan` (src/runtime/plan.py, the runtime's own `plan_splice` on a receiver without a forward),
 or refused (0 tokens: an ordinary prefill, the output vLLM gives without the connector). The tokens it matches are
 the plan's span, plan.end − plan.start; a claim re-keys the request's prefix-cache keys from its first mapped block
-(src/serving/provenance.py) and, once its blocks are allocated — vLLM counting exactly that span as loaded, else
+(src/serving/provenance.py; not needed when the request carries the conversation's provenance salt) and, once its blocks are allocated — vLLM counting exactly that span as loaded, else
 the claim is refused there too — becomes a `Load` that carries the plan and the span's blocks. Every request with
 kvrelay parameters gets a record in its output.
 
@@ -51,7 +51,7 @@ from src.serving.config import connector_config
 from src.serving.metadata import KVRelayMetadata, Load, Save
 from src.serving.paged import Writer, check_layout, read_slots, slots_for, write_mapped
 from src.serving.params import KEY, Handoff, RelayParams, parse
-from src.serving.provenance import rekey
+from src.serving.provenance import rekey, salted
 from src.serving.routes import bound_routes, load_refusal, model_tokenizer_hash, scheduled_routes
 from src.serving.timings import Timings
 from src.serving.transport import ExportError, Header, Lease, Transport
@@ -72,6 +72,7 @@ class _Tracked:
     header: Header | None = None
     plan: SplicePlan | None = None  # the claim: this request's mapped span
     handoff: Handoff | None = None
+    keys: str = ""  # how the claimed request's prefix-cache keys are kept apart: "cache_salt" or "re-keyed"
     load_blocks: set[int] = field(default_factory=set)
 
 
@@ -137,8 +138,8 @@ class KVRelayConnector(KVConnectorBase_V1):
         if params.export:
             tracked.export_id = uuid.uuid4().hex
             tracked.record["export"] = tracked.export_id
-        if params.mapped is not None:  # before vLLM's prefix lookup: the conversation's earlier keys hit again
-            span = params.mapped
+        if params.mapped is not None and not salted(request, params.mapped.mapper_id):
+            span = params.mapped  # re-keyed before vLLM's prefix lookup: the conversation's earlier keys hit again
             try:
                 rekey(request, span.start // self.block_size * self.block_size, span.mapper_id, self.block_size,
                       self.hash_fn)  # fmt: skip
@@ -155,8 +156,10 @@ class KVRelayConnector(KVConnectorBase_V1):
         if isinstance(plan, str):
             _refuse(tracked, plan, num_computed_tokens)
             return 0, False
-        with self.timings.phase("rekey", request.request_id, len(tracked.prompt)):
-            rekey(request, plan.start, handoff.mapper_id, self.block_size, self.hash_fn)
+        tracked.keys = "cache_salt" if salted(request, handoff.mapper_id) else "re-keyed"  # provenance.py
+        if tracked.keys == "re-keyed":
+            with self.timings.phase("rekey", request.request_id, len(tracked.prompt)):
+                rekey(request, plan.start, handoff.mapper_id, self.block_size, self.hash_fn)
         tracked.plan, tracked.handoff = plan, handoff
         return plan.end - plan.start, False  # plan.start is the hit: the tokens past it that the plan maps
 
@@ -208,7 +211,7 @@ class KVRelayConnector(KVConnectorBase_V1):
         tracked.record["handoff"] = {"status": "mapped", "reason": f"policy: {self.config.policy.mode}",
                                      "hit": plan.held, "start": plan.start, "end": plan.end,
                                      "mapped": plan.end - plan.start, "mapper": load.mapper_id,
-                                     "blocks": prompt_blocks}  # fmt: skip
+                                     "keys": tracked.keys, "blocks": prompt_blocks}  # fmt: skip
         self._loads.append(load)
 
     def build_connector_meta(self, scheduler_output) -> KVRelayMetadata:
