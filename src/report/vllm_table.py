@@ -95,10 +95,10 @@ def vllm_phases(rows: list, *documents: Document) -> str:
             cells = [host["scheduler"].get(p, math.nan) for p in scheduler] + [
                 host["worker"].get(p, math.nan) for p in worker
             ]
-            excess = median["map"] - median["hit"]
+            excess, ran = median["map"] - median["hit"], sum(x for x in cells if not math.isnan(x))  # phases that ran
             lines.append(
                 f"| {row['tokens']:,} | " + " | ".join(fmt(x, 2) for x in cells)
-                + f" | {fmt(sum(x for x in cells if not math.isnan(x)), 2)} | {fmt(excess, 1)} | {fmt(host['worker'].get('export', math.nan), 1)} |"
+                + f" | {fmt(ran, 2)} | {fmt(excess, 1)} | {fmt(host['worker'].get('export', math.nan), 1)} |"
             )  # fmt: skip
         lines.append("")
     return "\n".join(lines).rstrip()

@@ -14,9 +14,10 @@ prefill completes the step's metadata carries a `Save` of its prompt's blocks. A
 decision is a `SplicePlan` (src/runtime/plan.py, the runtime's own `plan_splice` on a receiver without a forward),
 or refused (0 tokens: an ordinary prefill, the output vLLM gives without the connector). The tokens it matches are
 the plan's span, plan.end − plan.start; a claim re-keys the request's prefix-cache keys from its first mapped block
-(src/serving/provenance.py; not needed when the request carries the conversation's provenance salt) and, once its blocks are allocated — vLLM counting exactly that span as loaded, else
-the claim is refused there too — becomes a `Load` that carries the plan and the span's blocks. Every request with
-kvrelay parameters gets a record in its output.
+(src/serving/provenance.py; none to re-key when the request carries the conversation's provenance salt) and, once
+its blocks are allocated — vLLM counting exactly that span as loaded, else the claim is refused there too — becomes
+a `Load` that carries the plan and the span's blocks. Every request with kvrelay parameters gets a record in its
+output.
 
 Worker: `start_load_kv` (before the forward) reads each load's span plan.start..plan.end − 1 from the transport,
 maps it for this worker's KV heads (`routes.Bound.map`) and writes it into the paged blocks (`paged.write_mapped`;
