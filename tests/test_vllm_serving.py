@@ -294,6 +294,16 @@ def test_the_router_maps_a_switch_and_continues_on_the_mapped_cache(served):
         router.switch_to("huge", [])
 
 
+def test_a_router_with_a_sink_keeps_its_native_prefix_and_re_keys_the_span(served):
+    """With a sink the receiver reads the first block natively first: the handoff must hit it, so it carries no
+    salt (a salt would key block 0 apart too) and the connector re-keys from the mapped block on."""
+    router = Router({"small": served.small, "large": served.large}, {("small", "large"): served.fitted}, sink=32)
+    router.append("small", fresh(90))
+    record = router.switch_to("large", fresh(5))
+    assert (record.path, record.hit) == ("map", 32) and router.salts == {}
+    assert router.last.record["handoff"]["keys"] == "re-keyed"
+
+
 def test_a_refused_switch_continues_exactly_as_plain_vllm(served):
     router = Router({"small": served.small, "large": served.large}, {("small", "large"): "local+uniform:000000000000"})
     router.append("small", fresh(80))
