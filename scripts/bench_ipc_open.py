@@ -2,7 +2,10 @@
 publishes device exports of one pair's K/V size in turn (its newest `--keep` kept, older removed, as a sender engine
 does), and the receiver loads each — its opened allocations dropped at release (as the connector does now), or the
 newest few kept alive (torch then reuses an allocation's mapping instead of opening its handle again, when a new
-export lies in an allocation already opened). GPU only; both processes on one device.
+export lies in an allocation already opened). GPU only; both processes on one device. "keep" measures what the opens
+cost, not a mode to serve with: CUDA leaves it undefined when an exporter frees memory an importer still maps, and a
+sender's allocator frees its segments on `empty_cache` — serving it would take memory the sender never frees (an
+export pool allocated once, its handle shared once: docs/serving.md).
 
     python scripts/bench_ipc_open.py --tokens 8192 --out /tmp/ipc_open.json
 
