@@ -77,7 +77,8 @@ def run(mode: str, args) -> dict:
                 shared = [json.loads(handle.metadata()[key])["handle"] for key in ("keys", "values")]
             for opened, allocation in zip(lease.opened, shared, strict=True):  # the allocation each lies in
                 handles.add(allocation)
-                if mode == "keep":
+                if mode == "keep":  # the newest `args.kept` allocations, least recently loaded evicted first
+                    kept.pop(allocation, None)
                     kept[allocation] = opened.untyped_storage()
                     while len(kept) > args.kept:
                         kept.pop(next(iter(kept)))

@@ -60,11 +60,12 @@ def _timed(llm, prompt: list[int], params: dict | None = None, salt: str | None 
     """(ms, the connector's record) of one greedy token after `prompt` (a request with `salt` as its cache_salt)."""
     from vllm import SamplingParams
 
+    from src.serving.params import prompt as request
+
     sampling = SamplingParams(temperature=0.0, max_tokens=1, detokenize=False,
                               extra_args=None if params is None else {"kv_transfer_params": params})  # fmt: skip
     began = time.perf_counter()
-    request = {"prompt_token_ids": prompt} | ({} if salt is None else {"cache_salt": salt})
-    output = llm.generate([request], sampling, use_tqdm=False)[0]
+    output = llm.generate([request(prompt, salt)], sampling, use_tqdm=False)[0]
     return (time.perf_counter() - began) * 1e3, (output.kv_transfer_params or {}).get("kvrelay", {})
 
 

@@ -159,8 +159,9 @@ def generate(llm, prompts, params=None, n: int = 4, salt: str | None = None):
                        extra_args=None if p is None else {"kv_transfer_params": p})
         for p in given
     ]  # fmt: skip
-    salted = {} if salt is None else {"cache_salt": salt}
-    outputs = llm.generate([{"prompt_token_ids": p} | salted for p in batch], sampling, use_tqdm=False)
+    from src.serving.params import prompt
+
+    outputs = llm.generate([prompt(p, salt) for p in batch], sampling, use_tqdm=False)
     return outputs if isinstance(prompts[0], list) else outputs[0]
 
 

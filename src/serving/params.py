@@ -48,6 +48,12 @@ def request_params(export: bool = False, handoff: Handoff | None = None, mapped:
     return {KEY: spec}
 
 
+def prompt(ids: list[int], salt: str | None = None) -> dict:
+    """vLLM's prompt of token ids; with `salt`, its `cache_salt` (the conversation's provenance salt:
+    src/serving/provenance.py)."""
+    return {"prompt_token_ids": ids} | ({} if salt is None else {"cache_salt": salt})
+
+
 def _count(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 

@@ -48,15 +48,18 @@ def provenance_key(mapper_id: str) -> bytes:
     return f"kvrelay\0{mapper_id}".encode()
 
 
+EXPORT_ID = "[0-9a-f]{32}"  # the connector's export ids (uuid4 hex), the salt's first part
+
+
 def provenance_salt(export_id: str, mapper_id: str) -> str:
     """The `cache_salt` under which vLLM keys a receiver's request apart from block 0 (module docstring): the
     conversation's first handoff into this model (its export id, 32 hex digits) and the route's mapper id."""
-    if not re.fullmatch(r"[0-9a-f]{32}", export_id):
+    if not re.fullmatch(EXPORT_ID, export_id):
         raise ValueError(f"an export id is 32 hex digits, not {export_id!r}")
     return f"kvrelay:{export_id}:{mapper_id}"
 
 
-_SALT = re.compile(r"kvrelay:[0-9a-f]{32}:(.+)", re.DOTALL)
+_SALT = re.compile(f"kvrelay:{EXPORT_ID}:(.+)", re.DOTALL)
 
 
 def salted(request, mapper_id: str) -> bool:

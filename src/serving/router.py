@@ -29,7 +29,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from src.runtime.session import HandoffRecord
-from src.serving.params import KEY, Handoff, Mapped, request_params
+from src.serving.params import KEY, Handoff, Mapped, prompt, request_params
 from src.serving.provenance import provenance_salt
 
 
@@ -88,19 +88,18 @@ class Router:
                              f"switch_to({model!r}) first")  # fmt: skip
         return model
 
-    def _request(self, model: str, prompt: list[int], max_tokens: int, handoff: Handoff | None = None) -> Reply:
+    def _request(self, model: str, ids: list[int], max_tokens: int, handoff: Handoff | None = None) -> Reply:
         from vllm import SamplingParams
 
         params = request_params(export=True, handoff=handoff, mapped=self.mapped.get(model))
         sampling = SamplingParams(temperature=0.0, max_tokens=max_tokens, logprobs=self.top, detokenize=False,
                                   extra_args={"kv_transfer_params": params})  # fmt: skip
-        request = {"prompt_token_ids": prompt} | ({"cache_salt": self.salts[model]} if model in self.salts else {})
-        output = self.engines[model].generate([request], sampling, use_tqdm=False)[0]
+        output = self.engines[model].generate([prompt(ids, self.salts.get(model))], sampling, use_tqdm=False)[0]
         record = (output.kv_transfer_params or {}).get(KEY, {})
         completion = output.outputs[0]
         logprobs = [{t: entry.logprob for t, entry in step.items()} for step in completion.logprobs or []]
         if record.get("export"):
-            self.exports[model] = (record["export"], len(prompt))
+            self.exports[model] = (record["export"], len(ids))
         self.last = Reply(list(completion.token_ids), output.num_cached_tokens or 0, record, logprobs)
         return self.last
 
@@ -144,7 +143,7 @@ class Router:
             handoff = Handoff(self._export(sender), mapper)
             if self.sink and self.holds[model] < self.sink <= total:  # a sink is served as a native prefix hit
                 self._request(model, self.ids[: self.sink], 1)
-            elif not held and not self.sink:  # nothing native to keep: vLLM keys the blocks apart itself
+            if not held and not self.sink:  # nothing native to keep: vLLM keys the blocks apart itself
                 self.salts.setdefault(model, provenance_salt(handoff.export_id, mapper))
         reply = self._request(model, self.ids + ids, 1, handoff)
         done = reply.record.get("handoff", {})

@@ -157,8 +157,10 @@ class KVRelayConnector(KVConnectorBase_V1):
         if isinstance(plan, str):
             _refuse(tracked, plan, num_computed_tokens)
             return 0, False
-        tracked.keys = "cache_salt" if salted(request, handoff.mapper_id) else "re-keyed"  # provenance.py
-        if tracked.keys == "re-keyed":
+        if salted(request, handoff.mapper_id):  # vLLM keyed it apart as it arrived (provenance.py)
+            tracked.keys = "cache_salt"
+        else:
+            tracked.keys = "re-keyed"
             with self.timings.phase("rekey", request.request_id, len(tracked.prompt)):
                 rekey(request, plan.start, handoff.mapper_id, self.block_size, self.hash_fn)
         tracked.plan, tracked.handoff = plan, handoff
