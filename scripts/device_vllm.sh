@@ -75,7 +75,7 @@ EOF
     tar xf "$HOME/stage/vllm-wheels.tar" -C "$HOME/stage"
     python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site "$HOME"/stage/wheels/*.whl
     python3 -c "import torch, vllm, src.serving.vllm_connector; print(torch.__version__, vllm.__version__)" ;;
-  test)  # the comparisons with FlashAttention's own writer (they import vLLM's custom ops) hung on an H100 twice
+  test)  # the comparisons with FlashAttention's own writer hung on an H100 twice, the host waiting on GPU work
     # (2026-12-06, seventh and eighth sessions; results/vllm-h100-2026-12-06e/fa-hang.txt): every other test first,
     # then those alone, cut at 150 s with every thread's stack dumped at 60 s (faulthandler) — ≈ 300 s in all
     fa=tests/test_paged_direct.py::test_the_direct_map_is_what_vllms_flash_cache_writer_writes_of_the_mapped_scratch

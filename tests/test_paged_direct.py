@@ -285,18 +285,20 @@ def test_the_direct_map_is_what_vllms_flash_cache_writer_writes_of_the_mapped_sc
     ours, decoys = _caches(allocation, "cuda", torch.bfloat16)
     theirs, _ = _caches(allocation, "cuda", torch.bfloat16)
     direct = Writer.over(_layers(ours), "flash").direct
+    # On an H100 (vllm 0.26, 2026-12-06) this test hung on its first parametrization, the host waiting in the
+    # torch.equal below for GPU work that never finished (results/vllm-h100-2026-12-06e/fa-hang.txt): each kernel
+    # now synchronizes on its own line, so a stack dump (device_vllm.sh's test stage runs this alone) names it
     nonfinite, beyond = route.map_into(keys, values, START, HEADS, direct, slots, None)
+    torch.cuda.synchronize()  # the direct map's stores into the blocks
     mapped_k, mapped_v, _ = route.map(keys, values, START, HEADS, torch.bfloat16)  # [L_t, n, H, d_t]
-    torch.cuda.synchronize()
-    # imported last: on an H100 (vllm 0.26, 2026-12-06, eighth session) this test hung on its first parametrization
-    # before any vLLM op ran, in C code under the line that allocated the caches right after this import
-    # (results/vllm-h100-2026-12-06e/fa-hang.txt); device_vllm.sh's test stage runs it on its own, last
+    torch.cuda.synchronize()  # the map to scratch
     from vllm import _custom_ops as ops
 
     one = torch.tensor(1.0, device="cuda")
     for kv, k, v in zip(theirs, mapped_k, mapped_v, strict=True):
         key_cache, value_cache = kv.transpose(1, 2).split(16, dim=-1)  # FlashAttentionImpl's view: [B, N, H, d]
         ops.reshape_and_cache_flash(k.contiguous(), v.contiguous(), key_cache, value_cache, slots, "auto", one, one)
+        torch.cuda.synchronize()  # FlashAttention's writer, layer by layer
     assert all(torch.equal(a, b) for a, b in zip(ours, theirs, strict=True))
     assert all(bool((decoy == 7.0).all()) for decoy in decoys) and not (nonfinite.any() or beyond.any())
 
