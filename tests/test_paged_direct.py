@@ -26,7 +26,7 @@ from src.pair_check import bound_mapper
 from src.rope import RopeTable
 from src.serving.config import connector_config
 from src.serving.paged import Writer, read_slots, slots_for, stack_layers, write_mapped, write_slots
-from src.serving.routes import Bound, load_refusal
+from src.serving.routes import Bound, LoadFlags, load_refusal
 from src.serving.timings import Timings
 from tests.exact_pair import exact_pair
 from tests.test_kernels_apply import interpreted, uneven  # noqa: F401  (the fixture)
@@ -202,6 +202,13 @@ def test_the_guard_flags_a_mapped_value_past_it_and_the_check_refuses_naming_it(
 
 def test_the_refusal_reads_the_flags_of_either_path():
     clear, layer_2 = torch.zeros(3, dtype=torch.int32), torch.tensor([0, 0, 1], dtype=torch.int32)
+    assert LoadFlags.after_map(layer_2, clear, None).refusal(10.0) == "mapped target layer 2 is not finite"
+    assert (
+        LoadFlags.after_map(clear, layer_2, None).refusal(10.0) == "guard: mapped |K|, |V| of target layer 2 exceed 10"
+    )
+    assert (
+        LoadFlags.after_map(clear, None, torch.tensor(12.5)).refusal(10.0) == "guard: mapped |K|, |V| reach 12.5 > 10"
+    )
     assert load_refusal(clear, clear, None, 10.0) is None and load_refusal(clear, None, None, None) is None
     assert load_refusal(layer_2, clear, None, 10.0) == "mapped target layer 2 is not finite"
     assert load_refusal(clear, layer_2, None, 10.0) == "guard: mapped |K|, |V| of target layer 2 exceed 10"
@@ -301,6 +308,19 @@ def test_the_direct_map_is_what_vllms_flash_cache_writer_writes_of_the_mapped_sc
         torch.cuda.synchronize()  # FlashAttention's writer, layer by layer
     assert all(torch.equal(a, b) for a, b in zip(ours, theirs, strict=True))
     assert all(bool((decoy == 7.0).all()) for decoy in decoys) and not (nonfinite.any() or beyond.any())
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (a stream to queue behind)")
+def test_the_check_waits_for_the_map_alone_not_for_the_forward_queued_after_it():
+    """The worker's check reads a map's flags once the map has run, while the forward queued after it still runs
+    (reading them off the device held the host until the forward ended, before vLLM could queue its sampling)."""
+    clear, layer_2 = (torch.tensor(f, dtype=torch.int32, device="cuda") for f in ([0, 0, 0], [0, 0, 1]))
+    flags = [LoadFlags.after_map(layer_2, clear, None), LoadFlags.after_map(clear, None, torch.tensor(12.5).cuda())]
+    torch.cuda._sleep(2_000_000_000)  # ≈ 1 s of a forward queued after the maps
+    assert flags[0].refusal(10.0) == "mapped target layer 2 is not finite"
+    assert flags[1].refusal(10.0) == "guard: mapped |K|, |V| reach 12.5 > 10"
+    assert not torch.cuda.current_stream().query(), "the check waited for the forward"
 
 
 def test_slots_come_from_block_ids_and_reach_a_gpu_without_holding_the_host():

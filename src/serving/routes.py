@@ -182,7 +182,7 @@ def load_refusal(
 ) -> str | None:
     """Why a worker's mapped span must be recomputed — a mapped target layer not finite (flags [L_t]), or past the
     magnitude guard `guard`: `beyond` flags [L_t] (`Bound.map_into`) or the `peak` max(|K|, |V|) of a mapped
-    scratch — or None. Reads the flags on the host (after the forward is queued)."""
+    scratch — or None. Host tensors: `LoadFlags` brings a device map's flags over."""
     if bool(nonfinite.any()):
         return f"mapped target layer {int(nonfinite.nonzero()[0])} is not finite"
     if beyond is not None and bool(beyond.any()):
@@ -190,6 +190,36 @@ def load_refusal(
     if peak is not None and float(peak) > guard:
         return f"guard: mapped |K|, |V| reach {float(peak):.3g} > {guard:g}"
     return None
+
+
+@dataclass(frozen=True)
+class LoadFlags:
+    """A load's flags on their way to the host: the non-finite and beyond flags [L_t] (int32) and a scratch's peak,
+    copied into pinned memory right behind the map on its stream, an event recorded after the copies — so `refusal`
+    waits for the map alone, not for what the stream queued since (vLLM's forward, whose wait held the worker's host
+    before its sampling could be queued)."""
+
+    nonfinite: torch.Tensor
+    beyond: torch.Tensor | None
+    peak: torch.Tensor | None
+    ready: torch.cuda.Event | None  # None: the flags were computed on the host
+
+    @classmethod
+    def after_map(cls, nonfinite: torch.Tensor, beyond: torch.Tensor | None, peak: torch.Tensor | None) -> LoadFlags:
+        """The flags of a map just queued (no host wait)."""
+        if not nonfinite.is_cuda:
+            return cls(nonfinite, beyond, peak, None)
+        host = [None if t is None else torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t, non_blocking=True)
+                for t in (nonfinite, beyond, peak)]  # fmt: skip
+        ready = torch.cuda.Event()
+        ready.record()
+        return cls(*host, ready)
+
+    def refusal(self, guard: float | None) -> str | None:
+        """`load_refusal` of these flags, once the map and its reads of the export have ended on the device."""
+        if self.ready is not None:
+            self.ready.synchronize()
+        return load_refusal(self.nonfinite, self.beyond, self.peak, guard)
 
 
 def bound_routes(

@@ -6,8 +6,7 @@
 
 tokens: the request's prompt on the scheduler, the mapped span on the worker (an export: its prompt). ms: host wall
 time (`time.perf_counter`) around the phase's Python — the GPU work it queues is not included, and no host sync is
-added (a phase that waits by design includes its wait: the worker's "check" reads device flags; on a GPU the "slots"
-copy of the block ids from pageable memory waits for the stream, as the copy of the slots it replaced did). Every
+added (a phase that waits by design includes its wait: the worker's "check" waits for the map's flags). Every
 process of an engine appends to the same file (one `os.write` of one line, O_APPEND). Unset, `phase` hands back one
 shared null context: no clock read, no file. The phases, in the order one handoff meets them:
 
@@ -20,7 +19,8 @@ shared null context: no clock read, no file. The phases, in the order one handof
                map      the mapper (routes.Bound.map; Bound.map_into: straight into the blocks)
                write    the paged blocks (paged.write_mapped)
                guard    the magnitude guard's peak
-               check    the finiteness flags and the peak (or beyond flags) read, the lease released
+               check    the finiteness flags and the peak (or beyond flags) read once the map has run (not
+                        the forward queued after it: routes.LoadFlags), the lease released
                         (get_block_ids_with_load_errors)
 
 "write" and "guard" do not occur where the map stores into the blocks itself (paged_writer "stacked" on

@@ -53,7 +53,7 @@ from src.serving.metadata import KVRelayMetadata, Load, Save
 from src.serving.paged import Writer, check_layout, read_slots, slots_for, write_mapped
 from src.serving.params import KEY, Handoff, RelayParams, parse
 from src.serving.provenance import rekey, salted
-from src.serving.routes import bound_routes, load_refusal, model_tokenizer_hash, scheduled_routes
+from src.serving.routes import LoadFlags, bound_routes, model_tokenizer_hash, scheduled_routes
 from src.serving.timings import Timings
 from src.serving.transport import ExportError, Header, Lease, Transport
 
@@ -120,8 +120,7 @@ class KVRelayConnector(KVConnectorBase_V1):
             self.config.apply_backend, self.device,
         )  # fmt: skip
         self.layers: list[torch.nn.Module] = []
-        # a started load, its non-finite flags [L_t], beyond flags [L_t] (a direct map) or peak (a scratch), lease
-        self._started: list[tuple[Load, torch.Tensor, torch.Tensor | None, torch.Tensor | None, Lease]] = []
+        self._started: list[tuple[Load, LoadFlags, Lease]] = []  # the loads mapped this step, checked after it
         self._failed: list[tuple[Load, str]] = []
         self._exports: collections.deque[str] = collections.deque()
 
@@ -320,7 +319,7 @@ class KVRelayConnector(KVConnectorBase_V1):
             if self.writer.direct is not None:  # into the blocks: no scratch, no write, the guard's flags [L_t]
                 with phase("map"):
                     flags, beyond = bound.map_into(keys, values, start, self.heads, self.writer.direct, slots, guard)
-                self._started.append((load, flags, beyond, None, lease))
+                self._started.append((load, LoadFlags.after_map(flags, beyond, None), lease))
                 return
             with phase("map"):
                 mapped_k, mapped_v, flags = bound.map(keys, values, start, self.heads, self.layers[0].kv_cache.dtype)
@@ -333,16 +332,15 @@ class KVRelayConnector(KVConnectorBase_V1):
             raise
         with phase("guard"):
             peak = None if guard is None else torch.maximum(mapped_k.abs().amax(), mapped_v.abs().amax()).float()
-        self._started.append((load, flags, None, peak, lease))
+        self._started.append((load, LoadFlags.after_map(flags, None, peak), lease))
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         """The blocks of every load refused on the worker this step (read once the forward is queued)."""
         failed = list(self._failed)
         guard = self.config.policy.guard_max_abs
-        for load, flags, beyond, peak, lease in self._started:
+        for load, flags, lease in self._started:
             with self.timings.phase("check", load.request_id, load.plan.end - load.plan.start):
-                # device reads: the map, and its reads of the export before it, have ended
-                if reason := load_refusal(flags, beyond, peak, guard):
+                if reason := flags.refusal(guard):  # the map, and its reads of the export, have ended on the device
                     failed.append((load, reason))
                 lease.release()
         self._started, self._failed = [], []
