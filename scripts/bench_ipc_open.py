@@ -58,13 +58,12 @@ def _sender(directory: str, shape: list[int], count: int, keep: int, pool_bytes:
 def run(mode: str, args) -> dict:
     """One sender, `args.loads` exports loaded in turn; `mode` "drop" (release everything), "keep" (the newest
     `args.kept` opened allocations stay referenced) or "pool" (the sender's export pool)."""
-    from src.serving.export_pool import ALIGNMENT
+    from src.serving.export_pool import aligned
     from src.serving.transport import Transport
 
     directory = tempfile.mkdtemp(prefix="kvrelay-ipc-", dir="/dev/shm")
     shape = [args.layers, args.heads, args.tokens, args.head_dim]
-    tensor_bytes = -(-2 * math.prod(shape) // ALIGNMENT) * ALIGNMENT  # bf16 keys (or values), aligned
-    pool_bytes = (args.keep + 2) * 2 * tensor_bytes if mode == "pool" else 0
+    pool_bytes = (args.keep + 2) * 2 * aligned(2 * math.prod(shape)) if mode == "pool" else 0  # bf16 keys, values
     context = multiprocessing.get_context("spawn")
     commands, replies = context.Queue(), context.Queue()
     sender = context.Process(target=_sender, args=(directory, shape, args.loads, args.keep, pool_bytes, commands,

@@ -50,6 +50,11 @@ def pool_path(directory: Path, pool_id: str) -> Path:
     return directory / f".pool-{pool_id}"
 
 
+def aligned(size: int) -> int:
+    """The bytes a region of `size` bytes takes: a whole number of ALIGNMENT, at least one."""
+    return max(ALIGNMENT, -(-size // ALIGNMENT) * ALIGNMENT)
+
+
 @dataclass(frozen=True)
 class Region:
     offset: int  # bytes into the pool, a multiple of ALIGNMENT
@@ -66,7 +71,7 @@ class Regions:
 
     def take(self, size: int) -> Region | None:
         """A free region of at least `size` bytes, or None: no free range holds it."""
-        size = max(ALIGNMENT, -(-size // ALIGNMENT) * ALIGNMENT)
+        size = aligned(size)
         for index, (offset, length) in enumerate(self._free):
             if length >= size:
                 if length == size:
@@ -127,7 +132,7 @@ class ExportPool:
             if (region := self.regions.take(size)) is None:
                 for region in taken:
                     self.regions.free(region)
-                self._no_room(2 * max(ALIGNMENT, -(-size // ALIGNMENT) * ALIGNMENT))
+                self._no_room(2 * aligned(size))
                 return None
             taken.append(region)
         for region, tensor in zip(taken, (keys, values), strict=True):
