@@ -408,14 +408,14 @@ def test_a_senders_export_pool_is_opened_once_its_regions_reused_only_once_no_re
         assert [put("p0", 0), put("p1", 1), put("p2", 2)] == ["0", str(POOL_EXPORT), None]  # p2: no room
         assert equal("p0", 0) and equal("p1", 1) and equal("p2", 2) and equal("p0", 0)
         assert len(opened) == 1  # the pool, once; p2's own tensors opened by the transport
-        held_k, _, lease = receiver.load("p0", 0, 40, "cuda")
+        held_k, held_v, lease = receiver.load("p0", 0, 40, "cuda")
         assert lease.opened == []  # a pooled export: nothing to close at its release
         commands.put(("remove", "p0"))
         assert replies.get(timeout=60) is False  # a receiver reads it: its region stays taken
         assert put("p3", 3) is None  # so p3 finds no room
         assert torch.equal(held_k.cpu(), _kv(tokens=40, seed=0)[0])
         torch.cuda.synchronize()
-        del held_k
+        del held_k, held_v  # no view of the pool outlives its sender here
         lease.release()
         commands.put(("remove", "p0"))
         assert replies.get(timeout=60) is True
