@@ -256,6 +256,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="the handoff's host time per phase (KVRELAY_TIMINGS), medians per length")  # fmt: skip
     parser.add_argument("--export-memory", choices=("host", "device"), default="host",
                         help="where the sender keeps its exports (src/serving/transport.py); device: CUDA only")  # fmt: skip
+    parser.add_argument("--export-pool-mb", type=int, default=0,
+                        help="the sender's device exports in one export pool of this many MiB (kv_connector_extra_"
+                             "config export_pool_mb, src/serving/export_pool.py); 0: each its own allocations")  # fmt: skip
     parser.add_argument("--apply-backend", choices=("torch", "auto", "triton"), default="torch",
                         help="the receiver's map kernel (kv_connector_extra_config apply_backend)")  # fmt: skip
     parser.add_argument("--paged-writer", choices=("backend", "stacked"), default="backend",
@@ -266,6 +269,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if (args.models is None) != (args.mapper is None) or (args.models and args.smoke):
         parser.error("--models and --mapper go together, without --smoke")
+    if args.export_pool_mb < 0 or (args.export_pool_mb and args.export_memory != "device"):
+        parser.error("--export-pool-mb is ≥ 0, and > 0 only with --export-memory device (a pool of device exports)")
     default = "64,128" if args.smoke else "1024,2048,4096,8192,16384"
     lengths = [int(n) for n in (args.lengths or default).split(",")]
     repeats = args.repeats or (1 if args.smoke else 11)
@@ -296,7 +301,8 @@ def main(argv: list[str] | None = None) -> int:
         timings.unlink(missing_ok=True)
         os.environ["KVRELAY_TIMINGS"] = str(timings)
     exports = {"transport": str(work / "exports")}
-    sender = exports | {"export_memory": args.export_memory, "keep_exports": 4}  # device exports hold GPU memory
+    memory = {"export_memory": args.export_memory, "export_pool_mb": args.export_pool_mb}
+    sender = exports | memory | {"keep_exports": 4}  # device exports hold GPU memory (a pool: export_pool_mb)
     policy = {"policy": {"length_guard": "off"}}  # random weights: no evidence to guard with; timing only
     longest = max(lengths) + 2 * TURN
     gpu_settings = dict(dtype="bfloat16", max_model_len=longest, block_size=16, enforce_eager=False,
@@ -320,7 +326,8 @@ def main(argv: list[str] | None = None) -> int:
              "paged_writer": args.paged_writer}  # fmt: skip
     small = engine(small_dir, sender | dtypes, **settings)  # the sender fingerprints in the fitted dtype
     large = engine(large_dir, exports | route | policy | dtypes, **settings)
-    run = {"export_memory": args.export_memory, "apply_backend": args.apply_backend, "paged_writer": args.paged_writer,
+    run = {"export_memory": args.export_memory, "export_pool_mb": args.export_pool_mb,
+           "apply_backend": args.apply_backend, "paged_writer": args.paged_writer,
            "keys": args.keys, "dtype": dtype,
            "commit": commit(), "timings": args.timings,
            "histories": f"text: {args.text}" if args.models else "random tokens"} | dtypes  # fmt: skip
@@ -348,7 +355,7 @@ def commit() -> str | None:
 
 def write(rows: list[dict], pair: str, run: dict, out: Path, weights: str = "random") -> dict:
     """The bench's JSON record at `out` (written whole, then renamed into place); returns it. `run`: the sender's
-    export memory, the receiver's map kernel, the dtype, the commit, the histories."""
+    export memory (and pool), the receiver's map kernel, the dtype, the commit, the histories."""
     result = {"bench": "vllm_ttft", "pair": pair, "weights": weights, "run": run, "machine": machine(), "turn": TURN,
               "rows": rows}  # fmt: skip
     out.parent.mkdir(parents=True, exist_ok=True)

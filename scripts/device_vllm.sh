@@ -13,7 +13,8 @@
 #   D bench      scripts/bench_vllm_ttft.py, random weights of the 0.5B → 1.5B shapes, 1K–16K, the sender's exports
 #                on its GPU (MEMORY=device, the default) or in files (MEMORY=host), the receiver's block writes per
 #                layer (PAGED_WRITER=backend, the default) or stacked, the handoff salted (KEYS=cache_salt, the
-#                default) or re-keyed → $OUT/vllm_ttft_<memory>_<writer>_<keys>.json
+#                default) or re-keyed, the sender's device exports in an export pool of POOL_MB MiB (default 0:
+#                none) → $OUT/vllm_ttft_<memory>_<writer>_<keys>[_pool<N> where N > 0].json
 #   D real       the real pair (after scripts/device_quality.sh setup + models on this machine): PARTS (default
 #                "fit parity ttft"; "down" for the reverse direction's fit + parity; without fit, MAPPER=<dir> names
 #                the 0.5B → 1.5B mapper, e.g. one `scripts/find_mapper.py` printed) inside BUDGET_S (540): fit — the
@@ -89,10 +90,13 @@ EOF
     memory=${MEMORY:-device}  # the sender's exports: on its GPU (CUDA IPC), or MEMORY=host (files)
     writer=${PAGED_WRITER:-backend}  # the receiver's block writes: per layer (backend) or PAGED_WRITER=stacked
     keys=${KEYS:-cache_salt}  # the handoff's provenance salt (the router's), or KEYS=re-keyed (the connector re-keys)
-    python3 scripts/bench_vllm_ttft.py --export-memory "$memory" --apply-backend auto --timings \
-      --paged-writer "$writer" --keys "$keys" --out "$OUT/vllm_ttft_${memory}_${writer}_$keys.json" \
-      --work /tmp/vllm-bench 2>&1 | tee "$OUT/vllm-bench-$memory-$writer-$keys.txt" | grep -v -E "^\(|^INFO|^WARNING" \
-      | tail -12 ;;
+    pool=${POOL_MB:-0}  # MiB of the sender's export pool (export_pool_mb); 0: each export its own allocations
+    suffix=""
+    if [ "$pool" -gt 0 ]; then suffix=_pool$pool; fi
+    python3 scripts/bench_vllm_ttft.py --export-memory "$memory" --export-pool-mb "$pool" --apply-backend auto \
+      --timings --paged-writer "$writer" --keys "$keys" --out "$OUT/vllm_ttft_${memory}_${writer}_$keys$suffix.json" \
+      --work /tmp/vllm-bench 2>&1 | tee "$OUT/vllm-bench-$memory-$writer-$keys${suffix/_/-}.txt" \
+      | grep -v -E "^\(|^INFO|^WARNING" | tail -12 ;;
   real)
     export KVRELAY_HOME=/tmp/kvh
     deadline=$((SECONDS + ${BUDGET_S:-540}))

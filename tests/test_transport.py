@@ -1,19 +1,28 @@
 """The export transport's memories and leases (src/serving/transport.py): a receiver's lease keeps its sender from
 removing an export mid-read, a part removed under a reader is refused, a device export's metadata is checked before
-any memory is opened — and, on a GPU, a device export crosses processes through CUDA IPC with no copy to the host."""
+any memory is opened — and, on a GPU, a device export crosses processes through CUDA IPC with no copy to the host,
+its own allocations or a region of its sender's export pool (src/serving/export_pool.py)."""
 
 from __future__ import annotations
 
+import base64
 import fcntl
 import json
+import logging
 import multiprocessing
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import safetensors.torch
 import torch
 
+from src.serving import export_pool as export_pool_module
 from src.serving import transport as transport_module
 from src.serving.config import connector_config
+from src.serving.export_pool import ALIGNMENT, Region, Regions
 from src.serving.transport import ExportError, Transport, publish
 
 
@@ -22,8 +31,8 @@ def _kv(layers=2, heads=2, tokens=6, d=4, seed=0, device="cpu"):
     return tuple(torch.randn(layers, heads, tokens, d, generator=generator).to(device) for _ in range(2))
 
 
-def _put(transport: Transport, export_id: str, keys: torch.Tensor, values: torch.Tensor) -> None:
-    transport.put(
+def _put(transport: Transport, export_id: str, keys: torch.Tensor, values: torch.Tensor) -> Path:
+    return transport.put(
         export_id,
         keys,
         values,
@@ -90,7 +99,16 @@ def test_export_memory_is_checked_before_anything_is_written(tmp_path):
     assert connector_config({"export_memory": "device"}, "recompute").export_memory == "device"
     with pytest.raises(ExportError, match="a device export holds CUDA tensors"):
         _put(Transport(tmp_path, "device"), "e3", *_kv())
+    with pytest.raises(ExportError, match="a device export holds CUDA tensors"):  # before a pool is allocated
+        _put(Transport(tmp_path, "device", 1 << 20), "e3", *_kv())
+    for memory, pool_bytes, match in (("host", 1 << 20, "an export pool holds device exports"),
+                                      ("device", -1, "an integer ≥ 0"), ("device", 1.5, "an integer ≥ 0")):  # fmt: skip
+        with pytest.raises(ValueError, match=match):
+            Transport(tmp_path, memory, pool_bytes)
     assert list(tmp_path.iterdir()) == []
+    extra = {"export_memory": "device", "export_pool_mb": 64}
+    assert connector_config(extra, "recompute").export_pool_mb == 64
+    assert connector_config({}, "recompute").export_pool_mb == 0
 
 
 def test_a_worker_on_a_cpu_refuses_device_exports_before_any_model_loads(tmp_path, monkeypatch):
@@ -120,6 +138,7 @@ def _device_file(tmp_path, export_id: str, **changes) -> None:
                 "heads": "0,2,2", "mapped": "", "memory": "device", "shape": "2,2,6,4", "dtype": "float32",
                 "gpu": "GPU-00000000-0000-0000-0000-000000000000", "keys": json.dumps(shared),
                 "values": json.dumps(shared)} | changes  # fmt: skip
+    metadata = {key: value for key, value in metadata.items() if value is not None}  # None: the key left out
     tensors = {"ids": torch.arange(6)}  # [T] int64
     (tmp_path / f"{export_id}.rank0-of-1.safetensors").write_bytes(safetensors.torch.save(tensors, metadata))
 
@@ -230,3 +249,184 @@ def test_a_part_that_is_not_a_whole_safetensors_file_is_refused_naming_why(tmp_p
             transport.header(name)
         with pytest.raises(ExportError, match="malformed metadata|is unreadable"):  # the cut one: at its bytes
             transport.load(name, 0, 1)
+
+
+# ---------------------------------------------------------------------------------------------------- the export pool
+
+
+def test_the_pools_regions_are_first_fit_aligned_and_coalesce_when_freed():
+    regions = Regions(8 * ALIGNMENT + 100)  # the tail past the last whole ALIGNMENT is never handed out
+    a, b, c = regions.take(1), regions.take(ALIGNMENT + 1), regions.take(ALIGNMENT)
+    assert (a, b, c) == (Region(0, ALIGNMENT), Region(ALIGNMENT, 2 * ALIGNMENT), Region(3 * ALIGNMENT, ALIGNMENT))
+    assert regions.take(0) == Region(4 * ALIGNMENT, ALIGNMENT)  # an empty export still gets a region of its own
+    assert regions.take(4 * ALIGNMENT) is None  # 3 · ALIGNMENT free at the tail: full for this one
+    regions.free(b)
+    assert regions.take(ALIGNMENT) == Region(ALIGNMENT, ALIGNMENT)  # first fit: the freed hole before the tail
+    regions.free(Region(ALIGNMENT, ALIGNMENT))
+    for region in (a, c, Region(4 * ALIGNMENT, ALIGNMENT)):  # c joins b's hole and the tail: a, the hole's left
+        regions.free(region)
+    assert regions.take(8 * ALIGNMENT) == Region(0, 8 * ALIGNMENT)  # every range coalesced into one
+    assert regions.take(1) is None  # full
+    with pytest.raises(ValueError, match="not a region taken from this pool"):
+        regions.free(Region(0, ALIGNMENT))  # another size than the one taken there
+    regions.free(Region(0, 8 * ALIGNMENT))
+    for unknown in (Region(0, 8 * ALIGNMENT), Region(ALIGNMENT, ALIGNMENT)):  # freed twice; never taken
+        with pytest.raises(ValueError, match="not a region taken from this pool"):
+            regions.free(unknown)
+
+
+POOL_ID = "0123456789abcdef0123456789abcdef"
+
+
+def _pooled_file(tmp_path, export_id: str, **changes) -> None:
+    """A pooled device export's file as a sender on another GPU writes it: keys [2, 2, 6, 4] float32 (384 bytes) at
+    byte 0 of a pool of 4096 bytes, values at 512."""
+    memory = {"device": 0, "handle": "AAAA", "bytes": 4096, "offset": 0, "event": None, "sync": False,
+              "storage_offset": 0, "stride": [1]}  # fmt: skip
+    pooled = {"keys": None, "values": None, "pool": POOL_ID, "pool_memory": json.dumps(memory), "keys_offset": "0",
+              "values_offset": "512", "event": base64.b64encode(bytes(64)).decode()}  # fmt: skip
+    _device_file(tmp_path, export_id, **(pooled | changes))
+
+
+@pytest.mark.parametrize(
+    "changes",
+    [
+        {"pool": "../escape"},  # names a file: 32 hex digits only
+        {"pool": None},  # then read as its own allocations: no keys / values handles
+        {"pool_memory": "{"},
+        {"pool_memory": "[4096]"},
+        {"pool_memory": json.dumps({"bytes": "4096", "storage_offset": 0})},
+        {"keys_offset": "zero"},
+        {"keys_offset": "-512"},
+        {"keys_offset": "2"},  # inside a float32
+        {"values_offset": "3840"},  # 384 bytes from there pass the pool's end
+        {"values_offset": None},
+        {"event": "not base64!"},
+        {"event": base64.b64encode(bytes(10)).decode()},  # not a CUDA IPC event handle
+        {"shape": "2,2,6"},
+    ],
+)
+def test_a_pooled_exports_malformed_metadata_is_refused_naming_it_before_any_pool_is_opened(tmp_path, changes):
+    transport = Transport(tmp_path)
+    _pooled_file(tmp_path, "p1")  # the same file whole: refused later, for its pool (no sender here)
+    with pytest.raises(ExportError, match="sender of export 'p1' is gone"):
+        transport.load("p1", 0, 6)
+    _pooled_file(tmp_path, "p2", **changes)
+    with pytest.raises(ExportError, match="has malformed metadata"):
+        transport.load("p2", 0, 6)
+    assert transport.remove("p2")  # no lease left behind
+
+
+def test_a_pools_sender_is_alive_while_it_holds_the_pools_lock(tmp_path):
+    """A receiver uses a pool only while its sender holds the shared lock on the pool's file (a process's death drops
+    it): a file nobody locks, or none, is the clear error; a lock another process holds lets the load go on — here
+    to the GPU this process cannot see."""
+    transport = Transport(tmp_path)
+    _pooled_file(tmp_path, "p1")
+    with pytest.raises(ExportError, match=r"sender of export 'p1' is gone \(its export pool's file is gone\)"):
+        transport.load("p1", 0, 6)
+    pool_file = tmp_path / f".pool-{POOL_ID}"
+    pool_file.touch()
+    with pytest.raises(ExportError, match=r"sender of export 'p1' is gone \(its export pool's lock is free\)"):
+        transport.load("p1", 0, 6)
+    hold = ("import fcntl, os, sys; descriptor = os.open(sys.argv[1], os.O_RDONLY); "
+            "fcntl.flock(descriptor, fcntl.LOCK_SH); print('held', flush=True); sys.stdin.read()")  # fmt: skip
+    sender = subprocess.Popen([sys.executable, "-c", hold, str(pool_file)], stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, text=True)  # fmt: skip
+    try:
+        assert sender.stdout.readline() == "held\n"
+        for _ in range(2):  # met anew, then through the descriptor kept since
+            with pytest.raises(ExportError, match="which this process cannot see"):
+                transport.load("p1", 0, 6)
+    finally:
+        sender.communicate("")  # its stdin closed: it exits, and its lock drops
+    with pytest.raises(ExportError, match=r"sender of export 'p1' is gone \(its export pool's lock is free\)"):
+        transport.load("p1", 0, 6)
+    probe = os.open(pool_file, os.O_RDONLY)
+    fcntl.flock(probe, fcntl.LOCK_EX | fcntl.LOCK_NB)  # the receiver's probes hold no lock
+    os.close(probe)
+    assert transport.remove("p1")
+
+
+POOL_EXPORT = 2 * 1280  # bytes of one export of _kv(tokens=40): keys and values [2, 2, 40, 4] float32, 5 · ALIGNMENT
+
+
+def _pool_sender(directory: str, commands, replies) -> None:
+    """A sender process with an export pool of two exports: ("put", id, seed) publishes _kv(tokens=40, seed) as the
+    connector passes it (a non-contiguous view) and replies its keys' offset in the pool (None: its own allocations);
+    ("remove", id) replies what remove returned; ("stop",) replies how many warnings the pool logged."""
+    warnings = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = warnings.append
+    logging.getLogger(export_pool_module.__name__).addHandler(handler)
+    transport = Transport(directory, "device", 2 * POOL_EXPORT)
+    while (command := commands.get())[0] != "stop":
+        if command[0] == "remove":
+            replies.put(transport.remove(command[1]))
+            continue
+        keys, values = (t.transpose(1, 2).contiguous().transpose(1, 2) for t in _kv(tokens=40, seed=command[2],
+                                                                                  device="cuda"))  # fmt: skip
+        path = _put(transport, command[1], keys, values)
+        del keys, values  # the pool holds the export's only copy
+        with safetensors.safe_open(path, "pt") as handle:
+            replies.put(handle.metadata().get("keys_offset"))
+    replies.put(len(warnings))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (CUDA IPC between two processes)")
+def test_a_senders_export_pool_is_opened_once_its_regions_reused_only_once_no_receiver_reads_them(
+    tmp_path, monkeypatch
+):
+    """Exports placed in a pool of two: a third falls back to its own allocations (said once); the receiver opens the
+    pool once, reads each export's bytes; a removal refused under a lease keeps the region (the next export falls
+    back, the held one still reads its own bytes); once removed its region is reused; the sender's exit is the clear
+    error at the next load."""
+    opened = []
+    real_open = export_pool_module.open_cuda
+    monkeypatch.setattr(export_pool_module, "open_cuda", lambda *a: opened.append(a) or real_open(*a))
+    context = multiprocessing.get_context("spawn")
+    commands, replies = context.Queue(), context.Queue()
+    sender = context.Process(target=_pool_sender, args=(str(tmp_path), commands, replies))
+    sender.start()
+    receiver = Transport(tmp_path)
+
+    def put(export_id: str, seed: int) -> str | None:
+        commands.put(("put", export_id, seed))
+        return replies.get(timeout=120)
+
+    def equal(export_id: str, seed: int) -> bool:
+        got_k, got_v, lease = receiver.load(export_id, 5, 37, "cuda")
+        keys, values = _kv(tokens=40, seed=seed)
+        same = torch.equal(got_k.cpu(), keys[:, :, 5:37]) and torch.equal(got_v.cpu(), values[:, :, 5:37])
+        torch.cuda.synchronize()
+        del got_k, got_v
+        lease.release()
+        return same
+
+    try:
+        assert [put("p0", 0), put("p1", 1), put("p2", 2)] == ["0", str(POOL_EXPORT), None]  # p2: no room
+        assert equal("p0", 0) and equal("p1", 1) and equal("p2", 2) and equal("p0", 0)
+        assert len(opened) == 1  # the pool, once; p2's own tensors opened by the transport
+        held_k, held_v, lease = receiver.load("p0", 0, 40, "cuda")
+        assert lease.opened == []  # a pooled export: nothing to close at its release
+        commands.put(("remove", "p0"))
+        assert replies.get(timeout=60) is False  # a receiver reads it: its region stays taken
+        assert put("p3", 3) is None  # so p3 finds no room
+        assert torch.equal(held_k.cpu(), _kv(tokens=40, seed=0)[0])
+        torch.cuda.synchronize()
+        del held_k, held_v  # no view of the pool outlives its sender here
+        lease.release()
+        commands.put(("remove", "p0"))
+        assert replies.get(timeout=60) is True
+        assert put("p4", 4) == "0"  # p0's region, reused
+        assert equal("p4", 4) and equal("p1", 1) and equal("p3", 3)
+        assert len(opened) == 1
+        commands.put(("stop",))
+        assert replies.get(timeout=60) == 1  # p2 and p3 fell back: said once
+    finally:
+        commands.put(("stop",))
+        sender.join(timeout=60)
+    assert sender.exitcode == 0
+    with pytest.raises(ExportError, match=r"the sender of export 'p4' is gone"):
+        receiver.load("p4", 0, 40, "cuda")

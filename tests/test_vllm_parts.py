@@ -46,6 +46,11 @@ def test_the_connector_refuses_to_start_unless_late_refusals_recompute():
         ({"compute_dtype": "fp8"}, "compute_dtype"),
         ({"keep_exports": 0}, "keep_exports"),
         ({"paged_writer": "fast"}, "paged_writer must be one of"),
+        ({"export_memory": "device", "export_pool_mb": -1}, "export_pool_mb must be an integer ≥ 0"),
+        ({"export_memory": "device", "export_pool_mb": "64"}, "export_pool_mb must be an integer ≥ 0"),
+        ({"export_memory": "device", "export_pool_mb": 0.5}, "export_pool_mb must be an integer ≥ 0"),
+        ({"export_memory": "device", "export_pool_mb": True}, "export_pool_mb must be an integer ≥ 0"),
+        ({"export_pool_mb": 64}, "it needs export_memory \"device\", not 'host'"),
     ],
 )
 def test_settings_a_connector_cannot_serve_are_refused_naming_the_key(extra, match):

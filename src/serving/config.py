@@ -3,6 +3,7 @@
     kv_connector_extra_config = {
         "transport": "/dev/shm/kvrelay",     # the export directory (src/serving/transport.py)
         "export_memory": "host",             # host | device: where this engine's exports keep their K/V (transport.py)
+        "export_pool_mb": 0,                 # device exports placed in one pool of this many MiB (0: each its own)
         "routes": [{"mapper": "/mappers/0p5b_to_1p5b", "source": "/models/qwen25coder_0p5b"}],  # into this engine
         "policy": {"levers": {"hold_back": 16}},  # over conf/policy/default.yaml (mode, levers, guards)
         "fingerprint_dtype": "float32",     # the dtype the mapper's pair was fingerprinted in (its fit's pair.dtype)
@@ -52,6 +53,7 @@ class RouteSpec:
 class ConnectorConfig:
     transport: str
     export_memory: str
+    export_pool_mb: int  # MiB of the sender's export pool (src/serving/export_pool.py); 0: none
     routes: tuple[RouteSpec, ...]
     policy: Policy
     fingerprint_dtype: torch.dtype
@@ -64,6 +66,7 @@ class ConnectorConfig:
 DEFAULTS = {
     "transport": DEFAULT_DIRECTORY,
     "export_memory": "host",
+    "export_pool_mb": 0,
     "routes": [],
     "policy": {},
     "fingerprint_dtype": "float32",
@@ -91,6 +94,12 @@ def connector_config(extra: Mapping | None, load_failure_policy: str) -> Connect
             raise ValueError(f"kvrelay: {key} must be a directory path, not {values[key]!r}")
     if values["export_memory"] not in MEMORIES:
         raise ValueError(f"kvrelay: export_memory must be one of {MEMORIES}, not {values['export_memory']!r}")
+    pool = values["export_pool_mb"]
+    if isinstance(pool, bool) or not isinstance(pool, int) or pool < 0:
+        raise ValueError(f"kvrelay: export_pool_mb must be an integer ≥ 0 (MiB; 0: no pool), not {pool!r}")
+    if pool and values["export_memory"] != "device":
+        raise ValueError(f'kvrelay: export_pool_mb holds device exports: it needs export_memory "device", not '
+                         f"{values['export_memory']!r}")  # fmt: skip
     for key in ("fingerprint_dtype", "compute_dtype"):
         if values[key] not in DTYPES:
             raise ValueError(f"kvrelay: {key} must be one of {DTYPES}, not {values[key]!r}")
@@ -104,6 +113,7 @@ def connector_config(extra: Mapping | None, load_failure_policy: str) -> Connect
     return ConnectorConfig(
         transport=values["transport"],
         export_memory=values["export_memory"],
+        export_pool_mb=pool,
         routes=_routes(values["routes"]),
         policy=serving_policy(values["policy"]),
         fingerprint_dtype=getattr(torch, values["fingerprint_dtype"]),

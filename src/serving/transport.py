@@ -16,7 +16,9 @@ disk flush (the rename alone is what readers rely on).
                        heads ("first,count,of"),
                        mapped ("start,end" of a span that holds mapped K/V — never mapped again — or ""),
                        memory ("host" | "device"), and for "device": shape ("L,H,T,d"), dtype, gpu (the sender
-                       GPU's UUID), keys / values (the CUDA IPC handles of the sender's two tensors, JSON)
+                       GPU's UUID), keys / values (the CUDA IPC handles of the sender's two tensors, JSON) — or,
+                       placed in the sender's export pool, pool, pool_memory, keys_offset, values_offset, event
+                       (src/serving/export_pool.py)
 
 Where the bytes live is the sender's choice (`memory`), read by every receiver from the file:
 - host: in the file. A copy to host memory and back: ≈ 100 MB per 8K tokens of a 0.5B sender, which cost more than
@@ -25,7 +27,10 @@ Where the bytes live is the sender's choice (`memory`), read by every receiver f
   file carries their CUDA IPC handles (torch's own: the receiver's stream waits on the sender's event, no host sync).
   Receivers on the same host open them (the same GPU, or a peer GPU: the receiver copies its span over). No copy
   through the host; the cost is the sender's GPU memory, L_s·H_r·T·d_s·2 elements per export, outside vLLM's KV
-  budget (keep `keep_exports` small).
+  budget (keep `keep_exports` small). With `pool_bytes`, a sender places its device exports in one allocation made
+  once (its export pool: src/serving/export_pool.py), which a receiver opens once and keeps mapped while the sender
+  lives, instead of opening two allocations per load; an export that does not fit the pool's free space gets its own
+  two tensors, as without one.
 
 A receiver holds a shared lock (flock) on each file from `load` until `Lease.release` — once its reads of the span
 have completed on the device; a sender removes an export only under an exclusive lock taken without waiting, so it
@@ -52,6 +57,7 @@ import torch
 
 from src.models import dtype_name
 from src.serving.cuda_ipc import gpu_uuid, open_cuda, share_cuda
+from src.serving.export_pool import ExportPool, OpenedPools, Placement, SenderGone, pooled
 
 DEFAULT_DIRECTORY = "/dev/shm/kvrelay"
 EXPORT_ID = re.compile(r"[A-Za-z0-9_-]{1,64}")
@@ -148,15 +154,24 @@ def header_table(descriptor: int) -> tuple[dict, int]:
 
 
 class Transport:
-    """Exports in `directory`, their bytes in the sender's `memory` (module docstring)."""
+    """Exports in `directory`, their bytes in the sender's `memory`; device exports placed in an export pool of
+    `pool_bytes` where > 0 (module docstring)."""
 
-    def __init__(self, directory: str | Path = DEFAULT_DIRECTORY, memory: str = "host"):
+    def __init__(self, directory: str | Path = DEFAULT_DIRECTORY, memory: str = "host", pool_bytes: int = 0):
         if memory not in MEMORIES:
             raise ValueError(f"kvrelay: export memory must be one of {MEMORIES}, not {memory!r}")
+        if isinstance(pool_bytes, bool) or not isinstance(pool_bytes, int) or pool_bytes < 0:
+            raise ValueError(f"kvrelay: an export pool's size is an integer ≥ 0 of bytes, not {pool_bytes!r}")
+        if pool_bytes and memory != "device":
+            raise ValueError(f'kvrelay: an export pool holds device exports; this transport\'s memory is "{memory}"')
         self.directory = Path(directory)
         self.directory.mkdir(parents=True, exist_ok=True)
         self.memory = memory
+        self.pool_bytes = pool_bytes
+        self._pool: ExportPool | None = None  # allocated at the first device export
         self._held: dict[Path, tuple[torch.Tensor, torch.Tensor]] = {}  # a sender's device exports, kept alive
+        self._placed: dict[Path, Placement] = {}  # a sender's device exports in its pool
+        self._pools = OpenedPools(self.directory)  # a receiver's opened pools
 
     def _path(self, export_id: str, rank: int, ranks: int) -> Path:
         return self.directory / f"{check_id(export_id)}.rank{rank}-of-{ranks}{SUFFIX}"
@@ -189,22 +204,48 @@ class Transport:
             "mapped": "" if mapped is None else f"{mapped[0]},{mapped[1]}",
             "memory": self.memory,
         }
-        keys, values = keys.contiguous(), values.contiguous()
+        placed = None
         if self.memory == "device":
             if not keys.is_cuda:
                 raise ExportError(f"export {export_id}: a device export holds CUDA tensors, not {keys.device} ones")
             metadata |= {"shape": ",".join(str(n) for n in keys.shape), "dtype": dtype_name(keys.dtype),
-                         "gpu": gpu_uuid(keys.device), "keys": json.dumps(share_cuda(keys)),
-                         "values": json.dumps(share_cuda(values))}  # fmt: skip
+                         "gpu": gpu_uuid(keys.device)}  # fmt: skip
+            if (placed := self._place(keys, values)) is not None:  # copied into the pool
+                metadata |= self._pool.metadata(placed)
+            else:
+                keys, values = keys.contiguous(), values.contiguous()
+                metadata |= {"keys": json.dumps(share_cuda(keys)), "values": json.dumps(share_cuda(values))}
             tensors = {}
         else:
-            tensors = {"keys": keys.cpu(), "values": values.cpu()}
+            tensors = {"keys": keys.contiguous().cpu(), "values": values.contiguous().cpu()}
         tensors["ids"] = torch.tensor(ids, dtype=torch.int64)  # [T] (a tensor: no JSON of T numbers to parse)
         path = self._path(export_id, rank, ranks)
-        publish(path, safetensors.torch.save(tensors, metadata), durable=self.memory == "host")
+        try:
+            publish(path, safetensors.torch.save(tensors, metadata), durable=self.memory == "host")
+        except BaseException:
+            if placed is not None:
+                self._pool.free(placed)
+            raise
         if self.memory == "device":
-            self._held[path] = (keys, values)
+            self._forget(path)  # an id published again: its earlier memory goes
+            if placed is not None:
+                self._placed[path] = placed
+            else:
+                self._held[path] = (keys, values)
         return path
+
+    def _place(self, keys: torch.Tensor, values: torch.Tensor) -> Placement | None:
+        """keys and values [L_s, H_r, T, d_s] copied into the export pool (allocated at the first), or None: no pool,
+        or no room in it (the export gets its own allocations)."""
+        if self.pool_bytes and self._pool is None:
+            self._pool = ExportPool(self.directory, self.pool_bytes, keys.device)
+        return None if self._pool is None else self._pool.place(keys, values)
+
+    def _forget(self, path: Path) -> None:
+        """A device export's memory freed: its tensors dropped, or its regions of the pool free again."""
+        self._held.pop(path, None)
+        if (placed := self._placed.pop(path, None)) is not None:
+            self._pool.free(placed)
 
     def _parts(self, export_id: str) -> list[Path]:
         """The export's files, rank order; an ExportError unless every rank's file is there."""
@@ -324,12 +365,11 @@ class Transport:
             lease.release()
             raise
 
-    @staticmethod
     def _span(
-        export_id: str, path: Path, metadata: dict, shape: list[int], start: int, end: int, lease: Lease
+        self, export_id: str, path: Path, metadata: dict, shape: list[int], start: int, end: int, lease: Lease
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """One part's keys and values [L_s, H_r, end − start, d_s]: read from the file, or views of the sender's
-        device memory (opened into `lease`)."""
+        device memory — its export pool (opened once, kept) or its export's own tensors (opened into `lease`)."""
         if metadata["memory"] == "host":  # checked by `_info`
             try:
                 with safetensors.safe_open(path, "pt") as handle:
@@ -337,18 +377,27 @@ class Transport:
             except (OSError, safetensors.SafetensorError) as error:
                 raise ExportError(f"export {export_id!r}: {path.name} is unreadable ({error})") from None
         try:
-            dtype = getattr(torch, metadata["dtype"])
+            dtype, gpu = getattr(torch, metadata["dtype"]), metadata["gpu"]
             if not isinstance(dtype, torch.dtype):
                 raise ValueError(f"dtype {metadata['dtype']!r}")
-            shared = [json.loads(metadata[key]) for key in ("keys", "values")]
-        except (KeyError, ValueError, AttributeError) as error:
+            place = pooled(metadata, shape, dtype) if "pool" in metadata else None
+            shared = [json.loads(metadata[key]) for key in ("keys", "values")] if place is None else []
+        except (KeyError, ValueError, AttributeError, TypeError, IndexError) as error:
             raise ExportError(f"export {export_id!r} has malformed metadata ({error!r})") from None
-        index = local_device(metadata["gpu"])
+        if place is not None:
+            try:
+                self._pools.check(place.pool_id)
+            except SenderGone as gone:
+                raise ExportError(f"the sender of export {export_id!r} is gone ({gone})") from None
+        index = local_device(gpu)
         try:
-            pair = [open_cuda(part, tuple(shape), dtype, index) for part in shared]
+            if place is not None:  # the pool stays mapped: nothing to close at the lease's release
+                pair = self._pools.views(place, shape, dtype, index)
+            else:
+                pair = [open_cuda(part, tuple(shape), dtype, index) for part in shared]
+                lease.opened.extend(pair)
         except (RuntimeError, KeyError, TypeError) as error:
             raise ExportError(f"export {export_id!r}: the sender's device memory cannot be opened ({error})") from None
-        lease.opened.extend(pair)
         return pair[0][:, :, start:end], pair[1][:, :, start:end]
 
     def remove(self, export_id: str, rank: int = 0, ranks: int = 1) -> bool:
@@ -358,7 +407,7 @@ class Transport:
         try:
             descriptor = os.open(path, os.O_RDONLY)
         except FileNotFoundError:
-            self._held.pop(path, None)
+            self._forget(path)
             return True
         try:
             fcntl.flock(descriptor, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -366,6 +415,6 @@ class Transport:
             os.close(descriptor)
             return False
         path.unlink(missing_ok=True)
-        self._held.pop(path, None)
+        self._forget(path)
         os.close(descriptor)
         return True

@@ -94,7 +94,7 @@ class KVRelayConnector(KVConnectorBase_V1):
         transfer = vllm_config.kv_transfer_config
         self.config = connector_config(transfer.kv_connector_extra_config, transfer.kv_load_failure_policy)
         self.block_size = vllm_config.cache_config.block_size
-        self.transport = Transport(self.config.transport, self.config.export_memory)
+        self.transport = Transport(self.config.transport, self.config.export_memory, self.config.export_pool_mb << 20)
         self.timings = Timings.from_environment("scheduler" if role == KVConnectorRole.SCHEDULER else "worker")
         model = vllm_config.model_config
         if role == KVConnectorRole.SCHEDULER:
