@@ -17,18 +17,8 @@ import torch
 
 import src.pipeline
 import src.routed
-from src.artifact import (
-    EVIDENCE,
-    MANIFEST_FILE,
-    POINTER,
-    TENSOR_FILE,
-    ArtifactError,
-    EvidenceDroppedWarning,
-    load_mapper,
-    publish,
-    save_mapper,
-    verified_length,
-)
+from src.artifact import EVIDENCE, ArtifactError, EvidenceDroppedWarning, load_mapper, save_mapper, verified_length
+from src.artifact_store import MANIFEST_FILE, POINTER, TENSOR_FILE, publish
 from src.length_evidence import add_evidence, bins, evidence, main, table
 from src.records import ITEMS, RecordError, pack
 from src.runtime.routing import Policy, bind
