@@ -66,6 +66,8 @@ FLOORS = [
         "src.bench",
         "src.routed",
         "src.routed_runs",
+        "src.routed_multiturn",  # the conversations' runner (imports the Run of src.routed_runs)
+        "src.routed_rollback",  # the rollback replay on a workload's own items
         "src.routed_workloads",
         "src.sweep",
         "src.gate",

@@ -47,7 +47,7 @@ def mapper_dir(pair, tmp_path):
 
 
 def item(index: int, history: int, routed_correct: bool = True, mapped: bool = True, task: str = "boolq") -> dict:
-    """One routed item row (src/routed_runs.py `_row`): the native target always right, the routed one as asked."""
+    """One routed item row (src/routed_runs.py `item_row`): the native target always right, the routed one as asked."""
     right, wrong = [[-0.1, 1.0], [-2.0, 0.0]], [[-2.0, 0.0], [-0.1, 1.0]]
     handoff = {"path": "map", "status": "applied"} if mapped else {"path": "reprefill", "status": "fallback_reprefill"}
     return {
