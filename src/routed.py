@@ -10,8 +10,9 @@ of handoffs re-prefilled inside the routed session), prefill fraction spent, han
 length and direction, GPU memory, throughput, rollback replayed on the workload's own items, and with
 `eval.diagnose.read_error` each item's receiver read error, spliced vs native (src/eval/read_error.py) → tracking
 (metrics, per-item JSON, plots).
-Random weights: timing and plumbing only (tagged), never quality. The runners live in src/routed_runs.py; which
-workload plays how: src/routed_workloads.py `WORKLOADS`.
+Random weights: timing and plumbing only (tagged), never quality. The runners live in src/routed_runs.py (the
+conversations in src/routed_multiturn.py, the rollback replay in src/routed_rollback.py); which workload plays how:
+src/routed_workloads.py `WORKLOADS`.
 """
 
 from __future__ import annotations
@@ -33,7 +34,8 @@ from src.eval.metrics import Interval
 from src.eval.read_error import read_error_metrics
 from src.models import Pair
 from src.pipeline import build_mapper, calibration, load, tags, vocab_size
-from src.routed_runs import LENGTH_EDGES, Run, bucket, rollback, task_scores
+from src.routed_rollback import rollback
+from src.routed_runs import LENGTH_EDGES, Run, bucket, task_scores
 from src.routed_workloads import WORKLOADS, Workload, check_shard
 from src.runtime.engine import Engine
 from src.runtime.routing import Route, bind, policy_from
@@ -215,7 +217,7 @@ def speedup_ratios(items: list[dict]) -> list[tuple[dict, float]]:
 
 def same_work_ratios(items: list[dict]) -> list[tuple[dict, float]]:
     """(item, baseline re-prefill / the same re-prefill timed in the routed session) over the sampled items
-    (`ttft.same_work`, src/routed_runs.py `_same_work`) and the turns the routed session re-prefilled by policy."""
+    (`ttft.same_work`, src/routed_runs.py `same_work`) and the turns the routed session re-prefilled by policy."""
     same = []
     for i in items:
         ttft, path = i["ttft"] or {}, (i.get("handoff") or {}).get("path")

@@ -1,7 +1,8 @@
-"""Runners of the routed workloads (src/routed.py). Each item goes through the routed session, the all-re-prefill
-session (the native target: what a router does today) and the source alone, on the same token ids; each yields
-per-choice scores, TTFT per path and the handoff records. `rollback` replays every refusal kind on the workload's own
-items and checks the greedy outputs and caches against a session that never tried a transfer.
+"""The routed workloads' runs (src/routed.py): the `Run` every runner shares, its timing and scoring, and the runners
+of one history per item (`single_turn`: fewshot / passage; `switches`). Each item goes through the routed session, the
+all-re-prefill session (the native target: what a router does today) and the source alone, on the same token ids;
+each yields per-choice scores, TTFT per path and the handoff records. The conversations are src/routed_multiturn.py's,
+the rollback replay src/routed_rollback.py's.
 
 TTFT, from "switch to the target" to its first token (argmax of the new turn's last logits), synchronized on CUDA, every
 timed step under `torch.inference_mode` and never on cuDNN attention (`_timed`, `TIMED_ATTENTION`): routed = map (or re-prefill, by policy) + new turn; reprefill = the
@@ -26,17 +27,15 @@ import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from transformers import DynamicCache, PreTrainedModel
 
-from src.artifact import Mapper
 from src.eval.accuracy import TaskScores, encode_pair
 from src.eval.read_error import read_error
-from src.eval.rollback import cache_max_abs_diff
 from src.eval.scoring import score_continuations
 from src.runtime.engine import Engine
 from src.runtime.reader import clock, model_device
-from src.runtime.routing import CostModel, Policy, Route, bind
+from src.runtime.routing import CostModel, Policy, Route
 from src.runtime.session import HandoffRecord, Session
-from src.tasks import METRICS, Item, choice_lengths
-from src.workloads import Chat, Example, chunks, conversations, shot_ids
+from src.tasks import Item, choice_lengths
+from src.workloads import Example, chunks, shot_ids
 
 LENGTH_EDGES = (512, 2048, 8192, 32768)  # context-length buckets of refusals and TTFT (tokens)
 MODES = ("routed", "native_target", "native_source")
@@ -175,7 +174,7 @@ def _score(model: PreTrainedModel, cache: DynamicCache | None, drop: int, groups
     return [scores[j] for j in sorted(scores)]
 
 
-def _first_token(session: Session, receiver: str, turn: torch.Tensor):
+def first_token(session: Session, receiver: str, turn: torch.Tensor) -> tuple[HandoffRecord, float, float]:
     """Switch to the receiver with the new turn and take its first token: (record, TTFT ms, GPU peak MB)."""
 
     def switch():
@@ -187,7 +186,7 @@ def _first_token(session: Session, receiver: str, turn: torch.Tensor):
     return _timed(session.readers[receiver].model, switch)
 
 
-def _same_work(
+def same_work(
     session: Session, receiver: str, turn: torch.Tensor, engines: dict[str, Engine] | None = None
 ) -> tuple[float, float]:
     """This handoff re-prefilled in a copy of the session — its caches, its conversation, policy `reprefill`, a cost
@@ -198,13 +197,15 @@ def _same_work(
     twin = session.fork(engines)  # caches copied; policy and cost model replaced on the copy alone
     twin.policy, twin.costs = replace(session.policy, mode="reprefill"), CostModel()
     try:
-        _, ms, _ = _first_token(twin, receiver, turn)
+        _, ms, _ = first_token(twin, receiver, turn)
     finally:
         twin.close()  # its warm engines go to the next check
     return ms, time.perf_counter() - began
 
 
-def _row(item: Item, history: int, turn: int, groups, scores: dict, ttft: dict, peaks: dict, record) -> dict:
+def item_row(item: Item, history: int, turn: int, groups, scores: dict, ttft: dict, peaks: dict, record) -> dict:
+    """One scored item's row of the run's items (`task_scores` reads it, as do src/gate_evidence.py and
+    src/length_evidence.py)."""
     gold = next(ids for _, choices in groups for j, ids in choices if j == item.label)
     return {
         "task": item.task,
@@ -242,7 +243,7 @@ def _natives(run: Run, history: torch.Tensor, groups) -> tuple[dict, dict, dict,
     began = time.perf_counter()
     native = run.session("reprefill")
     native.append("source", history)
-    _, ttft, peak = _first_token(native, "target", turn)
+    _, ttft, peak = first_token(native, "target", turn)
     scores = {"native_target": _score(target, native.cache("target"), turn.numel(), groups)}
     run.seconds["reprefill"] += time.perf_counter() - began
     engine = native.readers["target"].engine
@@ -281,16 +282,16 @@ def single_turn(run: Run, examples: list[Example]) -> tuple[list[dict], list[dic
         routed = run.session("routed")
         routed.append("source", history)
         if n >= run.warmup and run.sampled(n - run.warmup):
-            ttft["same_work"], checked = _same_work(routed, "target", groups[0][0], run.engines.get("twin"))
+            ttft["same_work"], checked = same_work(routed, "target", groups[0][0], run.engines.get("twin"))
             began += checked  # the check is not the routed session's throughput
-        record, ttft["routed"], peaks["routed"] = _first_token(routed, "target", groups[0][0])
+        record, ttft["routed"], peaks["routed"] = first_token(routed, "target", groups[0][0])
         scores["routed"] = _score(run.models["target"], routed.cache("target"), groups[0][0].numel(), groups)
         if n < run.warmup:  # untimed: kernels, allocator
             run.warmed()
             continue
         run.seconds["routed"] += time.perf_counter() - began
         run.items, run.tokens = run.items + 1, run.tokens + history.numel() + groups[0][0].numel()
-        row = _row(example.item, history.numel(), groups[0][0].numel(), groups, scores, ttft, peaks, record)
+        row = item_row(example.item, history.numel(), groups[0][0].numel(), groups, scores, ttft, peaks, record)
         diagnosed = _read_error(run, reference, routed, history.numel(), groups[0][0])
         rows.append(row | {"shots": shot_ids(example.shots)} | diagnosed)
         records.append(asdict(record))
@@ -320,169 +321,19 @@ def switches(run: Run, examples: list[Example], counts) -> tuple[list[dict], lis
             if count > history.numel():
                 continue
             ttft = {"hit": whole["hit"]}
-            _, ttft["reprefill"], peaks["reprefill"] = _first_token(
+            _, ttft["reprefill"], peaks["reprefill"] = first_token(
                 _alternate(run.session("reprefill"), history, count), "target", turn
             )
             routed = _alternate(run.session("routed"), history, count)
             if n >= run.warmup and run.sampled(n - run.warmup):
-                ttft["same_work"], _ = _same_work(routed, "target", turn)
-            record, ttft["routed"], peaks["routed"] = _first_token(routed, "target", turn)
+                ttft["same_work"], _ = same_work(routed, "target", turn)
+            record, ttft["routed"], peaks["routed"] = first_token(routed, "target", turn)
             scores = natives | {"routed": _score(run.models["target"], routed.cache("target"), turn.numel(), groups)}
             if n >= run.warmup:
-                row = _row(example.item, history.numel(), turn.numel(), groups, scores, ttft, dict(peaks), record)
+                row = item_row(example.item, history.numel(), turn.numel(), groups, scores, ttft, dict(peaks), record)
                 diagnosed = _read_error(run, reference, routed, history.numel(), turn)
                 per_count[count].append(row | {"switches": count} | diagnosed)
                 records += [asdict(r) for r in routed.records]
         if n < run.warmup:
             run.warmed()
     return per_count[max(counts)], records, per_count
-
-
-def _pick(scores: list[list[float]], item: Item) -> tuple[int, float]:
-    """The model's answer under the task's metric (acc_norm: per character) and its softmax confidence in it."""
-    weights = torch.tensor([s[0] for s in scores], dtype=torch.float64)
-    if METRICS[item.task][0] == "acc_norm":
-        weights = weights / torch.tensor(choice_lengths(item), dtype=torch.float64)
-    return int(weights.argmax()), float(weights.softmax(0).max())
-
-
-def _session_scores(session: Session, reader: str, groups) -> list[list[float]]:
-    """[ll, greedy] per choice, scored after the whole conversation (its turn included) on the reader's own state."""
-    ((_, choices),) = groups
-    return [[score.logprob, float(score.greedy)] for score in session.score(reader, [ids for _, ids in choices])]
-
-
-def _converse(run: Run, session: Session, items: list[Item], escalation, escalate: bool, sample: bool = False):
-    """One conversation: per turn the answering model (the source, or the target when escalated: every
-    `escalation.every`-th turn, or when the source's confidence in its pick is below `escalation.threshold`)
-    reads the user turn, its choices are scored, its pick joins the history as its answer. With `sample`, every
-    handoff is also re-prefilled in a copy of the session first (`_same_work`). Returns the turns and the wall seconds
-    those checks took (not the session's throughput)."""
-    chat, turns, checked = Chat(run.tokenizer), [], 0.0
-
-    def switch(reader: str, turn) -> tuple[HandoffRecord, float, float | None]:
-        nonlocal checked
-        same = None
-        if sample and session.active not in (None, reader):  # a handoff: the sender is another model
-            same, seconds = _same_work(session, reader, turn)
-            checked += seconds
-        record, ttft, _ = _first_token(session, reader, turn)
-        return record, ttft, same
-
-    for i, item in enumerate(items):
-        user = run.encode(chat.user(item.contexts[0]))
-        answers = [chat.answer(c.removeprefix(" "), commit=False) for c in item.continuations]
-        groups = [(user, [(j, run.encode(text)) for j, (text, _) in enumerate(answers)])]
-        context = session.ids.numel()
-        scheduled = escalate and escalation.policy == "schedule" and (i + 1) % escalation.every == 0
-        reader = "target" if scheduled else "source"
-        record, ttft, same = switch(reader, user)
-        scores = _session_scores(session, reader, groups)
-        pick, confidence = _pick(scores, item)
-        if escalate and escalation.policy == "confidence" and confidence < escalation.threshold:
-            reader = "target"
-            record, ttft, same = switch(reader, [])
-            scores = _session_scores(session, reader, groups)
-            pick, _ = _pick(scores, item)
-        text, tail = chat.answer(item.continuations[pick].removeprefix(" "))
-        session.append(reader, torch.cat([run.encode(text), run.encode(tail)]))
-        handoff = record.sender is not None and record.sender != record.receiver
-        turns.append({"item": item, "reader": reader, "context": context, "turn": user.numel(), "groups": groups,
-                      "scores": scores, "ttft": ttft, "same_work": same, "handoff": handoff, "record": record})  # fmt: skip
-    return turns, checked
-
-
-def multiturn(
-    run: Run, data_root, tasks, limit, turns: int, escalation, split: str = "test"
-) -> tuple[list[dict], list[dict], int, list]:
-    """Conversations chained from each task's items: the routed session, the all-re-prefill session (same
-    escalation policy) and the source answering alone. Returns rows, routed records, turn count, and
-    (history, turn) ids of the first escalations (for the rollback replay)."""
-    rows, records, replays = [], [], []
-    chained = {task: conversations(data_root, task, limit, turns, split) for task in tasks}
-    for items in [c[0] for c in chained.values() if c][: run.warmup]:  # untimed: kernels, allocator
-        for kind in ("routed", "reprefill"):
-            _converse(run, run.session(kind), items, escalation, True)
-    run.warmed()
-    scored = 0  # conversations so far: every same_work_every-th is sampled
-    for task in tasks:
-        for n, items in enumerate(chained[task]):
-            began = time.perf_counter()
-            routed = run.session("routed")
-            mine, checked = _converse(run, routed, items, escalation, True, run.sampled(scored))
-            run.seconds["routed"] += time.perf_counter() - began - checked
-            scored += 1
-            began = time.perf_counter()
-            native, _ = _converse(run, run.session("reprefill"), items, escalation, True)
-            run.seconds["reprefill"] += time.perf_counter() - began
-            alone, _ = _converse(run, run.session("reprefill"), items, escalation, False)
-            records += [asdict(r) for r in routed.records]
-            run.items, run.tokens = run.items + len(items), run.tokens + routed.ids.numel()
-            for r, t, s in zip(mine, native, alone, strict=True):
-                scores = {"routed": r["scores"], "native_target": t["scores"], "native_source": s["scores"]}
-                ttft = {"routed": r["ttft"]} if r["handoff"] else {}
-                ttft |= {"same_work": r["same_work"]} if r["handoff"] and r["same_work"] is not None else {}
-                ttft |= {"reprefill": t["ttft"]} if t["handoff"] else {"hit": t["ttft"]} if t["context"] else {}
-                row = _row(r["item"], r["context"], r["turn"], r["groups"], scores, ttft, {}, r["record"])
-                rows.append(row | {"conversation": f"{task}#{n}", "escalated": r["reader"] == "target"})
-                if r["handoff"] and r["reader"] == "target" and len(replays) < 4:
-                    start = r["context"]
-                    replays.append((routed.ids[:start], routed.ids[start : start + r["turn"]]))
-    return rows, records, len(rows), replays
-
-
-def _overflowing(mapper: Mapper) -> Mapper:
-    """Finite coefficients that pass the artifact checks but overflow float32: non-finite mapped values."""
-    weight = mapper.weight_v.clone()
-    weight[-1] = 3e38
-    return replace(mapper, weight_v=weight)
-
-
-def rollback(
-    run: Run, mapper: Mapper, replays: list[tuple[torch.Tensor, torch.Tensor]], max_new_tokens: int, bind_args
-) -> dict[str, float]:
-    """Every refusal kind on the workload's own (history, turn) ids: the routed session must report it
-    (fallback_reprefill / unsupported) and then produce the greedy tokens and the target cache of a session that
-    never tried a transfer, bit for bit. `rollback.<kind>` and `rollback_verified` are 1.0 when every replay holds;
-    what failed is logged beside: `.refused` (every replay reported the refusal), `.tokens_equal`, `.cache_max_abs_diff`
-    (over replays and layers, inf when the lengths differ)."""
-    manifest = mapper.manifest
-    kinds = {  # kind → (mapper, policy overrides, poison the source's cache)
-        "artifact_mismatch": (replace(mapper, manifest=manifest | {"target_fingerprint": "0" * 64}), {}, False),
-        "nonfinite_map": (_overflowing(mapper), {}, False),
-        "nonfinite_source": (mapper, {}, True),
-        "beyond_length": (replace(mapper, manifest=manifest | {"calibration": {"seq_len": 1}}),
-                          {"max_length_factor": 1.0, "length_guard": "factor"}, False),  # also for a mapper with evidence
-        "failed_guard": (mapper, {"guard_max_abs": 0.0}, False),
-    }  # fmt: skip
-    source, target = run.models["source"], run.models["target"]
-    checks = {}
-    for kind, (broken, overrides, poison) in kinds.items():
-        route = {("source", "target"): bind(source, target, broken, *bind_args)}
-        held, refused, tokens_equal, diff = [], [], [], 0.0
-        for history, turn in replays:
-            outputs = []
-            if "routed" in run.open:  # the routed kind's engines go to this attempt
-                run.open.pop("routed").close()
-            attempt = Session(run.models, route, replace(run.policy, **overrides), engines=run.engines.get("routed"))
-            run.open["routed"] = attempt
-            for session in (attempt, run.session("reprefill")):
-                session.append("source", history)
-                if poison:
-                    session.cache("source", live=True).layers[0].keys[..., -1, 0] = float("nan")
-                record = session.switch_to("target", turn)
-                outputs.append((record, session.generate("target", [], max_new_tokens), session.cache("target")))
-            (record, tokens, cache), (_, reference, reference_cache) = outputs
-            gap = cache_max_abs_diff(cache, reference_cache)  # 0 exactly when every key and value is equal
-            refused.append(record.status != "applied")
-            tokens_equal.append(torch.equal(tokens, reference))
-            diff = max(diff, gap)
-            held.append(refused[-1] and tokens_equal[-1] and gap == 0.0)
-        checks[f"rollback.{kind}"] = float(bool(held) and all(held))
-        checks |= {
-            f"rollback.{kind}.refused": float(all(refused)),
-            f"rollback.{kind}.tokens_equal": float(all(tokens_equal)),
-            f"rollback.{kind}.cache_max_abs_diff": diff,
-        }
-    checks["rollback_verified"] = float(all(checks[f"rollback.{kind}"] == 1.0 for kind in kinds))
-    return checks

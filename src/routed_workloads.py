@@ -11,7 +11,8 @@ from dataclasses import dataclass, field
 import torch
 from omegaconf import DictConfig
 
-from src.routed_runs import Run, multiturn, single_turn, switches
+from src.routed_multiturn import multiturn
+from src.routed_runs import Run, single_turn, switches
 from src.workloads import Example, calibration_files, fewshot, passage
 
 

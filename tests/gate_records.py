@@ -1,4 +1,4 @@
-"""Hand-made routed runs for the gate's tests: item rows in the routed job's format (src/routed_runs.py `_row`), the
+"""Hand-made routed runs for the gate's tests: item rows in the routed job's format (src/routed_runs.py `item_row`), the
 handoff records beside them, and the metrics the routed job would log from them (src/routed.py), so that a test plants
 exactly one fault — a logged metric, a missing key, a re-run — into an otherwise consistent record."""
 

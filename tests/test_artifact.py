@@ -12,19 +12,8 @@ from conftest import calibration_ids, tiny
 from safetensors.torch import load_file, save
 
 from src.apply import KVTransfer
-from src.artifact import (
-    MANIFEST_FILE,
-    POINTER,
-    SCHEMA_VERSION,
-    TENSOR_FILE,
-    VERSION_MANIFEST,
-    ArtifactError,
-    Mapper,
-    artifact_exists,
-    load_mapper,
-    publish,
-    save_mapper,
-)
+from src.artifact import SCHEMA_VERSION, ArtifactError, Mapper, load_mapper, save_mapper
+from src.artifact_store import MANIFEST_FILE, POINTER, TENSOR_FILE, VERSION_MANIFEST, artifact_exists, publish
 from src.fit import fit_transfer
 from src.forward import prefill
 from src.maps import TransferError

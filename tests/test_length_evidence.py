@@ -17,18 +17,8 @@ import torch
 
 import src.pipeline
 import src.routed
-from src.artifact import (
-    EVIDENCE,
-    MANIFEST_FILE,
-    POINTER,
-    TENSOR_FILE,
-    ArtifactError,
-    EvidenceDroppedWarning,
-    load_mapper,
-    publish,
-    save_mapper,
-    verified_length,
-)
+from src.artifact import EVIDENCE, ArtifactError, EvidenceDroppedWarning, load_mapper, save_mapper, verified_length
+from src.artifact_store import MANIFEST_FILE, POINTER, TENSOR_FILE, publish
 from src.length_evidence import add_evidence, bins, evidence, main, table
 from src.records import ITEMS, RecordError, pack
 from src.runtime.routing import Policy, bind
@@ -57,7 +47,7 @@ def mapper_dir(pair, tmp_path):
 
 
 def item(index: int, history: int, routed_correct: bool = True, mapped: bool = True, task: str = "boolq") -> dict:
-    """One routed item row (src/routed_runs.py `_row`): the native target always right, the routed one as asked."""
+    """One routed item row (src/routed_runs.py `item_row`): the native target always right, the routed one as asked."""
     right, wrong = [[-0.1, 1.0], [-2.0, 0.0]], [[-2.0, 0.0], [-0.1, 1.0]]
     handoff = {"path": "map", "status": "applied"} if mapped else {"path": "reprefill", "status": "fallback_reprefill"}
     return {

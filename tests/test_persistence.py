@@ -17,18 +17,9 @@ from pathlib import Path
 import pytest
 import torch
 
-import src.artifact
-from src.artifact import (
-    LOAD_ATTEMPTS,
-    POINTER,
-    STAGING,
-    VERSIONS,
-    ArtifactError,
-    Mapper,
-    artifact_exists,
-    load_mapper,
-    save_mapper,
-)
+import src.artifact_store
+from src.artifact import ArtifactError, Mapper, load_mapper, save_mapper
+from src.artifact_store import LOAD_ATTEMPTS, POINTER, STAGING, VERSIONS, artifact_exists
 
 FORK = multiprocessing.get_context("fork")
 SHAPE = (4, 2, 128, 64)  # [L_t, H_t, p, d_t]: 256 KiB per weight tensor in float32
@@ -123,7 +114,7 @@ def test_a_save_between_a_loads_reads_never_mixes(tmp_path, monkeypatch):
 
     def read_then_save(path: Path) -> bytes:
         data = read_bytes(path)
-        names = (src.artifact.MANIFEST_FILE, src.artifact.VERSION_MANIFEST, src.artifact.TENSOR_FILE)
+        names = (src.artifact_store.MANIFEST_FILE, src.artifact_store.VERSION_MANIFEST, src.artifact_store.TENSOR_FILE)
         if path.name in names and len(saves) < 3:
             saves.append(path.name)
             save_mapper(_mapper(1 + len(saves) % 2, len(saves)), directory)  # writers 2, 1, 2
@@ -229,7 +220,7 @@ def test_layout_pointer_and_stable_names(tmp_path):
     for round_ in range(3):
         save_mapper(_mapper(3, round_), directory)
     assert (directory / POINTER).is_symlink() and os.readlink(directory / POINTER).startswith(f"{VERSIONS}/")
-    for name in (src.artifact.MANIFEST_FILE, src.artifact.TENSOR_FILE):
+    for name in (src.artifact_store.MANIFEST_FILE, src.artifact_store.TENSOR_FILE):
         assert (directory / name).is_symlink() and (directory / name).is_file()
     assert artifact_exists(directory)
     _assert_swept(directory)

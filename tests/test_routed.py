@@ -1,8 +1,8 @@
-"""The routed job (src/routed.py, src/routed_runs.py): on the exact pair (tests/exact_pair.py, both directions) the
-routed session's scores equal the all-re-prefill session's for every runner — and a wrong mapper's do not, so no
-native state leaks into the routed path —, the rollback replay verifies every refusal kind, the metrics are computed
-from the per-item rows, and `routed(cfg)` runs end to end on the tiny random pair into MLflow, where the gate refuses
-it (random weights carry no quality evidence)."""
+"""The routed job (src/routed.py, src/routed_runs.py, src/routed_multiturn.py, src/routed_rollback.py): on the exact
+pair (tests/exact_pair.py, both directions) the routed session's scores equal the all-re-prefill session's for every
+runner — and a wrong mapper's do not, so no native state leaks into the routed path —, the rollback replay verifies
+every refusal kind, the metrics are computed from the per-item rows, and `routed(cfg)` runs end to end on the tiny
+random pair into MLflow, where the gate refuses it (random weights carry no quality evidence)."""
 
 import copy
 import json
@@ -18,7 +18,9 @@ import yaml
 from omegaconf import OmegaConf
 
 from src.routed import handoffs, median_ci, paired_gain, quality, speedup_ci, timing
-from src.routed_runs import Run, bucket, multiturn, rollback, single_turn, switches
+from src.routed_multiturn import multiturn
+from src.routed_rollback import rollback
+from src.routed_runs import Run, bucket, single_turn, switches
 from src.runtime.routing import Policy, bind
 from src.tasks import Item, load_task
 from src.workloads import Bytes, Example
@@ -514,14 +516,14 @@ def _spied(monkeypatch) -> list[tuple[str, dict]]:
     """Every timed switch: (the session's policy mode, its handoff record)."""
     import src.routed_runs as runners
 
-    calls, honest = [], runners._first_token
+    calls, honest = [], runners.first_token
 
     def spy(session, receiver, turn):
         found = honest(session, receiver, turn)
         calls.append((session.policy.mode, asdict(found[0])))
         return found
 
-    monkeypatch.setattr(runners, "_first_token", spy)
+    monkeypatch.setattr(runners, "first_token", spy)
     return calls
 
 

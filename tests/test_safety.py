@@ -21,7 +21,8 @@ from hypothesis import strategies as st
 from transformers import DynamicCache, EncoderDecoderCache, StaticCache
 
 from src.apply import UNEXPECTED, KVTransfer
-from src.artifact import ArtifactError, Mapper, load_mapper, publish, save_mapper
+from src.artifact import ArtifactError, Mapper, load_mapper, save_mapper
+from src.artifact_store import publish
 from src.fit import fit_transfer
 from src.forward import prefill, prefill_layers
 from src.maps import TransferError, cache_layers

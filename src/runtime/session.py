@@ -212,8 +212,8 @@ class Session:
     def cache(self, model: str, live: bool = False) -> DynamicCache | None:
         """A copy of the model's cache (None before it read anything; on an engine, a DynamicCache of slots
         0..length − 1). `live=True` returns the session's own cache: whatever is done to it is done to the session
-        (src/routed_runs.py poisons a source cache through it; on an engine only in-place writes to its tensors, which
-        are views of the slots)."""
+        (src/routed_rollback.py poisons a source cache through it; on an engine only in-place writes to its tensors,
+        which are views of the slots)."""
         reader = self._reader(model)
         return reader.dynamic(reader.length, live)
 
