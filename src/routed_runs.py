@@ -38,7 +38,6 @@ from src.tasks import Item, choice_lengths
 from src.workloads import Example, chunks, shot_ids
 
 LENGTH_EDGES = (512, 2048, 8192, 32768)  # context-length buckets of refusals and TTFT (tokens)
-MODES = ("routed", "native_target", "native_source")
 # every timed step's attention backends: not cuDNN, whose SDPA builds a graph per new sequence length inside the clock
 # (torch prefers it on sm90 — an H100 paid ≈ 40 ms on each re-prefill of a length its process had not run, and the
 # same work, timed right after on that length, did not: results/gate-h100-2026-12-06, scripts/ttft_drift.py); a
