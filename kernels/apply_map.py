@@ -30,8 +30,9 @@ from types import SimpleNamespace
 
 import torch
 
+from kernels.apply_map_gemm import PackedMapper, gemm_unsupported, map_cache_gemm, packed_weights
 from src.artifact import Mapper
-from src.maps import LayerViews, layer_flags, layer_groups, map_layers, shares_heads, store_slots
+from src.maps import LayerViews, layer_groups, map_layers, set_flags, shares_heads, store_slots
 from src.rope import apply_rope, remove_rope
 
 try:
@@ -378,6 +379,7 @@ def map_cache(
     slots: torch.Tensor | None = None,
     beyond: torch.Tensor | None = None,
     bound: float | None = None,
+    packed: PackedMapper | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Source cache → target (keys, values), each [L_t, B, H_t, T, d_t] (`keys[ℓ]` is layer ℓ's cache): new contiguous
     tensors, or `out` — two [L_t, B, H_t, T, d_t] views with contiguous channels, or with `slots` [T] (long, on the
@@ -393,10 +395,12 @@ def map_cache(
     out_dtype: the target model's dtype (default: the source cache's). nonfinite: optional int32 [L_t], set to 1
     (0 otherwise) for every target layer with a non-finite mapped entry; beyond: optional int32 [L_t], set to 1 for
     every target layer with a finite |mapped entry| above `bound` (None: no bound). backend: "auto" (Triton where
-    supported, else the reference), "triton" (raise if unsupported) or "torch". precision: tl.dot input precision
-    for fp32 coefficients ("ieee", "tf32", "tf32x3"; default: follow torch.backends.cuda.matmul.allow_tf32)."""
-    if backend not in ("auto", "triton", "torch"):
-        raise ValueError(f"backend must be auto, triton or torch, not {backend!r}")
+    supported, else the reference), "triton" (raise if unsupported), "torch", or "gemm" (one GEMM per target head,
+    kernels/apply_map_gemm.py; `packed`: the mapper's `packed_weights`, held by the caller — packed per call without
+    it). precision: tl.dot input precision for fp32 coefficients ("ieee", "tf32", "tf32x3"; default: follow
+    torch.backends.cuda.matmul.allow_tf32)."""
+    if backend not in ("auto", "triton", "torch", "gemm"):
+        raise ValueError(f"backend must be auto, triton, torch or gemm, not {backend!r}")
     if nonfinite is not None and nonfinite.dtype != torch.int32:
         raise ValueError(f"nonfinite must be an int32 [L_t] tensor, not {nonfinite.dtype}")
     if beyond is not None and beyond.dtype != torch.int32:
@@ -411,9 +415,12 @@ def map_cache(
     reason = triton_unsupported(keys, mapper, source_cos, target_cos, (source_layout, target_layout))
     if backend == "triton" and reason is not None:
         raise ValueError(f"Triton path unavailable: {reason}")
-    if backend == "torch" or reason is not None or keys.shape[3] == 0:
+    if backend in ("torch", "gemm") or reason is not None or keys.shape[3] == 0:
         args = (source_cos, source_sin, target_cos, target_sin, source_layout, target_layout, out_dtype)
-        target_k, target_v = map_cache_ref(keys, source_values, mapper, *args, nonfinite, beyond, bound)
+        if backend == "gemm":
+            target_k, target_v = _map_gemm(keys, source_values, mapper, packed, reason, *args, nonfinite, beyond, bound)
+        else:
+            target_k, target_v = map_cache_ref(keys, source_values, mapper, *args, nonfinite, beyond, bound)
         if out is None:
             return target_k, target_v
         for destination, mapped in zip(views, (target_k, target_v), strict=True):
@@ -449,6 +456,43 @@ def map_cache(
     _map_component(content, mapper.weight_k, mapper.bias_k, mapper, rope, views[0], *common)
     _map_component(values, mapper.weight_v, mapper.bias_v, mapper, None, views[1], *common)
     return target_k, target_v
+
+
+def _map_gemm(
+    keys: torch.Tensor,
+    source_values: Layers,
+    mapper: Mapper,
+    packed: PackedMapper | None,
+    triton_reason: str | None,
+    source_cos: torch.Tensor,
+    source_sin: torch.Tensor,
+    target_cos: torch.Tensor,
+    target_sin: torch.Tensor,
+    source_layout: str,
+    target_layout: str,
+    out_dtype: torch.dtype,
+    nonfinite: torch.Tensor | None,
+    beyond: torch.Tensor | None,
+    bound: float | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`map_cache(backend="gemm")` into new tensors [L_t, B, H_t, T, d_t]: the keys de-RoPE'd (`derope_keys` where
+    Triton runs, else `remove_rope`, both rounded to the cache dtype), then `map_cache_gemm`. A ValueError naming why
+    where the mapper cannot run as one GEMM per head, or `packed` is not this mapper's shape."""
+    source_layers = keys.shape[0]
+    if reason := gemm_unsupported(mapper, source_layers):
+        raise ValueError(f"the gemm map cannot serve this mapper: {reason}")
+    target_layers, target_heads, width, d_t = mapper.weight_k.shape
+    expected = (target_heads, source_layers * width // mapper.source_layers.shape[1], target_layers * d_t)
+    packed = packed if packed is not None else packed_weights(mapper, source_layers)
+    if tuple(packed.weight_k.shape) != expected or tuple(packed.bias_k.shape) != (target_heads, target_layers, d_t):
+        raise ValueError(f"packed weights {tuple(packed.weight_k.shape)} are not this mapper's: expected {expected}")
+    if triton_reason is None:
+        compute = mapper.weight_k.dtype
+        content = derope_keys(keys, source_cos, source_sin, source_layout, compute)  # [L_s, B, H_s, T, d_s]
+    else:
+        content = remove_rope(keys, source_cos, source_sin, source_layout)  # [L_s, B, H_s, T, d_s]
+    args = (target_cos, target_sin, target_layout, out_dtype, nonfinite, beyond, bound)
+    return map_cache_gemm(content, _stacked(source_values), packed, *args)
 
 
 def _layer_views(out: Destination) -> LayerViews:
@@ -524,12 +568,7 @@ def map_cache_ref(
         mapped_k.append(apply_rope(to_cache(target_k), target_cos, target_sin, target_layout).to(out_dtype))
         mapped_v.append(to_cache(target_v).to(out_dtype))
     target_k, target_v = torch.cat(mapped_k), torch.cat(mapped_v)  # [L_t, B, H_t, T, d_t]
-    if nonfinite is not None or beyond is not None:
-        bad, peak = layer_flags(list(zip(target_k, target_v, strict=True)))  # [L_t, 2], [L_t]
-        if nonfinite is not None:
-            nonfinite.copy_(bad.any(1).to(nonfinite.dtype))
-        if beyond is not None:
-            beyond.copy_((peak > (float("inf") if bound is None else bound)).to(beyond.dtype))
+    set_flags(target_k, target_v, nonfinite, beyond, bound)
     return target_k, target_v
 
 

@@ -19,6 +19,7 @@ import torch
 from transformers import DynamicCache, PreTrainedModel
 
 from kernels.apply_map import map_cache
+from kernels.apply_map_gemm import packed_weights
 from src.artifact import Mapper
 from src.forward import ids_problem, prefill_layers
 from src.maps import (
@@ -37,7 +38,7 @@ from src.models import KVInterface
 from src.pair_check import ModelView, bound_mapper, check_pair
 from src.rope import apply_rope, remove_rope, rope_cos_sin
 
-BACKENDS = ("torch", "auto", "triton")  # apply paths: torch grouped GEMMs, or kernels/apply_map.py
+BACKENDS = ("torch", "auto", "triton", "gemm")  # torch grouped GEMMs, or kernels/apply_map.py (gemm: one GEMM per head)
 UNEXPECTED = "unexpected failure while mapping (a bug: please report it)"  # prefix of a refusal no check foresaw
 
 
@@ -66,10 +67,14 @@ class KVTransfer:
         self.device = next(target.parameters()).device
         self.dtype = next(target.parameters()).dtype
         self.vocab_size = target.get_input_embeddings().num_embeddings
-        if backend == "triton" and self.token_features:
-            raise ValueError("the Triton apply does not read token features; use apply_backend torch or auto")
+        if backend in ("triton", "gemm") and self.token_features:
+            raise ValueError(f"the {backend} apply does not read token features; use apply_backend torch or auto")
         self.backend = backend
         self.mapper = bound_mapper(mapper, self.device, compute_dtype)
+        source_layers = (
+            self.source_kv.num_layers
+        )  # the gemm map's coefficients, packed once (kernels/apply_map_gemm.py)
+        self.packed = packed_weights(self.mapper, source_layers) if backend == "gemm" else None
         self.shared_heads = shares_heads(mapper)
 
     def check_cache(self, layers: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> tuple[int, int]:
@@ -333,6 +338,7 @@ class KVTransfer:
                 backend=self.backend,
                 out=out,
                 slots=slots,
+                packed=self.packed,
             )  # [L_t, B, H_t, T, d_t] each, or `out`
         except ValueError as refusal:  # map_cache refuses inputs its backend cannot run (e.g. Triton on CPU)
             raise TransferError(str(refusal)) from refusal

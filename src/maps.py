@@ -127,6 +127,24 @@ def layer_flags(layers: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> tuple[to
     return ~finite, torch.where(finite, peaks, 0.0).amax(1)  # [L, 2], [L]
 
 
+def set_flags(
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    nonfinite: torch.Tensor | None,
+    beyond: torch.Tensor | None,
+    bound: float | None,
+) -> None:
+    """A torch map's flags, in place on the device: nonfinite [L_t] 1 where layer ℓ of keys / values [L_t, ...] holds
+    NaN or Inf, beyond [L_t] 1 where its largest finite |entry| exceeds `bound` (None: no bound); either may be None."""
+    if nonfinite is None and beyond is None:
+        return
+    bad, peak = layer_flags(list(zip(keys, values, strict=True)))  # [L_t, 2], [L_t]
+    if nonfinite is not None:
+        nonfinite.copy_(bad.any(1).to(nonfinite.dtype))
+    if beyond is not None:
+        beyond.copy_((peak > (float("inf") if bound is None else bound)).to(beyond.dtype))
+
+
 MAPPABLE_LAYERS = (DynamicLayer, DynamicSlidingWindowLayer)  # cache layer types whose (keys, values) are the cache
 
 

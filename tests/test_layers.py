@@ -42,6 +42,7 @@ FLOORS = [
         "src.probe",
         "src.synthetic",
         "kernels.apply_map",
+        "kernels.apply_map_gemm",  # the map as one GEMM per target head (map_cache's backend "gemm")
         "kernels.turn_attention",
         "kernels.rms_norm",
         "kernels.rope_write",
