@@ -127,7 +127,7 @@ def map_cache_gemm(
     ):
         a = head_rows(rows.to(weight.dtype), packed.head_index)  # [H_t, B·T, L_s·f·d_s]
         y = _gemm(a, weight).view(target_heads, batch, seq, target_layers, d_t)  # [H_t, B, T, L_t, d_t]
-        y = (y + bias[:, None, None].to(y.dtype)).permute(3, 1, 0, 2, 4)  # [L_t, B, H_t, T, d_t], a view
+        y = y.add_(bias[:, None, None].to(y.dtype)).permute(3, 1, 0, 2, 4)  # [L_t, B, H_t, T, d_t], a view
         if rotary:
             y = apply_rope(y, target_cos, target_sin, target_layout)  # [L_t, B, H_t, T, d_t]
         mapped.append(y.to(out_dtype).contiguous())  # [L_t, B, H_t, T, d_t]

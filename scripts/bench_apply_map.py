@@ -1,6 +1,7 @@
 """Mapper application at a pair's KV shapes (Qwen3-14B → 32B; --shapes coder: Qwen2.5-Coder 0.5B → 1.5B): the
 reference (the `src.apply.map_layers` path of KVTransfer) vs the fused Triton path (`kernels.apply_map.map_cache`)
-and the same under a CUDA graph, per support and prefix.
+and the same under a CUDA graph, per support and prefix; with `--backends gemm`, also the map as one GEMM per target
+head (`map_cache(backend="gemm")`, its coefficients packed once per mapper, kernels/apply_map_gemm.py) and its graph.
 
 Random source caches and random coefficients of the exact shapes — timing, memory and numerics only. Rotary
 tables come from `transformers.Qwen3Config` (the real 14B / 32B sizes) through its rotary embedding class; no
@@ -9,7 +10,10 @@ the per-layer finiteness KVTransfer checks. Standalone: torch, triton, transform
 
     python scripts/bench_apply_map.py --out apply_map.json          # one H200: ≈ 1 min
     python scripts/bench_apply_map.py --shapes coder --k 24 --supports local --prefix 2048 8192 16384 --out coder.json
-    python scripts/bench_apply_map.py --quick --out /tmp/apply.json  # CPU smoke (tiny shapes, reference only)
+    python scripts/bench_apply_map.py --shapes coder --k 24 --supports local --prefix 8192 16384 --backends triton gemm \
+        --out coder_gemm.json
+    python scripts/bench_apply_map.py --quick --out /tmp/apply.json  # CPU smoke: tiny shapes, reference and gemm
+                                                                     # (checked against the reference)
 """
 
 import argparse
@@ -37,6 +41,7 @@ from kernels.apply_map import (  # noqa: E402
     map_cache_ref,
     triton_unsupported,
 )
+from kernels.apply_map_gemm import PackedMapper, gemm_worthwhile, packed_weights  # noqa: E402
 from src.artifact import Mapper  # noqa: E402
 from src.rope import remove_rope, rope_cos_sin  # noqa: E402
 from src.select import depth_layers  # noqa: E402
@@ -74,6 +79,7 @@ SWEEP = {  # candidate `_map_kernel` tiles (block_m, block_k, num_warps, num_sta
     ],
     torch.float32: [(128, 32, 8, 3), (128, 32, 8, 2), (64, 32, 4, 3)],
 }
+TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 2**-6}  # --quick: max |Δ| / max |reference| of every path
 
 
 def qwen3_config(kv_sizes: dict) -> Qwen3Config:
@@ -138,13 +144,15 @@ def peak_extra_bytes(fn: Callable[[], object], cuda: bool) -> int | None:
 
 
 def work(mapper: Mapper, source: Qwen3Config, batch: int, seq: int, cache_bytes: int) -> dict[str, float]:
-    """Arithmetic (2 FLOP per MAC, K and V) and the minimum HBM traffic: source K/V + coefficients + target K/V."""
+    """Arithmetic (2 FLOP per MAC, K and V) and the minimum HBM traffic: source K/V + coefficients + target K/V;
+    `gemm_flop`: what the one-GEMM form multiplies (every source layer per target layer: L_s / k times `flop`)."""
     target_layers, target_heads, width, d_t = mapper.weight_k.shape
     flops = 2 * 2 * target_layers * target_heads * batch * seq * width * d_t
+    gemm_flops = flops * source.num_hidden_layers // mapper.source_layers.shape[1]
     source_bytes = 2 * source.num_hidden_layers * batch * source.num_key_value_heads * seq * source.head_dim
     coefficients = 2 * (mapper.weight_k.numel() + mapper.bias_k.numel()) * mapper.weight_k.element_size()
     target_bytes = 2 * target_layers * batch * target_heads * seq * d_t
-    return {"flop": flops, "bytes": (source_bytes + target_bytes) * cache_bytes + coefficients}
+    return {"flop": flops, "gemm_flop": gemm_flops, "bytes": (source_bytes + target_bytes) * cache_bytes + coefficients}
 
 
 def errors(ours, reference) -> dict[str, float]:
@@ -206,8 +214,18 @@ def measure(paths: dict[str, Callable], amount: dict, peak_tflops: float, args, 
     return rows, outputs
 
 
-def bench_prefix(args, source, target, mapper: Mapper, rotary: dict, seq: int, tuned: KernelConfig | None) -> dict:
-    """All paths at one prefix; sweeps the tiles first when `tuned` is None and the sweep is on."""
+def bench_prefix(
+    args,
+    source,
+    target,
+    mapper: Mapper,
+    packed: PackedMapper | None,
+    rotary: dict,
+    seq: int,
+    tuned: KernelConfig | None,
+) -> dict:
+    """All paths at one prefix (the gemm ones with `packed`); sweeps the tiles first when `tuned` is None and the
+    sweep is on."""
     device = mapper.weight_k.device
     cuda, compute, cache = device.type == "cuda", mapper.weight_k.dtype, getattr(torch, args.cache_dtype)
     positions = torch.arange(seq, device=device)
@@ -220,8 +238,8 @@ def bench_prefix(args, source, target, mapper: Mapper, rotary: dict, seq: int, t
     options = {"nonfinite": flags, "precision": args.precision}  # Triton paths
     paths = {"reference": lambda: map_cache_ref(*call, nonfinite=flags)}
     reason = triton_unsupported(keys[0], mapper, tables[0], tables[2], ("half", "half"))
-    sweep = {}
-    if reason is None:
+    sweep, graph_errors = {}, {}
+    if "triton" in args.backends and reason is None:
         default = default_config(seq, compute)
         if tuned is None and not args.no_sweep:
             tuned, sweep = sweep_tiles(call, options, compute, cuda)
@@ -231,6 +249,15 @@ def bench_prefix(args, source, target, mapper: Mapper, rotary: dict, seq: int, t
         if cuda and not args.no_graph:
             graph = CapturedMapCache(*call, **options, config=tuned or default)
             paths["triton_graph"] = lambda: graph(keys, values)
+    if packed is not None:
+        gemm = {"nonfinite": flags, "backend": "gemm", "packed": packed}
+        paths["gemm"] = lambda: map_cache(*call, **gemm)
+        if cuda and not args.no_graph:
+            try:  # a capture this torch cannot make is a result too (the eager path is still timed)
+                gemm_graph = CapturedMapCache(*call, **gemm)
+                paths["gemm_graph"] = lambda: gemm_graph(keys, values)
+            except Exception as error:
+                graph_errors["gemm_graph"] = f"{type(error).__name__}: {str(error)[:200]}"
     amount = work(mapper, source, args.batch, seq, cache.itemsize)
     peak = PEAK["tf32_dense_tflops" if compute == torch.float32 else "bf16_dense_tflops"]
     rows, outputs = measure(paths, amount, peak, args, cuda)
@@ -242,7 +269,12 @@ def bench_prefix(args, source, target, mapper: Mapper, rotary: dict, seq: int, t
             path, metric = key.split("_rel_err_vs_fp64_")
             rows[path][f"rel_err_vs_fp64_{metric}"] = value
     nonfinite = int(flags.sum())  # set by the last path measured; random finite data → 0
+    if args.quick and (
+        failed := [n for n, r in rows.items() if max(r["max_rel_err_k"], r["max_rel_err_v"]) > TOLERANCE[compute]]
+    ):
+        raise SystemExit(f"--quick: {failed} differ from the reference by more than {TOLERANCE[compute]:.1e}")
     return {"work": amount, "paths": rows, "nonfinite_layers": nonfinite, "triton_unsupported": reason} | {
+        "graph_errors": graph_errors,
         "sweep": sweep,
         "tuned": tuned,
     }
@@ -251,10 +283,11 @@ def bench_prefix(args, source, target, mapper: Mapper, rotary: dict, seq: int, t
 def bench_support(args, source, target, support: str, device: str) -> dict:
     compute = getattr(torch, args.compute_dtype)
     mapper = random_mapper(source, target, support, args.k, compute, device)
+    packed = packed_weights(mapper, source.num_hidden_layers) if "gemm" in args.backends else None  # once per mapper
     rotary = {role: Qwen3RotaryEmbedding(config).to(device) for role, config in (("s", source), ("t", target))}
     results, tuned, sweep = {}, None, {}
     for seq in sorted(args.prefix, reverse=True):  # the longest first: it runs the tile sweep
-        result = bench_prefix(args, source, target, mapper, rotary, seq, tuned)
+        result = bench_prefix(args, source, target, mapper, packed, rotary, seq, tuned)
         tuned, swept = result.pop("tuned"), result.pop("sweep")
         sweep = sweep or swept
         results[str(seq)] = result
@@ -267,6 +300,7 @@ def bench_support(args, source, target, support: str, device: str) -> dict:
             torch.cuda.empty_cache()
     return {
         "prefixes": results,
+        "gemm_worthwhile": gemm_worthwhile(mapper, source.num_hidden_layers),
         "sweep_at": max(args.prefix),
         "sweep": sweep,
         "tuned_config": asdict(tuned) if tuned else None,
@@ -286,6 +320,8 @@ def main() -> None:
     parser.add_argument("--compute-dtype", default="bfloat16", choices=["bfloat16", "float32"])
     parser.add_argument("--precision", choices=["ieee", "tf32", "tf32x3"], help="tl.dot precision, fp32 coefficients")
     parser.add_argument("--cache-dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    parser.add_argument("--backends", nargs="+", default=["triton"], choices=["triton", "gemm"],
+                        help="map_cache paths timed beside the reference (gemm: one GEMM per target head)")  # fmt: skip
     parser.add_argument("--no-sweep", action="store_true", help="skip the tile sweep at the longest prefix")
     parser.add_argument("--no-graph", action="store_true", help="skip the CUDA-graph path")
     parser.add_argument("--no-exact", action="store_true", help="skip the fp64 error check")
@@ -294,13 +330,15 @@ def main() -> None:
     args = parser.parse_args()
     if args.quick:
         args.prefix, args.reps, args.warmup, args.k, args.no_sweep = [16, 40], 3, 1, 2, True
+        args.backends = sorted({*args.backends, "gemm"})
     device = "cuda" if torch.cuda.is_available() else "cpu"
     if device == "cpu" and not args.quick:
         parser.error("the full benchmark needs CUDA; use --quick for a CPU smoke run")
     source, target = (qwen3_config(role) for role in SHAPES["tiny" if args.quick else args.shapes])
     torch.manual_seed(0)
     report = {
-        "what": "mapper application: reference (src.apply.map_layers path) vs fused Triton; random data, timing only",
+        "what": "mapper application: reference (src.apply.map_layers path) vs fused Triton and gemm; random data, timing "
+        "only",
         "shapes": {
             role: {"layers": c.num_hidden_layers, "kv_heads": c.num_key_value_heads, "head_dim": c.head_dim}
             for role, c in (("source", source), ("target", target))
