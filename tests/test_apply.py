@@ -224,8 +224,9 @@ def test_token_feature_mapper_needs_the_prefix_ids():
 def test_token_feature_mapper_refuses_triton_and_a_narrow_artifact():
     transfer = _token_transfer("qwen2")
     model = transfer.target
-    with pytest.raises(ValueError, match="Triton apply does not read token features"):
-        KVTransfer(transfer.mapper, model, model, vocabulary_hash(model), backend="triton")
+    for backend in ("triton", "gemm"):
+        with pytest.raises(ValueError, match=f"{backend} apply does not read token features"):
+            KVTransfer(transfer.mapper, model, model, vocabulary_hash(model), backend=backend)
     plain = _self_transfer("qwen2").mapper
     claims_tokens = replace(plain, manifest=dict(plain.manifest, token_features=True))
     with pytest.raises(
