@@ -479,7 +479,7 @@ def _map_gemm(
     Triton runs, else `remove_rope`, both rounded to the cache dtype), then `map_cache_gemm`. A ValueError naming why
     where the mapper cannot run as one GEMM per head, or `packed` is not this mapper's shape."""
     source_layers = keys.shape[0]
-    if reason := gemm_unsupported(mapper, source_layers):
+    if reason := gemm_unsupported(mapper):
         raise ValueError(f"the gemm map cannot serve this mapper: {reason}")
     target_layers, target_heads, width, d_t = mapper.weight_k.shape
     expected = (target_heads, source_layers * width // mapper.source_layers.shape[1], target_layers * d_t)

@@ -49,13 +49,11 @@ def gemm_worthwhile(mapper: Mapper, source_layer_count: int) -> bool:
     return mapper.source_layers.shape[1] >= WORTHWHILE * source_layer_count
 
 
-def gemm_unsupported(mapper: Mapper, source_layer_count: int) -> str | None:
-    """Why this mapper cannot run as one GEMM per head (None: it can)."""
+def gemm_unsupported(mapper: Mapper) -> str | None:
+    """Why this mapper cannot run as one GEMM per head (None: it can). Reads nothing on the device: a call under CUDA
+    graph capture asks too."""
     if mapper.token_features:
         return "the mapper reads the target's token features (its designs are not source rows alone)"
-    layers = mapper.source_layers
-    if layers.numel() and not (0 <= int(layers.min()) and int(layers.max()) < source_layer_count):
-        return f"source_layers index outside 0..{source_layer_count - 1}"
     return None
 
 
@@ -63,8 +61,12 @@ def gemm_unsupported(mapper: Mapper, source_layer_count: int) -> str | None:
 def packed_weights(mapper: Mapper, source_layer_count: int) -> PackedMapper:
     """W_h [H_t, L_s·f·d_s, L_t·d_t]: target layer ℓ's W_ℓh rows of selected block j (source layer S_ℓ[j]) land in
     the rows of source layer S_ℓ[j], columns ℓ·d_t..(ℓ+1)·d_t (a layer selected twice adds up: both read the same
-    rows); b_h [H_t, L_t, d_t]. Pure; on the mapper's device and dtype. Compute once per mapper and keep it."""
-    if reason := gemm_unsupported(mapper, source_layer_count):
+    rows); b_h [H_t, L_t, d_t]. Pure; on the mapper's device and dtype; reads S_ℓ's range on the host. Compute once per
+    mapper and keep it."""
+    layers = mapper.source_layers  # [L_t, k]
+    if layers.numel() and not (0 <= int(layers.min()) and int(layers.max()) < source_layer_count):
+        raise ValueError(f"the gemm map cannot serve this mapper: source_layers outside 0..{source_layer_count - 1}")
+    if reason := gemm_unsupported(mapper):
         raise ValueError(f"the gemm map cannot serve this mapper: {reason}")
     target_layers, target_heads, width, d_t = mapper.weight_k.shape
     selected = mapper.source_layers.shape[1]
