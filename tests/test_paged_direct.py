@@ -20,10 +20,12 @@ import pytest
 import torch
 
 from kernels.apply_map import HAVE_TRITON
+from kernels.apply_map_gemm import packed_weights
 from src.maps import LayerViews
 from src.models import describe_kv
 from src.pair_check import bound_mapper
 from src.rope import RopeTable
+from src.serving import routes
 from src.serving.config import connector_config
 from src.serving.paged import Writer, read_slots, slots_for, stack_layers, write_mapped, write_slots
 from src.serving.routes import Bound, LoadFlags, load_refusal
@@ -32,7 +34,7 @@ from tests.exact_pair import exact_pair
 from tests.test_kernels_apply import interpreted, uneven  # noqa: F401  (the fixture)
 from tests.test_vllm_parts import _Layer, _stacked_caches, needs_vllm
 
-BACKENDS = ["torch", pytest.param("triton", marks=pytest.mark.skipif(not HAVE_TRITON, reason="needs triton"))]
+BACKENDS = ["torch", "gemm", pytest.param("triton", marks=pytest.mark.skipif(not HAVE_TRITON, reason="needs triton"))]
 HEADS = slice(1, 2)  # rank 1 of 2: the worker maps target head 1 of 2
 SLOTS = slots_for([3, 1], 32, 0, 40)  # [40]: a span of 40 tokens in blocks 3, then 1 (of 4 blocks of 32)
 START = 32  # the span's first position
@@ -201,9 +203,23 @@ def test_the_guard_flags_a_mapped_value_past_it_and_the_check_refuses_naming_it(
         if refused:
             assert reason.startswith("guard: mapped |K|, |V| of target layer ") and f"exceed {guard:g}" in reason
     poisoned = values.clone()
-    poisoned[1, 1, 4, 2] = float("nan")  # source layer 1 feeds target layer 1
-    nonfinite, beyond = route.map_into(keys, poisoned, START, HEADS, direct, slots, 1e6)
-    assert load_refusal(nonfinite, beyond, None, 1e6) == "mapped target layer 1 is not finite"
+    poisoned[1, 1, 4, 2] = float("nan")  # source layer 1 feeds target layer 1 (in the gemm form every target layer:
+    nonfinite, beyond = route.map_into(keys, poisoned, START, HEADS, direct, slots, 1e6)  # its zero rows · NaN = NaN)
+    first = 0 if name == "gemm" else 1
+    assert load_refusal(nonfinite, beyond, None, 1e6) == f"mapped target layer {first} is not finite"
+
+
+def test_the_gemm_route_packs_the_workers_heads_once_and_maps_what_the_torch_route_maps(pair, monkeypatch):
+    """Backend "gemm" on a worker: its heads' weights packed at the first handoff only, the same map as "torch"."""
+    packings = []
+    monkeypatch.setattr(routes, "packed_weights", lambda *a: packings.append(a) or packed_weights(*a))
+    gemm, reference, (keys, values) = _route(pair, "gemm"), _route(pair, "torch"), _span()
+    for start in (START, 0):
+        ours, theirs = gemm.map(keys, values, start, HEADS, torch.float32), reference.map(keys, values, start, HEADS,
+                                                                                           torch.float32)  # fmt: skip
+        for a, b in zip(ours, theirs, strict=True):
+            torch.testing.assert_close(a.float(), b.float(), rtol=1e-5, atol=1e-5)
+    assert len(packings) == 1 and list(gemm.packed) == [(HEADS.start, HEADS.stop)]
 
 
 def test_the_refusal_reads_the_flags_of_either_path():

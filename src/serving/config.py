@@ -8,7 +8,7 @@
         "policy": {"levers": {"hold_back": 16}},  # over conf/policy/default.yaml (mode, levers, guards)
         "fingerprint_dtype": "float32",     # the dtype the mapper's pair was fingerprinted in (its fit's pair.dtype)
         "compute_dtype": "float32",         # the map's coefficients (KVTransfer's compute_dtype)
-        "apply_backend": "torch",           # torch | auto | triton (kernels/apply_map.py)
+        "apply_backend": "torch",           # torch | auto | triton | gemm (kernels/apply_map.py)
         "keep_exports": 16,                 # a sender keeps its newest exports, removes older ones
         "paged_writer": "backend",          # backend | stacked (FlashAttention: the map stores into the blocks)
     }

@@ -20,13 +20,14 @@ source head per target head, so with a sender of the same TP degree a rank could
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 from transformers import PreTrainedModel
 
 from kernels.apply_map import map_cache
+from kernels.apply_map_gemm import PackedMapper, packed_weights
 from src.artifact import Mapper, length_evidence, load_mapper
 from src.maps import LayerViews
 from src.model_identity import NotStreamable, skeleton, streamed_identity
@@ -117,6 +118,9 @@ class Bound:
     source_rope: RopeTable  # the sender's rotary module, its cos / sin tabled once (src/rope.py)
     target_rope: RopeTable
     backend: str
+    packed: dict[tuple[int, int], PackedMapper] = field(
+        default_factory=dict, compare=False
+    )  # backend "gemm": per heads
 
     def map(
         self, keys: torch.Tensor, values: torch.Tensor, start: int, heads: slice, out_dtype: torch.dtype
@@ -167,12 +171,17 @@ class Bound:
         source_cos, source_sin = self.source_rope.at(start, count, device)
         target_cos, target_sin = self.target_rope.at(start, count, device)
         nonfinite, beyond = (torch.zeros(m.weight_k.shape[0], dtype=torch.int32, device=device) for _ in range(2))
+        packed = None
+        if self.backend == "gemm":  # the worker's heads packed once (kernels/apply_map_gemm.py), not per handoff
+            if (heads.start, heads.stop) not in self.packed:
+                self.packed[heads.start, heads.stop] = packed_weights(own, keys.shape[0])
+            packed = self.packed[heads.start, heads.stop]
         mapped = map_cache(
             keys[:, None].to(device), values[:, None].to(device), own,  # [L_s, 1, H_s, n, d_s]
             source_cos, source_sin, target_cos, target_sin,
             self.source_kv.rope_layout, self.target_kv.rope_layout, out_dtype,
             nonfinite=nonfinite, backend=self.backend, out=out, slots=slots,
-            beyond=None if guard is None else beyond, bound=guard,
+            beyond=None if guard is None else beyond, bound=guard, packed=packed,
         )  # fmt: skip
         return mapped, nonfinite, beyond
 
