@@ -30,7 +30,8 @@ from types import SimpleNamespace
 
 import torch
 
-from kernels.apply_map_gemm import PackedMapper, gemm_unsupported, map_cache_gemm, packed_weights
+from kernels.apply_map_epilogue import pow2, rope_pairs, rope_table, store_mapped
+from kernels.apply_map_gemm import PackedMapper, gemm_unsupported, head_products, map_cache_gemm, packed_weights
 from src.artifact import Mapper
 from src.maps import LayerViews, layer_groups, map_layers, set_flags, shares_heads, store_slots
 from src.rope import apply_rope, remove_rope
@@ -246,23 +247,6 @@ def _stacked(layers: Layers) -> torch.Tensor:
     return x if x.stride(-1) == 1 else x.contiguous()
 
 
-def _rope_table(cos: torch.Tensor, seq: int) -> tuple[torch.Tensor, int]:
-    """cos [B or 1, 1, T, rope_dim] (src.rope.rope_cos_sin) or [T, rope_dim] → fp32 [B or 1, T, rope_dim], batch stride."""
-    table = cos.float().reshape(-1, seq, cos.shape[-1]).contiguous()  # [B or 1, T, rope_dim]
-    return table, (0 if table.shape[0] == 1 else table.stride(0))
-
-
-def _pairs(layout: str, half: int) -> dict[str, int]:
-    """Channel offsets of RoPE pair i (lo = i·S_LO, hi = lo + D_HI) and the cos column of its hi member."""
-    if layout == "half":
-        return dict(S_LO=1, D_HI=half, COS_HI=half)
-    return dict(S_LO=2, D_HI=1, COS_HI=0)  # src.rope._interleave: pair i uses cos[..., i] for both members
-
-
-def _pow2(n: int, floor: int = 16) -> int:
-    return max(floor, triton.next_power_of_2(n)) if n > 0 else 0
-
-
 def triton_unsupported(
     source_keys: torch.Tensor, mapper: Mapper, source_cos: torch.Tensor, target_cos: torch.Tensor, layouts: tuple
 ) -> str | None:
@@ -288,16 +272,16 @@ def derope_keys(
 ) -> torch.Tensor:
     """Triton `remove_rope` of stacked keys [L_s, B, H_s, T, d_s] → content keys [L_s, B, H_s, T, d_s] in dtype."""
     num_layers, batch, heads, seq, head_dim = keys.shape
-    cos, stride = _rope_table(cos, seq)  # [B or 1, T, rope_dim]
-    sin, _ = _rope_table(sin, seq)
+    cos, stride = rope_table(cos, seq)  # [B or 1, T, rope_dim]
+    sin, _ = rope_table(sin, seq)
     half = cos.shape[-1] // 2
     out = torch.empty(keys.shape, dtype=dtype, device=keys.device)  # [L_s, B, H_s, T, d_s]
     block_t = DEROPE_BLOCK_T
     grid = (num_layers * batch * heads, triton.cdiv(seq, block_t))
     _jit("derope", _interpreting())[grid](
         keys, out, cos, sin, seq, batch, heads, *keys.stride()[:4], stride,
-        HALF=half, HEAD_DIM=head_dim, **_pairs(layout, half),
-        BLOCK_T=block_t, BLOCK_HALF=_pow2(half), BLOCK_PASS=_pow2(head_dim - 2 * half),
+        HALF=half, HEAD_DIM=head_dim, **rope_pairs(layout, half),
+        BLOCK_T=block_t, BLOCK_HALF=pow2(half), BLOCK_PASS=pow2(head_dim - 2 * half),
         num_warps=4,
     )  # fmt: skip
     return out
@@ -329,8 +313,8 @@ def _map_component(
     base = out.base  # [B or N_blocks, H_t, T or block_size, d_t]: layer 0's; layer ℓ at out.offsets[ℓ] from it
     cos, sin, layout = rope if rope is not None else (base, base, "half")  # dummies: never read without ROPE
     if rope is not None:
-        cos, stride = _rope_table(cos, seq)  # [B or 1, T, d_t]
-        sin, _ = _rope_table(sin, seq)
+        cos, stride = rope_table(cos, seq)  # [B or 1, T, d_t]
+        sin, _ = rope_table(sin, seq)
     else:
         stride = 0
     block_k = min(config.block_k, d_s & -d_s)  # the largest power of two dividing d_s (≥ 16)
@@ -346,11 +330,11 @@ def _map_component(
         slots if slots is not None else layers, bound, block_size, seq, batch, target_heads, *x.stride()[:4], stride,
         *base.stride()[:3],
         K_SEL=layers.shape[1], FAN_IN=heads.shape[1], D_S=d_s, D_T=d_t, HALF=half,
-        **_pairs(layout, half), ROPE=rope is not None, CHECK=flags is not None, SLOTS=slots is not None,
+        **rope_pairs(layout, half), ROPE=rope is not None, CHECK=flags is not None, SLOTS=slots is not None,
         PRECISION=precision,
         UPCAST=interpret and weight.dtype != torch.float32,
         LAYERS_INNER=config.layers_inner,
-        BLOCK_M=config.block_m, BLOCK_K=block_k, BLOCK_HALF=_pow2(half),
+        BLOCK_M=config.block_m, BLOCK_K=block_k, BLOCK_HALF=pow2(half),
         num_warps=config.num_warps, num_stages=config.num_stages,
     )  # fmt: skip
 
@@ -396,7 +380,8 @@ def map_cache(
     (0 otherwise) for every target layer with a non-finite mapped entry; beyond: optional int32 [L_t], set to 1 for
     every target layer with a finite |mapped entry| above `bound` (None: no bound). backend: "auto" (Triton where
     supported, else the reference), "triton" (raise if unsupported), "torch", or "gemm" (one GEMM per target head,
-    kernels/apply_map_gemm.py; `packed`: the mapper's `packed_weights`, held by the caller — packed per call without
+    kernels/apply_map_gemm.py, finished where Triton runs by the epilogue kernel of kernels/apply_map_epilogue.py,
+    elsewhere in torch; `packed`: the mapper's `packed_weights`, held by the caller — packed per call without
     it). precision: tl.dot input precision for fp32 coefficients ("ieee", "tf32", "tf32x3"; default: follow
     torch.backends.cuda.matmul.allow_tf32)."""
     if backend not in ("auto", "triton", "torch", "gemm"):
@@ -415,7 +400,10 @@ def map_cache(
     reason = triton_unsupported(keys, mapper, source_cos, target_cos, (source_layout, target_layout))
     if backend == "triton" and reason is not None:
         raise ValueError(f"Triton path unavailable: {reason}")
-    if backend in ("torch", "gemm") or reason is not None or keys.shape[3] == 0:
+    fused_gemm = backend == "gemm" and reason is None and keys.shape[3] > 0  # the GEMMs, then `store_mapped`
+    if fused_gemm:
+        packed = _packed(mapper, packed, keys.shape[0])  # its refusals before anything is written
+    if (backend in ("torch", "gemm") or reason is not None or keys.shape[3] == 0) and not fused_gemm:
         args = (source_cos, source_sin, target_cos, target_sin, source_layout, target_layout, out_dtype)
         if backend == "gemm":
             target_k, target_v = _map_gemm(keys, source_values, mapper, packed, reason, *args, nonfinite, beyond, bound)
@@ -442,8 +430,6 @@ def map_cache(
         target_k = torch.empty(shape, dtype=out_dtype, device=keys.device)  # [L_t, B, H_t, T, d_t]
         target_v = torch.empty(shape, dtype=out_dtype, device=keys.device)  # [L_t, B, H_t, T, d_t]
         views = (LayerViews.stacked(target_k), LayerViews.stacked(target_v))
-    else:
-        target_k, target_v = out
     rope = (target_cos, target_sin, target_layout)
     flags = None
     if nonfinite is not None or beyond is not None:
@@ -452,10 +438,15 @@ def map_cache(
             for given in (nonfinite, beyond)
         )  # [L_t] each
         flags = (nonfinite, beyond, float("inf") if bound is None else float(bound))
-    common = (flags, slots, config, precision)
-    _map_component(content, mapper.weight_k, mapper.bias_k, mapper, rope, views[0], *common)
-    _map_component(values, mapper.weight_v, mapper.bias_v, mapper, None, views[1], *common)
-    return target_k, target_v
+    if fused_gemm:
+        mapped = head_products(content, values, packed)  # Y_K, Y_V [H_t, B·T, L_t·d_t]
+        store_mapped(mapped[0], packed.bias_k, batch, rope, views[0], flags, slots)
+        store_mapped(mapped[1], packed.bias_v, batch, None, views[1], flags, slots)
+    else:
+        common = (flags, slots, config, precision)
+        _map_component(content, mapper.weight_k, mapper.bias_k, mapper, rope, views[0], *common)
+        _map_component(values, mapper.weight_v, mapper.bias_v, mapper, None, views[1], *common)
+    return (target_k, target_v) if out is None else out
 
 
 def _map_gemm(
@@ -478,14 +469,7 @@ def _map_gemm(
     """`map_cache(backend="gemm")` into new tensors [L_t, B, H_t, T, d_t]: the keys de-RoPE'd (`derope_keys` where
     Triton runs, else `remove_rope`, both rounded to the cache dtype), then `map_cache_gemm`. A ValueError naming why
     where the mapper cannot run as one GEMM per head, or `packed` is not this mapper's shape."""
-    source_layers = keys.shape[0]
-    if reason := gemm_unsupported(mapper):
-        raise ValueError(f"the gemm map cannot serve this mapper: {reason}")
-    target_layers, target_heads, width, d_t = mapper.weight_k.shape
-    expected = (target_heads, source_layers * width // mapper.source_layers.shape[1], target_layers * d_t)
-    packed = packed if packed is not None else packed_weights(mapper, source_layers)
-    if tuple(packed.weight_k.shape) != expected or tuple(packed.bias_k.shape) != (target_heads, target_layers, d_t):
-        raise ValueError(f"packed weights {tuple(packed.weight_k.shape)} are not this mapper's: expected {expected}")
+    packed = _packed(mapper, packed, keys.shape[0])
     if triton_reason is None:
         compute = mapper.weight_k.dtype
         content = derope_keys(keys, source_cos, source_sin, source_layout, compute)  # [L_s, B, H_s, T, d_s]
@@ -493,6 +477,19 @@ def _map_gemm(
         content = remove_rope(keys, source_cos, source_sin, source_layout)  # [L_s, B, H_s, T, d_s]
     args = (target_cos, target_sin, target_layout, out_dtype, nonfinite, beyond, bound)
     return map_cache_gemm(content, _stacked(source_values), packed, *args)
+
+
+def _packed(mapper: Mapper, packed: PackedMapper | None, source_layers: int) -> PackedMapper:
+    """`packed`, checked against the mapper's shapes, or the mapper packed now; a ValueError naming why where the
+    mapper cannot run as one GEMM per head, or `packed` is not this mapper's shape."""
+    if reason := gemm_unsupported(mapper):
+        raise ValueError(f"the gemm map cannot serve this mapper: {reason}")
+    target_layers, target_heads, width, d_t = mapper.weight_k.shape
+    expected = (target_heads, source_layers * width // mapper.source_layers.shape[1], target_layers * d_t)
+    packed = packed if packed is not None else packed_weights(mapper, source_layers)
+    if tuple(packed.weight_k.shape) != expected or tuple(packed.bias_k.shape) != (target_heads, target_layers, d_t):
+        raise ValueError(f"packed weights {tuple(packed.weight_k.shape)} are not this mapper's: expected {expected}")
+    return packed
 
 
 def _layer_views(out: Destination) -> LayerViews:

@@ -16,9 +16,10 @@ A non-finite source entry reaches every target layer at its token here (0 · NaN
 the gathered form reaches only the layers that read it: the flags then name every target layer — a superset, and the
 same refusal (a map with any flag is refused whole; `src.maps.MapFlags` names the source layer first).
 
-The epilogue here is torch (bias, RoPE, cast, finiteness flags: `src.maps.set_flags`); `map_cache` stores the result
-wherever `out` says, as it does the reference's. This module does not de-RoPE: `map_cache` hands it the content
-keys (its Triton `derope_keys` on CUDA, `src.rope.remove_rope` elsewhere).
+The epilogue here is torch (bias, RoPE, cast, finiteness flags: `src.maps.set_flags`): the reference and the CPU
+path, whose result `map_cache` stores wherever `out` says. Where Triton runs, `map_cache` takes `head_products` and
+finishes them with `kernels.apply_map_epilogue.store_mapped`, which writes straight into `out`.
+This module does not de-RoPE: `map_cache` hands it the content keys (its Triton `derope_keys` on CUDA, `src.rope.remove_rope` elsewhere).
 """
 
 from __future__ import annotations
@@ -106,6 +107,17 @@ def _gemm(a: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return torch.bmm(a, w)
 
 
+def head_products(
+    content_keys: torch.Tensor, source_values: torch.Tensor, packed: PackedMapper
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The two GEMMs: content keys and values [L_s, B, H_s, T, d_s] (cast to the coefficients' dtype) → Y_K, Y_V,
+    each [H_t, B·T, L_t·d_t] (fp32 from half-precision inputs on CUDA: `_gemm`), before bias and RoPE."""
+    return tuple(
+        _gemm(head_rows(rows.to(weight.dtype), packed.head_index), weight)  # [H_t, B·T, L_t·d_t]
+        for rows, weight in ((content_keys, packed.weight_k), (source_values, packed.weight_v))
+    )
+
+
 def map_cache_gemm(
     content_keys: torch.Tensor,
     source_values: torch.Tensor,
@@ -119,16 +131,14 @@ def map_cache_gemm(
     bound: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Content keys and values [L_s, B, H_s, T, d_s] (keys de-RoPE'd, any dtype: cast to the coefficients') →
-    the target's (keys, values), each [L_t, B, H_t, T, d_t] contiguous in out_dtype; flags as `map_cache_ref`'s."""
+    the target's (keys, values), each [L_t, B, H_t, T, d_t] contiguous in out_dtype; flags as `map_cache_ref`'s.
+    The torch epilogue: the reference of `kernels.apply_map_epilogue.store_mapped`, and the CPU path."""
     _, batch, _, seq, _ = content_keys.shape
     target_heads, target_layers, d_t = packed.bias_k.shape
     mapped = []
-    for rows, weight, bias, rotary in (
-        (content_keys, packed.weight_k, packed.bias_k, True),
-        (source_values, packed.weight_v, packed.bias_v, False),
-    ):
-        a = head_rows(rows.to(weight.dtype), packed.head_index)  # [H_t, B·T, L_s·f·d_s]
-        y = _gemm(a, weight).view(target_heads, batch, seq, target_layers, d_t)  # [H_t, B, T, L_t, d_t]
+    for y, bias, rotary in zip(head_products(content_keys, source_values, packed), (packed.bias_k, packed.bias_v),
+                               (True, False), strict=True):  # fmt: skip
+        y = y.view(target_heads, batch, seq, target_layers, d_t)  # [H_t, B, T, L_t, d_t]
         y = y.add_(bias[:, None, None].to(y.dtype)).permute(3, 1, 0, 2, 4)  # [L_t, B, H_t, T, d_t], a view
         if rotary:
             y = apply_rope(y, target_cos, target_sin, target_layout)  # [L_t, B, H_t, T, d_t]

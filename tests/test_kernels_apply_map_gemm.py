@@ -2,23 +2,27 @@
 `map_cache_ref` — CPU, fp32, tolerance 1e-5 of the reference's largest |entry| — on a pair whose target differs from
 its source in every size (L 5 → 7, H_s 2 → H_t 3, d 16 → 32): every target layer reading all source layers, or
 fewer, in its own order; fan-in f = 2; both RoPE layouts; new tensors, `out`, `out` at slots in paged blocks,
-`LayerViews`; the non-finite and beyond flags."""
+`LayerViews`; the non-finite and beyond flags. Under Triton's CPU interpreter the same map finishes in the Triton
+epilogue (`kernels.apply_map_epilogue.store_mapped`), which equals the torch epilogue (`map_cache_gemm`) into new
+tensors, at slots in paged blocks and into layers allocated apart; its flags are the torch epilogue's."""
 
 import dataclasses
 
 import pytest
 import torch
 
+import kernels.apply_map
 from kernels.apply_map import map_cache, map_cache_ref
-from kernels.apply_map_gemm import gemm_worthwhile, packed_weights
+from kernels.apply_map_gemm import gemm_worthwhile, map_cache_gemm, packed_weights
 from src.apply import KVTransfer
 from src.artifact import Mapper
 from src.forward import prefill
 from src.maps import LayerViews
 from src.models import describe_kv, fingerprint, vocabulary_hash
+from src.rope import remove_rope
 from src.synthetic import synthetic_mapper
 from tests.conftest import calibration_ids, tiny
-from tests.test_kernels_apply import _case, _scaled_error
+from tests.test_kernels_apply import _case, _scaled_error, interpreted, interpreter, uneven  # noqa: F401  (fixture)
 
 TOLERANCE = 1e-5
 SHAPE = dict(L_s=5, L_t=7, H_s=2, H_t=3, d_s=16, d_t=32, batch=2, seq=9)
@@ -151,3 +155,89 @@ def test_kvtransfer_on_the_gemm_backend_equals_the_torch_backend():
               for b in ("torch", "gemm")]  # fmt: skip
     for ours, theirs in zip(mapped[1].layers, mapped[0].layers, strict=True):
         _assert_close((ours.keys, ours.values), (theirs.keys, theirs.values))
+
+
+# --------------------------------------------------------------------------- the Triton epilogue (interpreter)
+
+
+@pytest.fixture
+def fused(interpreted, monkeypatch):  # noqa: F811  (the fixture)
+    """The interpreter on, and the torch epilogue out of reach of `map_cache`: a result comes from `store_mapped`."""
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("map_cache(backend='gemm') took the torch epilogue under the interpreter")
+
+    monkeypatch.setattr(kernels.apply_map, "_map_gemm", refuse)
+
+
+def _torch_epilogue(keys, values, mapper, tables, layouts=("half", "half"), **flags):
+    """The stage-1 torch epilogue on the same content: `remove_rope`, then `map_cache_gemm`."""
+    source_cos, source_sin, target_cos, target_sin = tables
+    content = remove_rope(torch.stack(keys), source_cos, source_sin, layouts[0])  # [L_s, B, H_s, T, d_s]
+    packed = packed_weights(mapper, SHAPE["L_s"])
+    return map_cache_gemm(content, torch.stack(values), packed, target_cos, target_sin, layouts[1], torch.float32,
+                          **flags)  # fmt: skip
+
+
+@interpreter
+@pytest.mark.parametrize("layouts", [("half", "half"), ("interleaved", "interleaved"), ("half", "interleaved")])
+def test_interpreted_epilogue_equals_the_torch_epilogue(layouts, fused):
+    """Batch 2, 40 tokens (two token blocks): new tensors and a stacked `out`, flags all clear."""
+    keys, values, tables = _case(dict(SHAPE, seq=40))
+    mapper = _mapper("all", "f2")
+    args = (keys, values, mapper, *tables, *layouts)
+    expected = _torch_epilogue(keys, values, mapper, tables, layouts)  # [L_t, 2, H_t, 40, d_t] each
+    nonfinite, beyond = torch.ones(7, dtype=torch.int32), torch.ones(7, dtype=torch.int32)
+    _assert_close(map_cache(*args, backend="gemm", nonfinite=nonfinite, beyond=beyond), expected)
+    assert nonfinite.tolist() == [0] * 7 and beyond.tolist() == [0] * 7
+    out = tuple(torch.full((7, 2, 3, 40, 32), float("nan")) for _ in range(2))
+    assert map_cache(*args, backend="gemm", out=out) is out
+    _assert_close(out, expected)
+
+
+@interpreter
+def test_interpreted_epilogue_stores_at_slots_and_into_layers_allocated_apart(fused):
+    """Slots into paged blocks (rows no slot names keep their contents), and `LayerViews` of separate allocations
+    at uneven steps, later layers at lower addresses."""
+    shape = dict(SHAPE, batch=1, seq=40)
+    keys, values, tables = _case(shape)
+    mapper = _mapper("some", "f2")
+    args = (keys, values, mapper, *tables, "interleaved", "half")
+    expected = _torch_epilogue(keys, values, mapper, tables, ("interleaved", "half"))  # [L_t, 1, H_t, 40, d_t]
+    blocks = tuple(torch.full((7, 13, 3, 4, 32), 7.0) for _ in range(2))  # [L_t, N_blocks, H_t, block_size, d_t]
+    slots = torch.randperm(52, generator=torch.Generator().manual_seed(1))[:40]  # [T]
+    map_cache(*args, backend="gemm", out=blocks, slots=slots)
+    stored = tuple(b[:, slots // 4, :, slots % 4].permute(1, 2, 0, 3)[:, None] for b in blocks)  # [L_t, 1, H_t, T, d_t]
+    _assert_close(stored, expected)
+    unused = torch.ones(52, dtype=torch.bool)
+    unused[slots] = False
+    assert all(bool((b.transpose(2, 3).flatten(1, 2)[:, unused] == 7).all()) for b in blocks)
+    layers = [torch.full((1, 3, 40, 32), 7.0) for _ in range(16)]
+    keys_out = uneven(layers, 7)
+    rest = [t for t in layers if all(t is not k for k in keys_out)]
+    views = (LayerViews.of(keys_out), LayerViews.of(uneven(rest, 7)))
+    assert all((v.offsets[1:] < 0).all() and len(set(v.offsets.diff().tolist())) > 1 for v in views)
+    map_cache(*args, backend="gemm", out=views)
+    _assert_close(tuple(torch.stack(v.views) for v in views), expected)
+
+
+@interpreter
+def test_interpreted_epilogue_flags_are_the_torch_epilogues(fused):
+    """A NaN coefficient of W_K at target layer 4 flags layer 4 only; a bound between two layers' peaks flags
+    beyond exactly where the torch epilogue does (some layers, not all)."""
+    keys, values, tables = _case(SHAPE)
+    mapper = _mapper("some", "f1")
+    expected = [torch.zeros(7, dtype=torch.int32) for _ in range(2)]
+    reference_k, reference_v = _torch_epilogue(keys, values, mapper, tables)
+    peaks = torch.maximum(reference_k.flatten(1).abs().amax(1), reference_v.flatten(1).abs().amax(1))  # [L_t]
+    bound = float(peaks.sort().values[3:5].mean())
+    _torch_epilogue(keys, values, mapper, tables, nonfinite=expected[0], beyond=expected[1], bound=bound)
+    nonfinite, beyond = torch.full((7,), 5, dtype=torch.int32), torch.full((7,), 5, dtype=torch.int32)
+    map_cache(keys, values, mapper, *tables, backend="gemm", nonfinite=nonfinite, beyond=beyond, bound=bound)
+    assert nonfinite.tolist() == [0] * 7 and beyond.tolist() == expected[1].tolist()
+    assert 0 < sum(beyond.tolist()) < 7
+    weight_k = mapper.weight_k.clone()
+    weight_k[4, 2, 7, 3] = float("nan")
+    corrupt = dataclasses.replace(mapper, weight_k=weight_k)
+    map_cache(keys, values, corrupt, *tables, backend="gemm", nonfinite=nonfinite, beyond=beyond)
+    assert nonfinite.tolist() == [0, 0, 0, 0, 1, 0, 0] and beyond.tolist() == [0] * 7

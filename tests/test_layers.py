@@ -43,6 +43,7 @@ FLOORS = [
         "src.synthetic",
         "kernels.apply_map",
         "kernels.apply_map_gemm",  # the map as one GEMM per target head (map_cache's backend "gemm")
+        "kernels.apply_map_epilogue",  # the gemm map finished in one Triton pass, stored into the target cache
         "kernels.turn_attention",
         "kernels.rms_norm",
         "kernels.rope_write",
