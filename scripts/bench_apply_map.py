@@ -2,8 +2,8 @@
 reference (the `src.apply.map_layers` path of KVTransfer) vs the fused Triton path (`kernels.apply_map.map_cache`)
 and the same under a CUDA graph, per support and prefix; with `--backends gemm`, also the map as one GEMM per target
 head (`map_cache(backend="gemm")`, its coefficients packed once per mapper, kernels/apply_map_gemm.py), its graph, and
-its two GEMMs alone (`gemm_matmul_only`: `torch.bmm` on rows gathered outside the clock — the floor a fused epilogue
-works toward; no output compared).
+its gather and two GEMMs alone (`gemm_products_only`: `head_products`, no de-RoPE and no epilogue — what the epilogue
+adds is the difference; no output compared).
 
 Random source caches and random coefficients of the exact shapes — timing, memory and numerics only. Rotary
 tables come from `transformers.Qwen3Config` (the real 14B / 32B sizes) through its rotary embedding class; no
@@ -43,7 +43,7 @@ from kernels.apply_map import (  # noqa: E402
     map_cache_ref,
     triton_unsupported,
 )
-from kernels.apply_map_gemm import PackedMapper, gemm_worthwhile, head_rows, packed_weights  # noqa: E402
+from kernels.apply_map_gemm import PackedMapper, gemm_worthwhile, head_products, packed_weights  # noqa: E402
 from src.artifact import Mapper  # noqa: E402
 from src.rope import remove_rope, rope_cos_sin  # noqa: E402
 from src.select import depth_layers  # noqa: E402
@@ -275,11 +275,10 @@ def bench_prefix(
         failed := [n for n, r in rows.items() if max(r["max_rel_err_k"], r["max_rel_err_v"]) > TOLERANCE[compute]]
     ):
         raise SystemExit(f"--quick: {failed} differ from the reference by more than {TOLERANCE[compute]:.1e}")
-    if packed is not None:  # the GEMMs alone, A_h gathered outside the clock: the floor a fused epilogue works toward
-        rows_a = head_rows(torch.stack(keys).to(compute), mapper.head_index)  # [H_t, B·T, L_s·f·d_s]
-        products = lambda: (torch.bmm(rows_a, packed.weight_k), torch.bmm(rows_a, packed.weight_v))  # noqa: E731
-        stats = timed(products, args.reps, args.warmup, cuda)
-        rows["gemm_matmul_only"] = dict(stats, tflops=amount["gemm_flop"] / (stats["ms_p50"] / 1e3) / 1e12)
+    if packed is not None:  # the gather and the two GEMMs alone (no de-RoPE, no epilogue): what the epilogue adds to
+        stacked = torch.stack(keys), torch.stack(values)  # [L_s, B, H_s, T, d_s] each
+        stats = timed(lambda: head_products(*stacked, packed), args.reps, args.warmup, cuda)
+        rows["gemm_products_only"] = dict(stats, tflops=amount["gemm_flop"] / (stats["ms_p50"] / 1e3) / 1e12)
     return {"work": amount, "paths": rows, "nonfinite_layers": nonfinite, "triton_unsupported": reason} | {
         "graph_errors": graph_errors,
         "sweep": sweep,
