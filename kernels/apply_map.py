@@ -403,7 +403,7 @@ def map_cache(
     fused_gemm = backend == "gemm" and reason is None and keys.shape[3] > 0  # the GEMMs, then `store_mapped`
     if fused_gemm:
         packed = _packed(mapper, packed, keys.shape[0])  # its refusals before anything is written
-    if (backend in ("torch", "gemm") or reason is not None or keys.shape[3] == 0) and not fused_gemm:
+    if not fused_gemm and (backend in ("torch", "gemm") or reason is not None or keys.shape[3] == 0):
         args = (source_cos, source_sin, target_cos, target_sin, source_layout, target_layout, out_dtype)
         if backend == "gemm":
             target_k, target_v = _map_gemm(keys, source_values, mapper, packed, reason, *args, nonfinite, beyond, bound)

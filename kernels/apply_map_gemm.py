@@ -18,8 +18,8 @@ same refusal (a map with any flag is refused whole; `src.maps.MapFlags` names th
 
 The epilogue here is torch (bias, RoPE, cast, finiteness flags: `src.maps.set_flags`): the reference and the CPU
 path, whose result `map_cache` stores wherever `out` says. Where Triton runs, `map_cache` takes `head_products` and
-finishes them with `kernels.apply_map_epilogue.store_mapped`, which writes straight into `out`.
-This module does not de-RoPE: `map_cache` hands it the content keys (its Triton `derope_keys` on CUDA, `src.rope.remove_rope` elsewhere).
+finishes them with `kernels.apply_map_epilogue.store_mapped`, which writes straight into `out`. This module does not
+de-RoPE: `map_cache` hands it the content keys (its Triton `derope_keys` on CUDA, `src.rope.remove_rope` elsewhere).
 """
 
 from __future__ import annotations

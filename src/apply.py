@@ -71,10 +71,8 @@ class KVTransfer:
             raise ValueError(f"the {backend} apply does not read token features; use apply_backend torch or auto")
         self.backend = backend
         self.mapper = bound_mapper(mapper, self.device, compute_dtype)
-        source_layers = (
-            self.source_kv.num_layers
-        )  # the gemm map's coefficients, packed once (kernels/apply_map_gemm.py)
-        self.packed = packed_weights(self.mapper, source_layers) if backend == "gemm" else None
+        gemm = backend == "gemm"  # its coefficients packed once (kernels/apply_map_gemm.py), not per map
+        self.packed = packed_weights(self.mapper, self.source_kv.num_layers) if gemm else None
         self.shared_heads = shares_heads(mapper)
 
     def check_cache(self, layers: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> tuple[int, int]:
