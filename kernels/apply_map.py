@@ -22,28 +22,17 @@ tensors, partial rotary on the target, source head dims that are not a multiple 
 Triton is optional (guarded import; kernels are decorated on first use): without it this module imports and falls back.
 """
 
-import functools
-import os
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
-from types import SimpleNamespace
 
 import torch
 
 from kernels.apply_map_epilogue import pow2, rope_pairs, rope_table, store_mapped
 from kernels.apply_map_gemm import PackedMapper, gemm_unsupported, head_products, map_cache_gemm, packed_weights
+from kernels.jit import HAVE_TRITON, interpreting, jit, tl, triton
 from src.artifact import Mapper
 from src.maps import LayerViews, layer_groups, map_layers, set_flags, shares_heads, store_slots
 from src.rope import apply_rope, remove_rope
-
-try:
-    import triton
-    import triton.language as tl
-
-    HAVE_TRITON = True
-except ImportError:  # CPU CI: the reference only; annotations below still need `tl.constexpr`
-    HAVE_TRITON = False
-    tl = SimpleNamespace(constexpr=int)
 
 LAYOUTS = ("half", "interleaved")
 DEROPE_BLOCK_T = 16  # tokens per `_derope_kernel` program (memory bound: small tiles, few registers)
@@ -227,17 +216,6 @@ def _map_kernel(
         tl.atomic_max(beyond_ptr + layer + at_layer, ones, mask=mask & large)
 
 
-@functools.cache
-def _jit(name: str, interpret: bool) -> Callable:
-    """The kernel, decorated on first use: `triton.jit` reads TRITON_INTERPRET when it decorates."""
-    del interpret  # part of the cache key only
-    return triton.jit({"derope": _derope_kernel, "map": _map_kernel}[name])
-
-
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
-
-
 # --------------------------------------------------------------------------- host side
 
 
@@ -255,7 +233,7 @@ def triton_unsupported(
     reasons = {
         "triton is not installed": not HAVE_TRITON,
         "tensors are not on CUDA (set TRITON_INTERPRET=1 for the CPU interpreter)": source_keys.device.type != "cuda"
-        and not (_interpreting() and source_keys.device.type == "cpu"),
+        and not (interpreting() and source_keys.device.type == "cpu"),
         f"RoPE layouts {layouts} not in {LAYOUTS}": any(layout not in LAYOUTS for layout in layouts),
         f"source head_dim {d_s} is not a multiple of 16": d_s % 16 != 0,
         f"target head_dim {d_t} is odd": d_t % 2 != 0,
@@ -278,7 +256,7 @@ def derope_keys(
     out = torch.empty(keys.shape, dtype=dtype, device=keys.device)  # [L_s, B, H_s, T, d_s]
     block_t = DEROPE_BLOCK_T
     grid = (num_layers * batch * heads, triton.cdiv(seq, block_t))
-    _jit("derope", _interpreting())[grid](
+    jit(_derope_kernel, interpreting())[grid](
         keys, out, cos, sin, seq, batch, heads, *keys.stride()[:4], stride,
         HALF=half, HEAD_DIM=head_dim, **rope_pairs(layout, half),
         BLOCK_T=block_t, BLOCK_HALF=pow2(half), BLOCK_PASS=pow2(head_dim - 2 * half),
@@ -324,8 +302,8 @@ def _map_component(
     grid = (target_heads, rows, blocks) if config.layers_inner else (target_heads, blocks, rows)
     nonfinite, beyond, bound = flags if flags is not None else (base, base, 0.0)  # dummies: untouched without CHECK
     block_size = base.shape[2] if slots is not None else seq
-    interpret = _interpreting()
-    _jit("map", interpret)[grid](
+    interpret = interpreting()
+    jit(_map_kernel, interpret)[grid](
         x, weight, bias, layers, heads, base, out.offsets, cos, sin, nonfinite, beyond,
         slots if slots is not None else layers, bound, block_size, seq, batch, target_heads, *x.stride()[:4], stride,
         *base.stride()[:3],
