@@ -259,7 +259,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--export-pool-mb", type=int, default=0,
                         help="the sender's device exports in one export pool of this many MiB (kv_connector_extra_"
                              "config export_pool_mb, src/serving/export_pool.py); 0: each its own allocations")  # fmt: skip
-    parser.add_argument("--apply-backend", choices=("torch", "auto", "triton"), default="torch",
+    parser.add_argument("--apply-backend", choices=("torch", "auto", "triton", "gemm"), default="torch",
                         help="the receiver's map kernel (kv_connector_extra_config apply_backend)")  # fmt: skip
     parser.add_argument("--paged-writer", choices=("backend", "stacked"), default="backend",
                         help="how the receiver writes mapped K/V (kv_connector_extra_config paged_writer)")  # fmt: skip

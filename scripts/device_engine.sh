@@ -9,13 +9,14 @@
 #                                          fused recompute by deviation and by the turn rule; 7 re-prefill repeats (a
 #                                          speedup's 95 % interval needs ≥ 7 a side: intervals.median_ratio_interval)
 #   bash scripts/device_engine.sh large    +experiment=handoff, Qwen3 14B → 32B shapes, 4K / 16K / 32K, graph engine
+# APPLY=gemm: the map as one GEMM per target head (kernels/apply_map_gemm.py) instead of auto (Triton on CUDA).
 # Records are JSON (tracking.backend=json) packed into $OUT/trk-<stage>.tgz; here: `python -m src.tracking import DIR`.
 set -euo pipefail
 stage=$1
 export KVRELAY_HOME=/tmp/kvh PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1 TQDM_DISABLE=1 HF_HUB_OFFLINE=1
 OUT=${OUT:-/tmp/out}
-COMMON=(+experiment=handoff budget=synthetic_paper pair.apply_backend=auto "paths.data=$HOME/data" tracking.backend=json
-  "tracking.json_dir=$OUT/trk" eval.handoff.new_turn=32)
+COMMON=(+experiment=handoff budget=synthetic_paper "pair.apply_backend=${APPLY:-auto}" "paths.data=$HOME/data"
+  tracking.backend=json "tracking.json_dir=$OUT/trk" eval.handoff.new_turn=32)
 pack() { if [ -d "$OUT/trk" ]; then tar czf "$OUT/trk-$stage.tgz" -C "$OUT" trk && rm -rf "$OUT/trk"; fi; }
 trap pack EXIT
 case $stage in

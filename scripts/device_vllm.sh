@@ -14,7 +14,8 @@
 #                on its GPU (MEMORY=device, the default) or in files (MEMORY=host), the receiver's block writes per
 #                layer (PAGED_WRITER=backend, the default) or stacked, the handoff salted (KEYS=cache_salt, the
 #                default) or re-keyed, the sender's device exports in an export pool of POOL_MB MiB (default 0:
-#                none), REPEATS measured rounds per length (21) → $OUT/vllm_ttft_<memory>_<writer>_<keys>[_pool<N>].json
+#                none), the map APPLY=auto (Triton on CUDA) or gemm, REPEATS measured rounds per length (21), LENGTHS
+#                (1K–16K) → $OUT/vllm_ttft_<memory>_<writer>_<keys>[_pool<N>][_gemm].json
 #   D real       the real pair (after scripts/device_quality.sh setup + models on this machine): PARTS (default
 #                "fit parity ttft"; "down" for the reverse direction's fit + parity; without fit, MAPPER=<dir> names
 #                the 0.5B → 1.5B mapper, e.g. one `scripts/find_mapper.py` printed) inside BUDGET_S (540): fit — the
@@ -94,10 +95,12 @@ EOF
     pool=${POOL_MB:-0}  # MiB of the sender's export pool (export_pool_mb); 0: each export its own allocations
     repeats=${REPEATS:-21}  # 11 gave routed / hit intervals of ± 0.2–0.3 at 8K (2026-12-06, ninth session): too wide to
     # decide a 1.3× target; each repeat costs ≈ 0.3 s at 16K, the engines' start dominates
+    apply=${APPLY:-auto}  # the receiver's map: auto (Triton on CUDA) or APPLY=gemm (kernels/apply_map_gemm.py)
     suffix=""
     if [ "$pool" -gt 0 ]; then suffix=_pool$pool; fi
-    python3 scripts/bench_vllm_ttft.py --export-memory "$memory" --export-pool-mb "$pool" --apply-backend auto \
-      --repeats "$repeats" --timings --paged-writer "$writer" --keys "$keys" \
+    if [ "$apply" != auto ]; then suffix=${suffix}_$apply; fi
+    python3 scripts/bench_vllm_ttft.py --export-memory "$memory" --export-pool-mb "$pool" --apply-backend "$apply" \
+      --repeats "$repeats" --timings --paged-writer "$writer" --keys "$keys" ${LENGTHS:+--lengths "$LENGTHS"} \
       --out "$OUT/vllm_ttft_${memory}_${writer}_$keys$suffix.json" --work /tmp/vllm-bench 2>&1 \
       | tee "$OUT/vllm-bench-$memory-$writer-$keys${suffix/_/-}.txt" | grep -v -E "^\(|^INFO|^WARNING" | tail -12 ;;
   real)

@@ -241,3 +241,40 @@ def test_interpreted_epilogue_flags_are_the_torch_epilogues(fused):
     corrupt = dataclasses.replace(mapper, weight_k=weight_k)
     map_cache(keys, values, corrupt, *tables, backend="gemm", nonfinite=nonfinite, beyond=beyond)
     assert nonfinite.tolist() == [0, 0, 0, 0, 1, 0, 0] and beyond.tolist() == [0] * 7
+
+
+# --------------------------------------------------------------------------- the Triton epilogue compiled (GPU)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("layouts", [("half", "half"), ("interleaved", "half")])
+def test_compiled_epilogue_stores_at_slots_what_the_torch_epilogue_maps_and_flags_alike(layouts, monkeypatch):
+    """On CUDA `map_cache(backend="gemm")` finishes in the compiled `store_mapped` (the torch epilogue out of reach):
+    at slots into paged blocks it stores what the torch epilogue maps on the CPU, rows no slot names keep their
+    contents, the flags clear; a NaN coefficient of W_K at target layer 4 flags layer 4 only."""
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("map_cache(backend='gemm') took the torch epilogue on CUDA")
+
+    monkeypatch.setattr(kernels.apply_map, "_map_gemm", refuse)
+    keys, values, tables = _case(dict(SHAPE, batch=1, seq=40))
+    mapper = _mapper("all", "f2")
+    expected = _torch_epilogue(keys, values, mapper, tables, layouts)  # [L_t, 1, H_t, 40, d_t] each, CPU
+    cuda = lambda tensors: [t.cuda() for t in tensors]
+    args = (cuda(keys), cuda(values), mapper.to("cuda", torch.float32), *cuda(tables), *layouts)
+    blocks = tuple(torch.full((7, 13, 3, 4, 32), 7.0, device="cuda") for _ in range(2))  # [L_t, N, H_t, 4, d_t]
+    slots = torch.randperm(52, generator=torch.Generator().manual_seed(1))[:40]  # [T]
+    nonfinite, beyond = (torch.ones(7, dtype=torch.int32, device="cuda") for _ in range(2))
+    map_cache(*args, backend="gemm", out=blocks, slots=slots.cuda(), nonfinite=nonfinite, beyond=beyond)
+    stored = tuple(b.cpu()[:, slots // 4, :, slots % 4].permute(1, 2, 0, 3)[:, None] for b in blocks)
+    _assert_close(stored, expected)
+    unused = torch.ones(52, dtype=torch.bool)
+    unused[slots] = False
+    assert all(bool((b.cpu().transpose(2, 3).flatten(1, 2)[:, unused] == 7).all()) for b in blocks)
+    assert nonfinite.tolist() == [0] * 7 and beyond.tolist() == [0] * 7
+    weight_k = mapper.weight_k.clone()
+    weight_k[4, 2, 7, 3] = float("nan")
+    corrupt = dataclasses.replace(mapper, weight_k=weight_k).to("cuda", torch.float32)
+    map_cache(args[0], args[1], corrupt, *args[3:], backend="gemm", nonfinite=nonfinite, beyond=beyond)
+    assert nonfinite.tolist() == [0, 0, 0, 0, 1, 0, 0] and beyond.tolist() == [0] * 7
