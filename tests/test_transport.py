@@ -13,6 +13,7 @@ import multiprocessing
 import os
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -22,7 +23,7 @@ import torch
 from src.serving import export_pool as export_pool_module
 from src.serving import transport as transport_module
 from src.serving.config import connector_config
-from src.serving.export_pool import ALIGNMENT, Region, Regions
+from src.serving.export_pool import ALIGNMENT, Region, Regions, lock_state, remove_dead_pools, sender_holds
 from src.serving.transport import ExportError, Transport, publish
 
 
@@ -329,10 +330,7 @@ def test_a_pools_sender_is_alive_while_it_holds_the_pools_lock(tmp_path):
     pool_file.touch()
     with pytest.raises(ExportError, match=r"sender of export 'p1' is gone \(its export pool's lock is free\)"):
         transport.load("p1", 0, 6)
-    hold = ("import fcntl, os, sys; descriptor = os.open(sys.argv[1], os.O_RDONLY); "
-            "fcntl.flock(descriptor, fcntl.LOCK_SH); print('held', flush=True); sys.stdin.read()")  # fmt: skip
-    sender = subprocess.Popen([sys.executable, "-c", hold, str(pool_file)], stdin=subprocess.PIPE,
-                              stdout=subprocess.PIPE, text=True)  # fmt: skip
+    sender = _holder(pool_file)
     try:
         assert sender.stdout.readline() == "held\n"
         for _ in range(2):  # met anew, then through the descriptor kept since
@@ -342,10 +340,56 @@ def test_a_pools_sender_is_alive_while_it_holds_the_pools_lock(tmp_path):
         sender.communicate("")  # its stdin closed: it exits, and its lock drops
     with pytest.raises(ExportError, match=r"sender of export 'p1' is gone \(its export pool's lock is free\)"):
         transport.load("p1", 0, 6)
-    probe = os.open(pool_file, os.O_RDONLY)
-    fcntl.flock(probe, fcntl.LOCK_EX | fcntl.LOCK_NB)  # the receiver's probes hold no lock
+    probe = os.open(pool_file, os.O_RDWR)
+    lock_state(probe, fcntl.F_OFD_SETLK, fcntl.F_WRLCK)  # the receiver's probes hold no lock (else: BlockingIOError)
     os.close(probe)
     assert transport.remove("p1")
+
+
+def _holder(path: Path) -> subprocess.Popen:
+    """A process holding a sender's read lock on `path` (export_pool.lock_state) until its stdin closes."""
+    hold = ("import fcntl, os, sys; from src.serving.export_pool import lock_state; "
+            "lock_state(os.open(sys.argv[1], os.O_RDONLY), fcntl.F_OFD_SETLK, fcntl.F_RDLCK); "
+            "print('held', flush=True); sys.stdin.read()")  # fmt: skip
+    return subprocess.Popen([sys.executable, "-c", hold, str(path)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            text=True, cwd=Path(__file__).parents[1])  # fmt: skip
+
+
+def test_receivers_probing_at_once_never_see_each_other_as_the_sender(tmp_path):
+    """Two threads probe a pool file nobody holds, 20,000 times each: not once does a probe report a sender (a probe
+    that took a lock, as flock's did, was seen as one by a probe at the same instant)."""
+    pool_file = tmp_path / f".pool-{POOL_ID}"
+    pool_file.touch()
+    seen = []
+
+    def probe() -> None:
+        descriptor = os.open(pool_file, os.O_RDONLY)
+        seen.append(sum(sender_holds(descriptor) for _ in range(20_000)))
+        os.close(descriptor)
+
+    threads = [threading.Thread(target=probe) for _ in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert seen == [0, 0]
+
+
+def test_a_new_pool_removes_the_files_of_dead_senders_only(tmp_path):
+    """A killed sender's pool file stays, unlocked: the next pool opened in the directory removes it; a living
+    sender's file, and names that are not pool files, stay."""
+    dead, alive = tmp_path / f".pool-{'a' * 32}", tmp_path / f".pool-{'b' * 32}"
+    others = [tmp_path / f".pool-{'c' * 32}.new", tmp_path / "e1-0of1.safetensors"]
+    for path in (dead, alive, *others):
+        path.touch()
+    sender = _holder(alive)
+    try:
+        assert sender.stdout.readline() == "held\n"
+        assert remove_dead_pools(tmp_path) == [dead.name]
+        assert not dead.exists() and alive.exists() and all(path.exists() for path in others)
+    finally:
+        sender.communicate("")
+    assert remove_dead_pools(tmp_path) == [alive.name]
 
 
 POOL_EXPORT = (

@@ -4,11 +4,12 @@ allocations per handoff (src/serving/transport.py, `pool_bytes`).
 
 Why a pool, not kept mappings of each export's own tensors: CUDA leaves it undefined when an exporter frees memory an
 importer still maps, and a sender's caching allocator frees its segments on `empty_cache`. The pool is never freed
-while its sender's Transport lives; what marks that life is a shared `flock` the sender holds on the pool's file in
-the export directory (`.pool-<id>`) — a process's death drops it. A receiver checks it before each use of a pool it
-keeps mapped: a non-blocking exclusive lock that succeeds means no sender holds it (the sender is gone). Two receivers
-probing at one instant see each other's probe as a holder: a load may then use a dead sender's pool once more; the
-next load refuses.
+while its sender's Transport lives; what marks that life is a read lock the sender holds on the pool's file in the
+export directory (`.pool-<id>`) — an open file description's lock (Linux `F_OFD_SETLK`), which a process's death drops.
+A receiver checks it before each use of a pool it keeps mapped by asking (`F_OFD_GETLK`) whether a write lock would
+conflict: it takes no lock, so receivers probing at one instant never see each other as a sender. The file is locked
+before it gets its name (created as `.pool-<id>.new`, renamed), so a pool file nobody locks is a dead sender's: the
+next pool opened in that directory removes it.
 
     buffer      [pool_bytes] uint8 on the sender's GPU; each export's keys and values [L_s, H_r, T, d_s] a region of
                 it (ALIGNMENT-aligned), first fit over the free regions, freed ones coalesced (`Regions`)
@@ -29,6 +30,7 @@ import json
 import logging
 import os
 import re
+import struct
 import uuid
 import weakref
 from collections.abc import Mapping
@@ -41,6 +43,8 @@ from src.serving.cuda_ipc import open_cuda, share_cuda
 
 ALIGNMENT = 256  # bytes: every region begins at a multiple of it (any dtype's elements, and coalesced loads)
 POOL_ID = re.compile(r"[0-9a-f]{32}")  # uuid4().hex
+POOL_FILE = re.compile(r"\.pool-[0-9a-f]{32}")  # a pool's file, named only once locked
+FLOCK = "hhqqi4x"  # struct flock (LP64 Linux): l_type, l_whence, l_start, l_len, l_pid (0 for an OFD lock)
 EVENT_HANDLE_BYTES = 64  # sizeof(cudaIpcEventHandle_t)
 
 logger = logging.getLogger(__name__)
@@ -48,6 +52,13 @@ logger = logging.getLogger(__name__)
 
 def pool_path(directory: Path, pool_id: str) -> Path:
     return directory / f".pool-{pool_id}"
+
+
+def lock_state(descriptor: int, command: int, kind: int) -> int:
+    """fcntl's open-file-description lock `command` (F_OFD_SETLK takes, F_OFD_GETLK asks) of `kind` over the whole
+    file; the lock type the kernel reports back (for F_OFD_GETLK: F_UNLCK where none would conflict)."""
+    reply = fcntl.fcntl(descriptor, command, struct.pack(FLOCK, kind, os.SEEK_SET, 0, 0, 0))
+    return struct.unpack(FLOCK, reply)[0]
 
 
 def aligned(size: int) -> int:
@@ -116,9 +127,12 @@ class ExportPool:
         self.memory = json.dumps(share_cuda(self.buffer))
         self.regions = Regions(pool_bytes)
         self.warned = False  # that an export found no room (said once)
+        remove_dead_pools(directory)
         path = pool_path(directory, self.pool_id)
-        descriptor = os.open(path, os.O_RDONLY | os.O_CREAT | os.O_EXCL, 0o644)
-        fcntl.flock(descriptor, fcntl.LOCK_SH)  # held while this pool lives: a receiver's probe fails
+        unnamed = path.with_name(path.name + ".new")
+        descriptor = os.open(unnamed, os.O_RDONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        lock_state(descriptor, fcntl.F_OFD_SETLK, fcntl.F_RDLCK)  # held while this pool lives (module docstring)
+        os.rename(unnamed, path)
         weakref.finalize(self, _close, descriptor, path)
 
     def place(self, keys: torch.Tensor, values: torch.Tensor) -> Placement | None:
@@ -205,13 +219,28 @@ class SenderGone(Exception):
 
 
 def sender_holds(descriptor: int) -> bool:
-    """Whether anyone holds a lock on the pool's file — its sender, for life (module docstring)."""
-    try:
-        fcntl.flock(descriptor, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        return True
-    fcntl.flock(descriptor, fcntl.LOCK_UN)
-    return False
+    """Whether anyone holds a lock on the pool's file — its sender, for life (module docstring); takes none."""
+    return lock_state(descriptor, fcntl.F_OFD_GETLK, fcntl.F_WRLCK) != fcntl.F_UNLCK
+
+
+def remove_dead_pools(directory: Path) -> list[str]:
+    """Remove the pool files in `directory` whose senders are gone (killed: their files stay, unlocked); their
+    names. A pool file is locked before it is named, so an unlocked one is never a pool being opened."""
+    removed = []
+    for name in os.listdir(directory):
+        if not POOL_FILE.fullmatch(name):
+            continue
+        try:
+            descriptor = os.open(directory / name, os.O_RDONLY)
+        except FileNotFoundError:  # its sender closed it meanwhile
+            continue
+        try:
+            if not sender_holds(descriptor):
+                (directory / name).unlink(missing_ok=True)
+                removed.append(name)
+        finally:
+            os.close(descriptor)
+    return removed
 
 
 class OpenedPools:
