@@ -150,6 +150,7 @@ def _map_kernel(
     PRECISION: tl.constexpr,
     UPCAST: tl.constexpr,  # interpreter only: its bf16 dot is wrong, so multiply in fp32
     LAYERS_INNER: tl.constexpr,  # grid (H_t, L_t·B, token blocks); else (H_t, token blocks, L_t·B)
+    OFFSET_MULTIPLE: tl.constexpr,  # a power of two dividing every layer offset (LayerViews.multiple)
     BLOCK_M: tl.constexpr,
     BLOCK_K: tl.constexpr,
     BLOCK_HALF: tl.constexpr,
@@ -202,7 +203,8 @@ def _map_kernel(
         block, row = slot // block_size, slot % block_size
     else:
         block, row = (b + 0 * t).to(tl.int64), t.to(tl.int64)  # [BLOCK_M]
-    out_layer = out_ptr + tl.load(offsets_ptr + layer) + h * soh  # layer ℓ's cache, wherever it was allocated
+    offset = tl.multiple_of(tl.load(offsets_ptr + layer), OFFSET_MULTIPLE)  # without the hint: scalar stores
+    out_layer = out_ptr + offset + h * soh  # layer ℓ's cache, wherever it was allocated
     out_row = out_layer + (block * sob + row * sot)[:, None]  # [BLOCK_M, 1]
     tl.store(out_row + col_lo[None, :], y_lo, mask=mask)
     tl.store(out_row + col_hi[None, :], y_hi, mask=mask)
@@ -311,7 +313,7 @@ def _map_component(
         **rope_pairs(layout, half), ROPE=rope is not None, CHECK=flags is not None, SLOTS=slots is not None,
         PRECISION=precision,
         UPCAST=interpret and weight.dtype != torch.float32,
-        LAYERS_INNER=config.layers_inner,
+        LAYERS_INNER=config.layers_inner, OFFSET_MULTIPLE=out.multiple,
         BLOCK_M=config.block_m, BLOCK_K=block_k, BLOCK_HALF=pow2(half),
         num_warps=config.num_warps, num_stages=config.num_stages,
     )  # fmt: skip

@@ -54,6 +54,7 @@ def _epilogue_kernel(
     ROPE: tl.constexpr,
     CHECK: tl.constexpr,
     SLOTS: tl.constexpr,
+    OFFSET_MULTIPLE: tl.constexpr,  # a power of two dividing every layer offset (LayerViews.multiple)
     BLOCK_M: tl.constexpr,
     BLOCK_HALF: tl.constexpr,
 ):
@@ -85,7 +86,8 @@ def _epilogue_kernel(
         block, row = slot // block_size, slot % block_size
     else:
         block, row = (b + 0 * t).to(tl.int64), t.to(tl.int64)  # [BLOCK_M]
-    out_layer = out_ptr + tl.load(offsets_ptr + layer) + h * soh  # layer ℓ's cache, wherever it was allocated
+    offset = tl.multiple_of(tl.load(offsets_ptr + layer), OFFSET_MULTIPLE)  # without the hint: scalar stores
+    out_layer = out_ptr + offset + h * soh  # layer ℓ's cache, wherever it was allocated
     out_row = out_layer + (block * sob + row * sot)[:, None]  # [BLOCK_M, 1]
     tl.store(out_row + col_lo[None, :], y_lo, mask=mask)
     tl.store(out_row + col_hi[None, :], y_hi, mask=mask)
@@ -146,5 +148,5 @@ def store_mapped(
         y, bias, base, out.offsets, cos, sin, nonfinite, beyond, slots if slots is not None else out.offsets,
         bound, block_size, seq, batch, target_layers, y.stride(0), y.stride(1), stride, *base.stride()[:3],
         D_T=d_t, HALF=half, **rope_pairs(layout, half), ROPE=rope is not None, CHECK=flags is not None,
-        SLOTS=slots is not None, BLOCK_M=EPILOGUE_BLOCK_M, BLOCK_HALF=pow2(half), num_warps=4,
+        SLOTS=slots is not None, OFFSET_MULTIPLE=out.multiple, BLOCK_M=EPILOGUE_BLOCK_M, BLOCK_HALF=pow2(half), num_warps=4,
     )  # fmt: skip

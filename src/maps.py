@@ -55,6 +55,9 @@ def map_refusal(flags: Sequence[MapFlags]) -> str | None:
     return None
 
 
+ALIGN = 16  # elements: a layer offset known to be a multiple of it lets a Triton kernel store 16-byte vectors
+
+
 @dataclass(frozen=True, eq=False)
 class LayerViews:
     """Where one component (K or V) of a map lands, layer by layer: L views alike in shape, strides, dtype and device,
@@ -64,6 +67,7 @@ class LayerViews:
 
     views: Sequence[torch.Tensor]  # L × [N_blocks, H, block_size, d] (or [B, H, T, d]): a stacked tensor or a tuple
     offsets: torch.Tensor  # [L] int64 on their device: view ℓ's first element − view 0's, in elements (may be < 0)
+    multiple: int = 1  # a power of two ≤ ALIGN dividing every offset: the kernels' hint (their stores vectorize on it)
 
     @property
     def base(self) -> torch.Tensor:
@@ -75,8 +79,8 @@ class LayerViews:
         no copy: map_cache makes them on every call with a stacked destination)."""
         layers, step = stacked.shape[0], stacked.stride(0)
         if step == 0:  # one layer, or a broadcast one
-            return cls(stacked, torch.zeros(layers, dtype=torch.long, device=stacked.device))  # [L]
-        return cls(stacked, torch.arange(0, layers * step, step, device=stacked.device))  # [L]
+            return cls(stacked, torch.zeros(layers, dtype=torch.long, device=stacked.device), ALIGN)  # [L]
+        return cls(stacked, torch.arange(0, layers * step, step, device=stacked.device), offset_multiple([step]))
 
     @classmethod
     def of(cls, views: Sequence[torch.Tensor]) -> LayerViews:
@@ -92,7 +96,16 @@ class LayerViews:
                 raise ValueError(f"layer {layer}'s cache starts {gap} bytes from layer 0's: not a whole number of "
                                  f"{size}-byte elements")  # fmt: skip
             offsets.append(gap // size)
-        return cls(tuple(views), torch.tensor(offsets, dtype=torch.long, device=views[0].device))  # [L]
+        return cls(tuple(views), torch.tensor(offsets, dtype=torch.long, device=views[0].device),  # [L]
+                   offset_multiple(offsets))  # fmt: skip
+
+
+def offset_multiple(offsets: Sequence[int]) -> int:
+    """The largest power of two ≤ ALIGN that divides every offset (elements)."""
+    multiple = ALIGN
+    while multiple > 1 and any(offset % multiple for offset in offsets):
+        multiple //= 2
+    return multiple
 
 
 def unlike(views: Sequence[torch.Tensor]) -> str | None:
