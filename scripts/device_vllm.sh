@@ -78,9 +78,9 @@ EOF
     python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site "$HOME"/stage/wheels/*.whl
     python3 -c "import torch, vllm, src.serving.vllm_connector; print(torch.__version__, vllm.__version__)" ;;
   test)  # the comparison with FlashAttention's own writer hung on an H100 three times: vLLM 0.26's writer never
-    # finishes on one 16-channel head in strided views (results/vllm-h100-2026-12-06f/fa-probe.txt; the test now
-    # writes both heads): every other test first — a failure there does not stop the stage — then that one alone,
-    # cut at 150 s with every thread's stack dumped at 60 s (faulthandler)
+    # finishes on one 16-channel head in strided views (results/vllm-h100-2026-12-06f/fa-probe.txt); with both heads
+    # it passed (results/vllm-h100-2026-12-07/). Still run last and alone, cut at 150 s with every thread's stack
+    # dumped at 60 s (faulthandler): every other test first — a failure there does not stop the stage
     fa=tests/test_paged_direct.py::test_the_direct_map_is_what_vllms_flash_cache_writer_writes_of_the_mapped_scratch
     python3 -m pytest -v -p no:cacheprovider -m "gpu or not gpu" --deselect "$fa" tests/test_paged_direct.py \
       tests/test_transport.py tests/test_vllm_parts.py 2>&1 | tee "$OUT/vllm-tests.txt" | grep -E -v "PASSED|SKIPPED" \
