@@ -102,7 +102,8 @@ def _epilogue_kernel(
 
 
 def rope_table(cos: torch.Tensor, seq: int) -> tuple[torch.Tensor, int]:
-    """cos [B or 1, 1, T, rope_dim] (src.rope.rope_cos_sin) or [T, rope_dim] → fp32 [B or 1, T, rope_dim], batch stride."""
+    """cos [B or 1, 1, T, rope_dim] (src.rope.rope_cos_sin) or [T, rope_dim] → fp32 [B or 1, T, rope_dim], and its
+    batch stride."""
     table = cos.float().reshape(-1, seq, cos.shape[-1]).contiguous()  # [B or 1, T, rope_dim]
     return table, (0 if table.shape[0] == 1 else table.stride(0))
 
@@ -148,5 +149,6 @@ def store_mapped(
         y, bias, base, out.offsets, cos, sin, nonfinite, beyond, slots if slots is not None else out.offsets,
         bound, block_size, seq, batch, target_layers, y.stride(0), y.stride(1), stride, *base.stride()[:3],
         D_T=d_t, HALF=half, **rope_pairs(layout, half), ROPE=rope is not None, CHECK=flags is not None,
-        SLOTS=slots is not None, OFFSET_MULTIPLE=out.multiple, BLOCK_M=EPILOGUE_BLOCK_M, BLOCK_HALF=pow2(half), num_warps=4,
+        SLOTS=slots is not None, OFFSET_MULTIPLE=out.multiple, BLOCK_M=EPILOGUE_BLOCK_M, BLOCK_HALF=pow2(half),
+        num_warps=4,
     )  # fmt: skip

@@ -4,7 +4,7 @@ The gathered form (kernels/apply_map.py) multiplies, per target layer ℓ and he
 every target layer reads (nearly) all L_s source layers, those L_t small GEMMs are one per head (Eqs. 7, 11):
 
     A_h = [content(source layer l, source head a_h[g]) for l < L_s, g < f]     # [T, L_s·f·d_s], layer-major, g, channel
-    W_h = the W_ℓh scattered into the rows of the source layers S_ℓ selects     # [L_s·f·d_s, L_t·d_t], zero rows elsewhere
+    W_h = the W_ℓh scattered into the rows of the source layers S_ℓ selects     # [L_s·f·d_s, L_t·d_t], 0 elsewhere
     [k̂_0 … k̂_{L_t−1}] = RoPE_target(A_h · W_h + b_h)                          # [T, L_t·d_t]; values without RoPE
 
 which cuBLAS runs at its full rate. The FLOPs grow by L_s / k over the gathered form (none when every target layer

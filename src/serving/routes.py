@@ -118,9 +118,7 @@ class Bound:
     source_rope: RopeTable  # the sender's rotary module, its cos / sin tabled once (src/rope.py)
     target_rope: RopeTable
     backend: str
-    packed: dict[tuple[int, int], PackedMapper] = field(
-        default_factory=dict, compare=False
-    )  # backend "gemm": per heads
+    packed: dict[tuple[int, int], PackedMapper] = field(default_factory=dict, compare=False)  # "gemm": per heads
 
     def map(
         self, keys: torch.Tensor, values: torch.Tensor, start: int, heads: slice, out_dtype: torch.dtype
@@ -171,17 +169,15 @@ class Bound:
         source_cos, source_sin = self.source_rope.at(start, count, device)
         target_cos, target_sin = self.target_rope.at(start, count, device)
         nonfinite, beyond = (torch.zeros(m.weight_k.shape[0], dtype=torch.int32, device=device) for _ in range(2))
-        packed = None
-        if self.backend == "gemm":  # the worker's heads packed once (kernels/apply_map_gemm.py), not per handoff
-            if (heads.start, heads.stop) not in self.packed:
-                self.packed[heads.start, heads.stop] = packed_weights(own, keys.shape[0])
-            packed = self.packed[heads.start, heads.stop]
+        span = (heads.start, heads.stop)
+        if self.backend == "gemm" and span not in self.packed:  # the worker's heads packed once, not per handoff
+            self.packed[span] = packed_weights(own, keys.shape[0])  # kernels/apply_map_gemm.py
         mapped = map_cache(
             keys[:, None].to(device), values[:, None].to(device), own,  # [L_s, 1, H_s, n, d_s]
             source_cos, source_sin, target_cos, target_sin,
             self.source_kv.rope_layout, self.target_kv.rope_layout, out_dtype,
             nonfinite=nonfinite, backend=self.backend, out=out, slots=slots,
-            beyond=None if guard is None else beyond, bound=guard, packed=packed,
+            beyond=None if guard is None else beyond, bound=guard, packed=self.packed.get(span),
         )  # fmt: skip
         return mapped, nonfinite, beyond
 
