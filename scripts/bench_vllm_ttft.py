@@ -15,7 +15,10 @@ the connector's length guard (default policy) maps every length — each refusal
 mapper's fitted dtypes (src/serving/config.py `fitted_dtypes`) and the default policy; on a GPU bf16, blocks of 16,
 CUDA graphs; on the CPU float32, blocks of 32, eager. Histories are consecutive windows of real text (`--text`, a
 corpus of src/corpus.py, by default Gutenberg part 2, which no calibration budget reads), so no two prompts share a
-block; random weights get random tokens.
+block; random weights get random tokens and a random Head-Local mapper of `--k` source layers per target layer (24,
+the real capacity point's) with bf16 coefficients on a GPU (`--compute-dtype`), as the real pair's bf16 fit. Records
+before 2026-12-07 used k = 2 and float32 coefficients: a twelfth of the map's work, and vLLM's workers run float32
+matmuls at full precision (`VLLM_FLOAT32_MATMUL_PRECISION` "highest").
 
 Per length and repeat, a fresh history of n tokens and a 16-token turn (prompts no engine has seen):
     re-prefill  the receiver reads history + turn, nothing cached                      (plain request)
@@ -38,6 +41,7 @@ import json
 import math
 import platform
 import random
+import shutil
 import statistics
 import sys
 import tempfile
@@ -75,7 +79,7 @@ def measure(
 ) -> list[dict]:  # fmt: skip
     """One row per length: every repeat's ms per path, and what the receiver mapped (module docstring); `fresh(n)`:
     n tokens no engine has seen (`random_tokens`, `text_tokens`); with `timings` (the engines' KVRELAY_TIMINGS
-    file), the median host ms of each phase (`host_ms`); `keys`: how the handoff's prefix-cache keys are kept apart
+    file), the median host ms of each phase (`host_ms`; its role "device": the map's device ms on CUDA); `keys`: how the handoff's prefix-cache keys are kept apart
     — "cache_salt" (its provenance salt, as the router sends it) or "re-keyed" (none: the connector re-keys)."""
     from src.serving.provenance import provenance_salt
 
@@ -213,15 +217,17 @@ def machine() -> dict:
             "date": time.strftime("%Y-%m-%d")}  # fmt: skip
 
 
-def build(pair: Path, work: Path, dtype: torch.dtype) -> tuple[Path, Path, Path]:
+def build(pair: Path, work: Path, dtype: torch.dtype, k: int) -> tuple[Path, Path, Path]:
     """The pair's random-weight models (its conf/pair YAML: config + seed each) saved with the tests' tokenizer, and a
-    random-coefficient Head-Local k = 2 mapper between them (src/synthetic.py): (small, large, mapper) directories."""
+    random-coefficient Head-Local mapper of k source layers per target layer between them (src/synthetic.py): (small,
+    large, mapper) directories. Until 2026-12-07 k was 2, whatever the pair (the real capacity point reads 24)."""
     from src.artifact import save_mapper
     from src.models import build_random_model, describe_kv, fingerprint, load_model, load_tokenizer, tokenizer_hash
     from src.synthetic import synthetic_mapper
     from tests.vllm_pair import tiny_tokenizer
 
-    if (work / "mapper").is_dir():  # built by an earlier run into the same --work
+    built = work / "mapper.k"  # the k of the mapper an earlier run into the same --work built
+    if built.is_file() and built.read_text() == str(k) and (work / "mapper").is_dir():
         return work / "source", work / "target", work / "mapper"
     spec = yaml.safe_load(pair.read_text())
     models = {}
@@ -234,7 +240,11 @@ def build(pair: Path, work: Path, dtype: torch.dtype) -> tuple[Path, Path, Path]
     manifest = {"source_fingerprint": fingerprint(models["source"]), "target_fingerprint": fingerprint(models["target"]),
                 "tokenizer_hash": token_hash, "token_features": False, "calibration": {}}  # fmt: skip
     source_kv, target_kv = describe_kv(models["source"]), describe_kv(models["target"])
-    save_mapper(synthetic_mapper(source_kv, target_kv, "local", 2, manifest, seed=0), work / "mapper")
+    if not 1 <= k <= source_kv.num_layers:
+        raise ValueError(f"the mapper reads 1 to the source's {source_kv.num_layers} layers per target layer")
+    shutil.rmtree(work / "mapper", ignore_errors=True)  # another k's
+    save_mapper(synthetic_mapper(source_kv, target_kv, "local", k, manifest, seed=0), work / "mapper")
+    built.write_text(str(k))
     return work / "source", work / "target", work / "mapper"
 
 
@@ -263,19 +273,29 @@ def main(argv: list[str] | None = None) -> int:
                         help="the receiver's map kernel (kv_connector_extra_config apply_backend)")  # fmt: skip
     parser.add_argument("--paged-writer", choices=("backend", "stacked"), default="backend",
                         help="how the receiver writes mapped K/V (kv_connector_extra_config paged_writer)")  # fmt: skip
+    parser.add_argument("--k", type=int, default=24,
+                        help="random weights: the mapper's source layers per target layer (24: the real pair's "
+                             "capacity point, every layer of the 0.5B; ≤ the source's layers)")  # fmt: skip
+    parser.add_argument("--compute-dtype", choices=("float32", "bfloat16"), default=None,
+                        help="random weights: the map's coefficients (kv_connector_extra_config compute_dtype; "
+                             "default bfloat16 on a GPU as the real pair's bf16 fit, float32 on a CPU)")  # fmt: skip
     parser.add_argument("--keys", choices=("cache_salt", "re-keyed"), default="cache_salt",
                         help="the handoff carries its provenance salt (as the router sends it), or none: the "
                              "connector re-keys (src/serving/provenance.py)")  # fmt: skip
     args = parser.parse_args(argv)
     if (args.models is None) != (args.mapper is None) or (args.models and args.smoke):
         parser.error("--models and --mapper go together, without --smoke")
+    if args.models and args.compute_dtype:
+        parser.error("--compute-dtype: a real mapper's coefficients are in the dtype it was fitted in (its manifest)")
+    if args.k < 1:
+        parser.error(f"--k is ≥ 1, not {args.k}")
     if args.export_pool_mb < 0 or (args.export_pool_mb and args.export_memory != "device"):
         parser.error("--export-pool-mb is ≥ 0, and > 0 only with --export-memory device (a pool of device exports)")
     default = "64,128" if args.smoke else "1024,2048,4096,8192,16384"
     lengths = [int(n) for n in (args.lengths or default).split(",")]
     repeats = args.repeats or (1 if args.smoke else 11)
     gpu = torch.cuda.is_available()
-    dtypes = {}
+    dtypes, coefficients = {}, {}  # a real mapper's fitted dtypes (both engines); a random one's coefficients
     if args.models:  # every refusal before an engine starts
         try:
             dtypes = check_real(*args.models, args.mapper, lengths, 16 if gpu else 32)
@@ -319,18 +339,24 @@ def main(argv: list[str] | None = None) -> int:
             settings = dict(max_model_len=longest, hf_overrides={"max_position_embeddings": longest})
         fresh, label, weights, dtype = random_tokens(300), "tests/vllm_pair.py (smoke)", "random", "float32"
     else:
-        small_dir, large_dir, mapper_dir = build(args.pair, work, torch.bfloat16)
+        try:
+            small_dir, large_dir, mapper_dir = build(args.pair, work, torch.bfloat16, args.k)
+        except ValueError as error:  # k past the source's layers, named by src/synthetic.py
+            parser.error(f"--k {args.k}: {error}")
         settings = gpu_settings
         fresh, label, weights, dtype = random_tokens(300), str(args.pair), "random", "bfloat16"
+        coefficients = {"compute_dtype": args.compute_dtype or ("bfloat16" if gpu else "float32")}  # the receiver's
     route = {"routes": [{"mapper": str(mapper_dir), "source": str(small_dir)}], "apply_backend": args.apply_backend,
-             "paged_writer": args.paged_writer}  # fmt: skip
+             "paged_writer": args.paged_writer} | coefficients  # fmt: skip
     small = engine(small_dir, sender | dtypes, **settings)  # the sender fingerprints in the fitted dtype
     large = engine(large_dir, exports | route | policy | dtypes, **settings)
     run = {"export_memory": args.export_memory, "export_pool_mb": args.export_pool_mb,
            "apply_backend": args.apply_backend, "paged_writer": args.paged_writer,
            "keys": args.keys, "dtype": dtype,
            "commit": commit(), "timings": args.timings,
-           "histories": f"text: {args.text}" if args.models else "random tokens"} | dtypes  # fmt: skip
+           "histories": f"text: {args.text}" if args.models else "random tokens"} | dtypes | coefficients  # fmt: skip
+    if not args.models and not args.smoke:
+        run["mapper"] = f"random Head-Local k = {args.k}"
     rows, mapper = [], mapper_id(load_mapper(mapper_dir))
     for n in lengths:  # the record rewritten after each length: a call cut by its time limit keeps what ran
         rows += measure(small, large, mapper, [n], repeats, fresh, timings=timings, keys=args.keys)

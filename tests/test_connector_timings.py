@@ -8,10 +8,19 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
 from src.serving.timings import ENV, PHASES, Timings
 
 ROOT = Path(__file__).resolve().parents[1]
+
+
+def _bench():
+    """scripts/bench_vllm_ttft.py as a module."""
+    spec = importlib.util.spec_from_file_location("bench_vllm_ttft", ROOT / "scripts" / "bench_vllm_ttft.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    return bench
 
 
 def test_unset_the_timings_read_no_clock_and_write_nothing(tmp_path, monkeypatch):
@@ -43,9 +52,7 @@ def test_set_every_phase_appends_one_line_even_when_it_raises(tmp_path, monkeypa
 
 
 def test_the_bench_folds_a_requests_phase_once_and_skips_lines_before_its_offset(tmp_path):
-    spec = importlib.util.spec_from_file_location("bench_vllm_ttft", ROOT / "scripts" / "bench_vllm_ttft.py")
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    bench = _bench()
     path = tmp_path / "timings.jsonl"
     warm = Timings("worker", str(path))
     warm.write("map", "w", 8, 1000.0)  # the warm-up round: dropped
@@ -61,3 +68,36 @@ def test_the_bench_folds_a_requests_phase_once_and_skips_lines_before_its_offset
 def test_the_phases_are_named_once_per_role():
     assert set(PHASES) == {"scheduler", "worker"}
     assert all(len(set(names)) == len(names) and "export" not in names for names in PHASES.values())
+
+
+def test_the_maps_device_span_is_marked_only_when_timed_on_cuda(tmp_path):
+    """`mark` queues an event only where timings are on and the device is CUDA; an unmarked span writes nothing."""
+    timed, off = Timings("worker", str(tmp_path / "timings.jsonl")), Timings("worker")
+    assert timed.mark(torch.device("cpu")) is None
+    assert off.mark(torch.device("cuda", 0)) is None  # off: CUDA is never touched (no event, no stream)
+    timed.elapsed((None, None), "r", 64)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_the_bench_folds_the_device_line_under_its_own_role(tmp_path):
+    bench = _bench()
+    path = tmp_path / "timings.jsonl"
+    worker = Timings("worker", str(path))
+    worker.write("map", "a", 8, 0.5)
+    worker.write("map", "a", 8, 1.25, role="device")
+    assert bench.phase_medians(path, 0) == {"device": {"map": 1.25}, "worker": {"map": 0.5}}
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_the_maps_device_span_is_the_gpu_time_between_its_marks(tmp_path):
+    path = tmp_path / "timings.jsonl"
+    timings, device = Timings("worker", str(path)), torch.device("cuda", 0)
+    x = torch.randn(4096, 4096, device=device)
+    began = timings.mark(device)
+    for _ in range(8):
+        x = x @ x.T / 4096
+    timings.elapsed((began, timings.mark(device)), "r", 4096)
+    (line,) = [json.loads(line) for line in path.read_text().splitlines()]
+    assert (line["role"], line["phase"], line["request"], line["tokens"]) == ("device", "map", "r", 4096)
+    assert line["ms"] > 0

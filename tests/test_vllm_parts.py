@@ -33,6 +33,11 @@ def test_the_connector_refuses_to_start_unless_late_refusals_recompute():
     assert connector_config({}, "recompute").policy == serving_policy({})
 
 
+def test_the_maps_coefficients_default_to_each_mappers_fitted_dtype():
+    assert connector_config({}, "recompute").compute_dtype is None  # "fitted": routes.bound_routes reads the manifest
+    assert connector_config({"compute_dtype": "bfloat16"}, "recompute").compute_dtype == torch.bfloat16
+
+
 @pytest.mark.parametrize(
     ("extra", "match"),
     [

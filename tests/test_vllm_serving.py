@@ -398,7 +398,8 @@ def no_engine(monkeypatch):
 
 
 @pytest.mark.parametrize("case", ["missing model", "swapped pair", "another pair's mapper", "not a mapper",
-                                  "beyond the length guard", "no mapper"])  # fmt: skip
+                                  "beyond the length guard", "no mapper", "coefficients of a real mapper",
+                                  "no source layer"])  # fmt: skip
 def test_the_ttft_bench_refuses_a_bad_real_pair_before_any_engine_starts(served, tmp_path, no_engine, capsys, case):
     pair = served.pair
     small, large, fitted = str(pair.small), str(pair.large), str(pair.fitted)
@@ -410,6 +411,9 @@ def test_the_ttft_bench_refuses_a_bad_real_pair_before_any_engine_starts(served,
         "beyond the length guard": (["--models", small, large, "--mapper", fitted, "--lengths", "64,1024"],
                                     "a 1024-token history would not be mapped"),
         "no mapper": (["--models", small, large], "--models and --mapper go together"),
+        "coefficients of a real mapper": (["--models", small, large, "--mapper", fitted, "--compute-dtype", "float32"],
+                                          "in the dtype it was fitted in"),
+        "no source layer": (["--k", "0"], "--k is ≥ 1"),
     }[case]  # fmt: skip
     out = tmp_path / "ttft.json"
     with pytest.raises(SystemExit) as refused:

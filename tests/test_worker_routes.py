@@ -86,3 +86,16 @@ def test_a_route_of_another_pair_is_refused_naming_the_fingerprint(pair, monkeyp
     source, dtype = (pair.large, torch.float32) if wrong == "source" else (pair.small, torch.bfloat16)
     with pytest.raises(ValueError, match="cannot serve: mapper refused: .* source fingerprint"):
         routes.bound_routes((RouteSpec(pair.fitted, source),), pair.large, dtype, torch.float32, "torch", "cpu")
+
+
+def test_a_routes_coefficients_default_to_the_dtype_its_mapper_was_fitted_in(pair, monkeypatch):
+    """compute_dtype None ("fitted", the connector's default): each mapper's own fit's pair.compute_dtype — float32
+    coefficients run at full precision inside vLLM's workers, so a bf16 fit served in float32 was a silent slowdown;
+    a dtype given is used as given."""
+    spec = (RouteSpec(mapper=pair.fitted, source=pair.small),)
+    monkeypatch.setattr(routes, "fitted_dtypes", lambda manifest: {"fingerprint_dtype": "float32",
+                                                                   "compute_dtype": "bfloat16"})  # fmt: skip
+    _, fitted = routes.bound_routes(spec, pair.large, torch.float32, None, "torch", "cpu")
+    _, given = routes.bound_routes(spec, pair.large, torch.float32, torch.float32, "torch", "cpu")
+    assert {b.mapper.weight_k.dtype for b in fitted.values()} == {torch.bfloat16}
+    assert {b.mapper.weight_k.dtype for b in given.values()} == {torch.float32}

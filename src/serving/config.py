@@ -7,7 +7,7 @@
         "routes": [{"mapper": "/mappers/0p5b_to_1p5b", "source": "/models/qwen25coder_0p5b"}],  # into this engine
         "policy": {"levers": {"hold_back": 16}},  # over conf/policy/default.yaml (mode, levers, guards)
         "fingerprint_dtype": "float32",     # the dtype the mapper's pair was fingerprinted in (its fit's pair.dtype)
-        "compute_dtype": "float32",         # the map's coefficients (KVTransfer's compute_dtype)
+        "compute_dtype": "fitted",          # the map's coefficients: each mapper's fitted pair.compute_dtype, or a dtype
         "apply_backend": "torch",           # torch | auto | triton | gemm (kernels/apply_map.py)
         "keep_exports": 16,                 # a sender keeps its newest exports, removes older ones
         "paged_writer": "backend",          # backend | stacked (FlashAttention: the map stores into the blocks)
@@ -57,7 +57,7 @@ class ConnectorConfig:
     routes: tuple[RouteSpec, ...]
     policy: Policy
     fingerprint_dtype: torch.dtype
-    compute_dtype: torch.dtype
+    compute_dtype: torch.dtype | None  # None: each route's fitted compute dtype (`fitted_dtypes`)
     apply_backend: str
     keep_exports: int
     paged_writer: str
@@ -70,7 +70,7 @@ DEFAULTS = {
     "routes": [],
     "policy": {},
     "fingerprint_dtype": "float32",
-    "compute_dtype": "float32",
+    "compute_dtype": "fitted",
     "apply_backend": "torch",
     "keep_exports": 16,
     "paged_writer": "backend",
@@ -100,9 +100,9 @@ def connector_config(extra: Mapping | None, load_failure_policy: str) -> Connect
     if pool and values["export_memory"] != "device":
         raise ValueError(f'kvrelay: export_pool_mb holds device exports: it needs export_memory "device", not '
                          f"{values['export_memory']!r}")  # fmt: skip
-    for key in ("fingerprint_dtype", "compute_dtype"):
-        if values[key] not in DTYPES:
-            raise ValueError(f"kvrelay: {key} must be one of {DTYPES}, not {values[key]!r}")
+    for key, allowed in (("fingerprint_dtype", DTYPES), ("compute_dtype", ("fitted", *DTYPES))):
+        if values[key] not in allowed:
+            raise ValueError(f"kvrelay: {key} must be one of {allowed}, not {values[key]!r}")
     if values["apply_backend"] not in BACKENDS:
         raise ValueError(f"kvrelay: apply_backend must be one of {BACKENDS}, not {values['apply_backend']!r}")
     if values["paged_writer"] not in WRITERS:
@@ -117,7 +117,7 @@ def connector_config(extra: Mapping | None, load_failure_policy: str) -> Connect
         routes=_routes(values["routes"]),
         policy=serving_policy(values["policy"]),
         fingerprint_dtype=getattr(torch, values["fingerprint_dtype"]),
-        compute_dtype=getattr(torch, values["compute_dtype"]),
+        compute_dtype=None if values["compute_dtype"] == "fitted" else getattr(torch, values["compute_dtype"]),
         apply_backend=values["apply_backend"],
         keep_exports=keep,
         paged_writer=values["paged_writer"],

@@ -231,12 +231,14 @@ def bound_routes(
     specs: tuple[RouteSpec, ...],
     target: Path,
     dtype: torch.dtype,
-    compute_dtype: torch.dtype,
+    compute_dtype: torch.dtype | None,
     backend: str,
     device: torch.device | str,
 ) -> tuple[Identity, dict[str, Bound]]:
     """The identity of the receiver model at `target` (what its exports name as their source) and, by mapper id, each
-    route verified against it and its source (module docstring). The host copies of the models are dropped."""
+    route verified against it and its source (module docstring), its coefficients in `compute_dtype` (None: the dtype
+    the mapper was fitted in, `fitted_dtypes` — float32 coefficients run at full precision in vLLM's workers, no
+    TF32). The host copies of the models are dropped."""
     receiver, receiver_id = viewed(Path(target), dtype)
     bound = {}
     for spec in specs:
@@ -250,7 +252,8 @@ def bound_routes(
         if mapper.token_features:
             raise ValueError(f"kvrelay: mapper {spec.mapper} reads the target's token features (a layer-0 receiver "
                              "prefill inside the load): not served by the connector")  # fmt: skip
-        bound[mapper_id(mapper)] = Bound(bound_mapper(mapper, device, compute_dtype), sender.kv, receiver.kv,
+        compute = compute_dtype or getattr(torch, fitted_dtypes(mapper.manifest)["compute_dtype"])
+        bound[mapper_id(mapper)] = Bound(bound_mapper(mapper, device, compute), sender.kv, receiver.kv,
                                          RopeTable(sender.rotary.to(device)), RopeTable(receiver.rotary.to(device)),
                                          backend)  # fmt: skip
     return receiver_id, bound

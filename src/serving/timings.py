@@ -25,6 +25,12 @@ shared null context: no clock read, no file. The phases, in the order one handof
 
 "write" and "guard" do not occur where the map stores into the blocks itself (paged_writer "stacked" on
 FlashAttention's layout, paged.Writer): its "map" includes the stores, and the guard is the kernel's beyond flags.
+
+On CUDA the worker also writes the map's **device** time, role "device", phase "map": two CUDA events (`mark`), one
+queued before the map's first kernel and one after its last (after the write and the guard where those run), read at
+the check, which waits for the map anyway (`elapsed`: no sync added). Its ms is the GPU's time between the two points —
+the map's kernels, and anything else the stream ran between them — so a "check" that waits longer than it says the
+map started late (work queued before it), not that it ran slow.
 """
 
 from __future__ import annotations
@@ -35,12 +41,15 @@ import os
 import time
 from contextlib import AbstractContextManager
 
+import torch
+
 ENV = "KVRELAY_TIMINGS"
 PHASES = {
     "scheduler": ("header", "claim", "rekey", "alloc"),
     "worker": ("load", "slots", "map", "write", "guard", "check"),
 }  # a handoff's phases; an export adds "export" on either side
 _OFF = contextlib.nullcontext()
+Span = tuple[torch.cuda.Event | None, torch.cuda.Event | None]  # a device span's two `mark`s (None: not timed)
 
 
 class _Phase:
@@ -74,9 +83,24 @@ class Timings:
         """`with timings.phase("claim", request_id, n): ...` times the block; a shared no-op when off."""
         return _OFF if self.path is None else _Phase(self, phase, request_id, tokens)
 
-    def write(self, phase: str, request_id: str, tokens: int, ms: float) -> None:
+    def mark(self, device: torch.device) -> torch.cuda.Event | None:
+        """A CUDA event queued on the current stream of `device` (module docstring); None when off or not on CUDA."""
+        if self.path is None or device.type != "cuda":
+            return None
+        event = torch.cuda.Event(enable_timing=True)
+        event.record(torch.cuda.current_stream(device))
+        return event
+
+    def elapsed(self, span: Span, request_id: str, tokens: int) -> None:
+        """The device line of a span (began, ended) from two `mark`s, once its end has run; nothing where unmarked."""
+        began, ended = span
+        if began is not None and ended is not None:
+            ended.synchronize()  # the check has waited for the map's flags, queued before `ended`: no extra wait
+            self.write("map", request_id, tokens, began.elapsed_time(ended), role="device")
+
+    def write(self, phase: str, request_id: str, tokens: int, ms: float, role: str | None = None) -> None:
         if self._descriptor is None:
             self._descriptor = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-        line = {"role": self.role, "phase": phase, "request": request_id, "tokens": tokens, "ms": round(ms, 4),
+        line = {"role": role or self.role, "phase": phase, "request": request_id, "tokens": tokens, "ms": round(ms, 4),
                 "pid": os.getpid()}  # fmt: skip
         os.write(self._descriptor, (json.dumps(line) + "\n").encode())

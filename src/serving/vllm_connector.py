@@ -54,7 +54,7 @@ from src.serving.paged import Writer, check_layout, read_slots, slots_for, write
 from src.serving.params import KEY, Handoff, RelayParams, parse
 from src.serving.provenance import rekey, salted
 from src.serving.routes import LoadFlags, bound_routes, model_tokenizer_hash, scheduled_routes
-from src.serving.timings import Timings
+from src.serving.timings import Span, Timings
 from src.serving.transport import ExportError, Header, Lease, Transport
 
 logger = init_logger(__name__)
@@ -120,7 +120,7 @@ class KVRelayConnector(KVConnectorBase_V1):
             self.config.apply_backend, self.device,
         )  # fmt: skip
         self.layers: list[torch.nn.Module] = []
-        self._started: list[tuple[Load, LoadFlags, Lease]] = []  # the loads mapped this step, checked after it
+        self._started: list[tuple[Load, LoadFlags, Lease, Span]] = []  # the loads mapped this step, checked after
         self._failed: list[tuple[Load, str]] = []
         self._exports: collections.deque[str] = collections.deque()
 
@@ -316,10 +316,12 @@ class KVRelayConnector(KVConnectorBase_V1):
             with phase("slots"):  # block_ids[0] holds position start: a claim starts on a block (provenance.py)
                 slots = slots_for(load.block_ids, self.block_size, 0, end - start, self.device)  # [n]
             guard = self.config.policy.guard_max_abs
+            began = self.timings.mark(self.device)  # the map's device time (timings.py), None unless timed on CUDA
             if self.writer.direct is not None:  # into the blocks: no scratch, no write, the guard's flags [L_t]
                 with phase("map"):
                     flags, beyond = bound.map_into(keys, values, start, self.heads, self.writer.direct, slots, guard)
-                self._started.append((load, LoadFlags.after_map(flags, beyond, None), lease))
+                span = (began, self.timings.mark(self.device))
+                self._started.append((load, LoadFlags.after_map(flags, beyond, None), lease, span))
                 return
             with phase("map"):
                 mapped_k, mapped_v, flags = bound.map(keys, values, start, self.heads, self.layers[0].kv_cache.dtype)
@@ -332,17 +334,19 @@ class KVRelayConnector(KVConnectorBase_V1):
             raise
         with phase("guard"):
             peak = None if guard is None else torch.maximum(mapped_k.abs().amax(), mapped_v.abs().amax()).float()
-        self._started.append((load, LoadFlags.after_map(flags, None, peak), lease))
+        span = (began, self.timings.mark(self.device))
+        self._started.append((load, LoadFlags.after_map(flags, None, peak), lease, span))
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         """The blocks of every load refused on the worker this step (read once the forward is queued)."""
         failed = list(self._failed)
         guard = self.config.policy.guard_max_abs
-        for load, flags, lease in self._started:
+        for load, flags, lease, span in self._started:
             with self.timings.phase("check", load.request_id, load.plan.end - load.plan.start):
                 if reason := flags.refusal(guard):  # the map, and its reads of the export, have ended on the device
                     failed.append((load, reason))
                 lease.release()
+            self.timings.elapsed(span, load.request_id, load.plan.end - load.plan.start)
         self._started, self._failed = [], []
         for load, reason in failed:
             logger.warning("kvrelay: late refusal of request %s (export %s): %s — its %d blocks are recomputed",
