@@ -24,8 +24,9 @@
 #                on PARITY_ITEMS (40) validation passages, bf16, blocks of 16, eager (PARITY_GRAPHS=1: CUDA graphs)
 #                (PARITY_WRITER=stacked: the receiver's direct writer; the same items' record with the backend's writer
 #                should agree bit for bit) → $OUT/vllm_parity_<up|down>.json; ttft — scripts/bench_vllm_ttft.py
-#                --models/--mapper, real-text histories, REAL_LENGTHS (1K–8K: 8 × the 1,024-token calibration), REAL_REPEATS (9), device exports,
-#                the Triton map → $OUT/vllm_ttft_real.json. One line of summary per part.
+#                --models/--mapper, real-text histories, REAL_LENGTHS (1K–8K: 8 × the 1,024-token calibration), REAL_REPEATS (21), device exports
+#                in a pool of POOL_MB (1536), the receiver's direct writer (PAGED_WRITER=stacked; backend: each layer's),
+#                the Triton map → $OUT/vllm_ttft_real.json (until 2026-12-07: 9 repeats, each layer's writer, no pool). One line of summary per part.
 # scripts/vllm_gpu_wheels.txt: vllm 0.26.0's Requires-Dist less the device image's packages (KINDS.md's list of
 # 2026-11-17), plus their own missing needs and three pins found on an H100 (2026-12-06): openai 2.29 (3.x imports
 # httpx2), xgrammar 0.2.1 (0.2.9 needs a newer apache-tvm-ffi than vllm's pin), pydantic-extra-types (mistral_common).
@@ -116,6 +117,8 @@ EOF
         "tracking.json_dir=$OUT/trk-fit-$1" eval.nll.streams=1 eval.latency.repeats=1 eval.latency.warmup=1 \
         eval.rollback=false > "$OUT/fit-$1.txt" 2>&1 || { echo "fit $1 FAILED: $OUT/fit-$1.txt" >&2; return 1; }
       python3 scripts/find_mapper.py "$OUT/trk-fit-$1" "$KVRELAY_HOME/mappers"
+      tar czf "$OUT/trk-fit-$1.tgz" -C "$OUT" "trk-fit-$1" && rm -rf "${OUT:?}/trk-fit-$1"  # one file: $OUT returns ≤ 8,
+      # two folders deep (the record's artifacts sit three down)
       echo "fit $1: $((SECONDS - began)) s" >&2
     }
     parity() {  # parity MAPPER NAME — its scratch (a K/V file per item) outside $OUT: 80 files there were over a call's
@@ -140,7 +143,8 @@ print('parity', sys.argv[2], r['mapper_id'], a['items'], 'items: floor', f\"{v['
         ttft)
           timeout "$(left)" python3 scripts/bench_vllm_ttft.py --models "$models/qwen25coder_0p5b" \
             "$models/qwen25coder_1p5b" --mapper "$up" --lengths "${REAL_LENGTHS:-1024,2048,4096,8192}" \
-            --repeats "${REAL_REPEATS:-9}" --export-memory device --apply-backend auto --timings --data "$HOME/data" \
+            --repeats "${REAL_REPEATS:-21}" --export-memory device --export-pool-mb "${POOL_MB:-1536}" \
+            --paged-writer "${PAGED_WRITER:-stacked}" --apply-backend auto --timings --data "$HOME/data" \
             --work /tmp/vllm-real --out "$OUT/vllm_ttft_real.json" > "$OUT/vllm-bench-real.txt" 2>&1 ||
             echo "ttft FAILED (rc $?)"
           python3 -c "import json, sys

@@ -170,3 +170,46 @@ def test_a_record_metric_without_its_step_is_named(tmp_path):
     path.write_text(json.dumps({"name": "x", "params": ["fit.k"], "tags": {}, "metrics": []}))
     with pytest.raises(RecordError, match="'params' is a list, not a mapping of config keys"):
         read_record(path)  # its keys are renamed to today's names (current_params): a list has none
+
+
+def test_rerun_agreement_prints_the_gate_re_run_against_its_first_run():
+    """The tenth-session lease re-ran three of the upward gate's shards (code 7f7a215, another H100): every routed and
+    native-target answer of the 600 items is the first run's; one native-source answer differs, on an exact tie."""
+    out = output("rerun_agreement.py", str(REPO / "results/gate-h100-2026-12-07"),
+                 str(REPO / "results/gate-h100-2026-12-06b"))  # fmt: skip
+    assert "routed: 0 of 600 answers differ (their margins: —); largest |Δ score| 0.072" in out
+    assert "native_target: 0 of 600 answers differ" in out
+    assert "native_source: 1 of 600 answers differ (their margins: 0);" in out
+
+
+def _run(root: Path, name: str, scores: list[list[float]], status: str = "FINISHED") -> Path:
+    folder = root / name
+    (folder / ITEMS).parent.mkdir(parents=True)
+    record = {"name": name, "status": status, "params": {}, "tags": {}, "metrics": []}
+    (folder / "record.json").write_text(json.dumps(record))
+    items = [{"task": "arc_easy", "index": n, "scores": {"routed": [[s, 0.0] for s in row]}}
+             for n, row in enumerate(scores)]  # fmt: skip
+    (folder / ITEMS).write_text(json.dumps({"items": items}))
+    return folder
+
+
+def test_rerun_agreement_counts_a_changed_answer_and_refuses_other_items(tmp_path):
+    spec = importlib.util.spec_from_file_location("rerun_agreement", REPO / "scripts/rerun_agreement.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    first, second = tmp_path / "first", tmp_path / "second"
+    _run(first, "run-a", [[-1.0, -2.0], [-3.0, -2.5]])
+    _run(second, "run-a", [[-1.0, -2.0], [-2.0, -2.5]])  # item 1's answer changes: choice 1 → 0
+    _run(first, "run-cut", [[-1.0, -2.0]], status="RUNNING")
+    found = module.agreement(first, second)
+    assert found["total"]["routed"] == {"items": 2, "differ": 1, "margins": [0.5], "max_abs_score_change": 1.0}
+    assert found["not_finished"] == ["run-cut"]
+    shutil.rmtree(second / "run-a")
+    _run(second, "run-a", [[-3.0, -2.5], [-1.0, -2.0]]).joinpath(ITEMS).write_text(
+        json.dumps({"items": [{"task": "arc_easy", "index": n, "scores": {"routed": [[0.0, 0.0]]}} for n in (1, 0)]})
+    )
+    with pytest.raises(module.RecordError, match="run-a: the two runs hold different items"):
+        module.agreement(first, second)
+    done = subprocess.run([sys.executable, str(REPO / "scripts/rerun_agreement.py"), str(first), str(tmp_path / "none")],
+                          capture_output=True, text=True)  # fmt: skip
+    assert done.returncode != 0 and "rerun_agreement: " in done.stderr and "Traceback" not in done.stderr

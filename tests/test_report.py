@@ -271,6 +271,24 @@ def test_the_vllm_headline_says_slower_only_when_every_interval_is_below_one():
     assert on == "random weights of the pair's shapes, bf16, vllm 0.1, X1, 2026-01-02"
     for high in (None, 1.2):
         assert not vllm_brief(("b/r.json", _vllm_bench(7, high)), run)[0].startswith("slower")
-    committed = benchmarks.build("vllm_ttft_b").split("\n\n", 3)[3].splitlines()  # the second record: the real pair
+    committed = benchmarks.build("vllm_ttft_g").split("\n\n", 5)[5].splitlines()  # the third record: the real pair
     routed = [line.split(" | ")[2] for line in committed if line.startswith(("| 1,024 |", "| 8,192 |"))]
     assert f"{routed[0]} at 1,024 to {routed[1]} at 8,192 tokens" in benchmarks.build("headline")  # the same cells
+
+
+def test_the_vllm_tables_name_the_mapper_each_record_timed():
+    """The bench's random mapper was Head-Local k = 2 in float32 until 2026-12-07 (its records do not say so); later
+    records name theirs; a real record names its fitted dtype. The export's cost is a figure only when positive."""
+    from src.report.vllm_table import BenchRun, mapper_of, vllm_brief
+
+    old, new, real = _vllm_bench(7), _vllm_bench(7), _vllm_bench(7)
+    new["run"] = {"mapper": "random Head-Local k = 24", "compute_dtype": "bfloat16"}
+    real["weights"], real["run"] = "real", {"compute_dtype": "bfloat16"}
+    assert mapper_of(old) == "random Head-Local k = 2, float32 coefficients"
+    assert mapper_of(new) == "random Head-Local k = 24, bfloat16 coefficients"
+    assert mapper_of(real) == "the fitted mapper, bfloat16 coefficients"
+    assert "mapper: random Head-Local k = 2, float32" in benchmarks.build("vllm_ttft_f")  # the ninth lease's records
+    run = BenchRun("device", "bf16", "abc1234")
+    assert "the sender's export alone 5.0 ms" in vllm_brief(("b/r.json", old), run)[0]
+    old["rows"][0]["export_ms"] = [-0.5] * 7
+    assert "export alone within its request's noise (median -0.5 ms)" in vllm_brief(("b/r.json", old), run)[0]

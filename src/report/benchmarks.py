@@ -64,6 +64,9 @@ VLLM_BACKEND_E = "vllm-h100-2026-12-06e/vllm_ttft_device_backend.json"  # 556697
 VLLM_DIRECT = "vllm-h100-2026-12-06e/vllm_ttft_device_stacked.json"  # 5566976: the map's stores are the block writes
 VLLM_SALT = "vllm-h100-2026-12-06f/vllm_ttft_device_stacked_cache_salt.json"  # 5e83a97: the direct writer, salted
 VLLM_POOL = "vllm-h100-2026-12-06f/vllm_ttft_device_stacked_cache_salt_pool1536.json"  # 5e83a97: + the export pool
+VLLM_VECTOR = "vllm-h100-2026-12-07b/vllm_ttft_device_stacked_cache_salt_pool1536.json"  # 7f7a215: vector stores again
+VLLM_GEMM = "vllm-h100-2026-12-07b/vllm_ttft_device_stacked_cache_salt_pool1536_gemm.json"  # 7f7a215: the gemm map
+VLLM_REAL_G = "vllm-h100-2026-12-07b/vllm_ttft_real.json"  # 7f7a215: the real pair, its bf16 mapper
 VLLM_RUNS = {
     VLLM_FILE: BenchRun("file, exports on the machine's disk (/tmp/vllm-bench/exports)", "bf16", "732d5f6"),
     VLLM_SHM: BenchRun("file, exports on /dev/shm (tmpfs)", "bf16", "732d5f6"),
@@ -109,6 +112,24 @@ VLLM_RUNS = {
         "bf16",
         "5e83a97",
     ),  # fmt: skip
+    VLLM_VECTOR: BenchRun(
+        "device (CUDA IPC), Triton map (16-byte vector stores, 3999905), paged_writer stacked (engaged), the handoff "
+        "salted (cache_salt), the exports in an export pool of 1,536 MiB",
+        "bf16",
+        "7f7a215",
+    ),  # fmt: skip
+    VLLM_GEMM: BenchRun(
+        "device (CUDA IPC), gemm map (gather + two cuBLAS GEMMs + the compiled Triton epilogue, apply_backend gemm), "
+        "paged_writer stacked (engaged), the handoff salted (cache_salt), the exports in an export pool of 1,536 MiB",
+        "bf16",
+        "7f7a215",
+    ),  # fmt: skip
+    VLLM_REAL_G: BenchRun(
+        "device (CUDA IPC), Triton map (vector stores), paged_writer backend (each layer's writer), the handoff "
+        "salted (cache_salt), each export its own allocations",
+        "bf16",
+        "7f7a215",
+    ),  # fmt: skip
 }
 
 
@@ -146,15 +167,17 @@ TABLES: dict[str, Table] = {
     "vllm_phases_d": Table((), vllm_phases, files=(VLLM_BACKEND_E, VLLM_DIRECT)),
     "vllm_ttft_f": Table((), partial(vllm_ttft, runs=VLLM_RUNS), files=(VLLM_SALT, VLLM_POOL)),
     "vllm_phases_f": Table((), vllm_phases, files=(VLLM_SALT, VLLM_POOL)),
+    "vllm_ttft_g": Table((), partial(vllm_ttft, runs=VLLM_RUNS), files=(VLLM_VECTOR, VLLM_GEMM, VLLM_REAL_G)),
+    "vllm_phases_g": Table((), vllm_phases, files=(VLLM_VECTOR, VLLM_GEMM, VLLM_REAL_G)),
     "routed_gate": Table((GATE,), lambda rows: routed(joined(rows))),
     "routed_gate_tasks": Table((GATE,), lambda rows: routed_tasks(joined(rows))),
     "routed_gate_first": Table((GATE_FIRST,), lambda rows: routed(joined(rows))),
     "decision": Table((ROUTED, LEVERS, FITS, BF16, GATE_FIRST, GATE), decision),
     "headline": Table(
         (ROUTED, LEVERS, FITS, BF16, ENGINE, GATE_FIRST, GATE),
-        partial(headline, vllm_run=VLLM_RUNS[VLLM_REAL]),
+        partial(headline, vllm_run=VLLM_RUNS[VLLM_REAL_G]),
         README.name,
-        (FUSED, VLLM_REAL),
+        (FUSED, VLLM_REAL_G),
     ),
     "decision_brief": Table((ROUTED, LEVERS, FITS, BF16, GATE_FIRST, GATE), decision_brief, README.name),
     "gate_coverage": Table((), coverage, files=(COVERAGE,)),

@@ -202,7 +202,7 @@ def headline(rows: list[Row], fused: Document, vllm: Document, *, vllm_run: Benc
         "Handoff speedup vs re-prefill inside vLLM (two engines, the kvrelay connector)",
         *vllm_brief(vllm, vllm_run),
         _link(
-            "inside-vllm-the-real-pair-and-where-the-host-time-goes-one-h100-2026-12-06-fifth-session",
+            "the-eleventh-session-lease-vector-stores-inside-vllm-the-real-pair-the-gemm-route-one-h100-2026-12-07",
             "latency inside vLLM",
         ),
     )

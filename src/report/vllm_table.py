@@ -34,6 +34,17 @@ def speedup(interval: Sequence[float | None]) -> str:
     return f"{fmt(middle, 2)}×{bounds}"
 
 
+def mapper_of(bench: dict) -> str:
+    """The mapper a bench record timed: its own words since 2026-12-07; before, the bench's random mapper was always
+    Head-Local k = 2 in float32 (scripts/bench_vllm_ttft.py), a real one the fit's (its dtype where recorded)."""
+    run = bench.get("run", {})
+    if "mapper" in run:
+        return f"{run['mapper']}, {run.get('compute_dtype', 'float32')} coefficients"
+    if bench["weights"] == "random":
+        return "random Head-Local k = 2, float32 coefficients"
+    return f"the fitted mapper, {run.get('compute_dtype', 'float32')} coefficients"
+
+
 def vllm_ttft(rows: list, *documents: Document, runs: dict[str, BenchRun]) -> str:
     """One block per bench record: re-prefill, prefix hit, the receiver's mapped request ("map"), the sender's export
     (its request with the export minus one without) and routed (map + export) TTFT medians (ms), then re-prefill /
@@ -45,7 +56,7 @@ def vllm_ttft(rows: list, *documents: Document, runs: dict[str, BenchRun]) -> st
         repeats = {len(row["map_ms"]) for row in bench["rows"]}
         pair = " → ".join(Path(part).stem for part in bench["pair"].split(" → "))  # a config, or two model folders
         lines += [
-            f"{pair}, {bench['weights']} weights, {run.dtype}, new turn {bench['turn']} tokens, "
+            f"{pair}, {bench['weights']} weights, {run.dtype}, mapper: {mapper_of(bench)}, new turn {bench['turn']} tokens, "
             f"{'/'.join(map(str, sorted(repeats)))} repeats, transport: {run.transport} — {machine['date']}, "
             f"code {run.commit}, vllm {machine['vllm']}, torch {machine['torch']}, {machine['device']} "
             f"(`results/{where}`)",
@@ -79,7 +90,8 @@ def vllm_phases(rows: list, *documents: Document) -> str:
     """Where a handoff's host time goes (`--timings` records, src/serving/timings.py): per history length, the
     median host ms of each phase over the measured repeats (—: the phase never ran, e.g. `write` under the direct
     writer), the receiver's phases summed beside its mapped request's excess over the hit (map − hit, medians). The
-    worker's export includes its wait for the sender's own forward."""
+    worker's export includes its wait for the sender's own forward. The last column is the map's device time (CUDA
+    events around it, timings.py; — before 2026-12-07's records or off CUDA): a check longer than it is a late map."""
     lines = []
     for where, bench in documents:
         scheduler, worker = TIMED["scheduler"], TIMED["worker"]
@@ -87,8 +99,9 @@ def vllm_phases(rows: list, *documents: Document) -> str:
             f"`results/{where}` ({bench['weights']} weights) — host ms, median per phase",
             "",
             "| history | " + " | ".join(f"sched. {p}" for p in scheduler) + " | "
-            + " | ".join(f"worker {p}" for p in worker) + " | receiver sum | map − hit (TTFT p50s) | worker export |",
-            "|---|" + "---|" * (len(scheduler) + len(worker) + 3),
+            + " | ".join(f"worker {p}" for p in worker)
+            + " | receiver sum | map − hit (TTFT p50s) | worker export | map on the device |",
+            "|---|" + "---|" * (len(scheduler) + len(worker) + 4),
         ]  # fmt: skip
         for row in bench["rows"]:
             host, median = row["host_ms"], row["median_ms"]
@@ -98,7 +111,8 @@ def vllm_phases(rows: list, *documents: Document) -> str:
             excess, ran = median["map"] - median["hit"], sum(x for x in cells if not math.isnan(x))  # phases that ran
             lines.append(
                 f"| {row['tokens']:,} | " + " | ".join(fmt(x, 2) for x in cells)
-                + f" | {fmt(ran, 2)} | {fmt(excess, 1)} | {fmt(host['worker'].get('export', math.nan), 1)} |"
+                + f" | {fmt(ran, 2)} | {fmt(excess, 1)} | {fmt(host['worker'].get('export', math.nan), 1)} "
+                f"| {fmt(host.get('device', {}).get('map', math.nan), 2)} |"
             )  # fmt: skip
         lines.append("")
     return "\n".join(lines).rstrip()
@@ -112,12 +126,13 @@ def vllm_brief(document: Document, run: BenchRun) -> tuple[str, str]:
     median = last["median_ms"]
     highs = [row["speedup"]["routed"][2] for row in bench["rows"]]
     slower = all(high is not None and high < 1 for high in highs)
+    export = statistics.median(last["export_ms"])  # the sender's request with the export minus without
+    cost = f"{fmt(export)} ms" if export > 0 else f"within its request's noise (median {fmt(export)} ms)"
     answer = (
         ("slower than re-prefill at every length (each 95 % CI below 1): " if slower else "")
         + f"{speedup(first['speedup']['routed'])} at {first['tokens']:,} to {speedup(last['speedup']['routed'])} at "
         f"{last['tokens']:,} tokens; p50 {fmt(median['routed'])} vs {fmt(median['reprefill'])} ms at "
-        f"{last['tokens']:,} — the sender's export alone {fmt(statistics.median(last['export_ms']))} ms "
-        f"({run.transport.split(',')[0]} transport)"
+        f"{last['tokens']:,} — the sender's export alone {cost} ({run.transport.split(',')[0]} transport)"
     )
     machine = bench["machine"]
     weights = "the real pair and its mapper" if bench["weights"] == "real" else "random weights of the pair's shapes"
