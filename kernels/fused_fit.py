@@ -45,6 +45,7 @@ try:  # optional: CPU CI may lack triton; every backend but "triton" works witho
 except ImportError:  # pragma: no cover
     triton = tl = None
 
+from src.maps import offset_multiple
 from src.stats import Moments, streaming_moments
 from src.support import gather_features
 
@@ -80,6 +81,7 @@ class PassConfig:
     stats_warps: int = 8
     panel_rows: int = 32
     panel_warps: int = 4
+    offset_hint: bool = True  # the schedule's offset multiple hinted (Plan.x_multiple); False: 1, the loads of before
 
 
 @dataclass(frozen=True)
@@ -94,6 +96,8 @@ class Plan:
     chunk: int
     x_offsets: torch.Tensor  # [H_t, k·f] int64 element offset of block (layer j, head g) in rows_x
     y_offsets: torch.Tensor  # [H_t, 1]   int64 element offset of head h in rows_y
+    x_multiple: int  # the largest power of two ≤ 16 dividing every x offset: the kernels' alignment hint
+    y_multiple: int  # (a loaded offset's alignment is unknown to Triton: rows were gathered 4 bytes at a time)
 
     def spans(self) -> list[slice]:
         return [slice(s, min(s + self.chunk, self.rows)) for s in range(0, self.rows, self.chunk)]
@@ -122,7 +126,8 @@ def make_plan(
     y_offsets = torch.arange(heads, dtype=torch.int64)[:, None] * rows_y.stride(0)  # [H_t, 1]
     schedule = gather_schedule(rows_x, layers.cpu(), head_index.cpu())  # [H_t, k·f]
     move = lambda t: t.to(rows_x.device, non_blocking=True)
-    return Plan(heads, rows, p, m, _round_up(m, ALIGN), chunk, move(schedule), move(y_offsets))
+    multiples = (offset_multiple(schedule.flatten().tolist()), offset_multiple(y_offsets.flatten().tolist()))
+    return Plan(heads, rows, p, m, _round_up(m, ALIGN), chunk, move(schedule), move(y_offsets), *multiples)
 
 
 # --------------------------------------------------------------------------- the numerical scheme (pure torch)
@@ -289,7 +294,7 @@ if triton is not None:
     def _stats_kernel(
         src, offsets, w_ptr, sw_ptr, center_ptr, out_sum, out_max, out_sq, rows, chunk, segments, stride_n, stride_d,
         width, col0, m, nb, heads,
-        HAS_W: tl.constexpr, SEG_ROWS: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr,
+        HAS_W: tl.constexpr, SEG_ROWS: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr, OFFSET_MULTIPLE: tl.constexpr,
     ):  # fmt: skip
         """Pass 1, one read: Σ w (z − c), max |√w (z − c)| and Σ w (z − c)² per (segment, head, column)."""
         seg, hb = tl.program_id(0), tl.program_id(1)
@@ -297,7 +302,7 @@ if triton is not None:
         ch = tl.program_id(2) * BC + tl.arange(0, BC)  # [BC] channels of block (h, j)
         ch_ok = ch < width
         col = col0 + (hb % nb) * width + ch  # [BC] feature columns
-        base = tl.load(offsets + hb)  # int64 offset of block (layer j, head g): the static gather schedule
+        base = tl.multiple_of(tl.load(offsets + hb), OFFSET_MULTIPLE)  # block (layer j, head g): the schedule
         chunk_id = seg // segments
         start = chunk_id * chunk + (seg % segments) * SEG_ROWS
         stop = tl.minimum(tl.minimum(start + SEG_ROWS, (chunk_id + 1) * chunk), rows)
@@ -328,6 +333,7 @@ if triton is not None:
         src, offsets, w_ptr, center_ptr, inv_ptr, panel, row0, rows_here, rows, stride_n, stride_d,
         width, col0, m, nb, m_pad, b_pad,
         HAS_W: tl.constexpr, SLICES: tl.constexpr, RADIX: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr,
+        OFFSET_MULTIPLE: tl.constexpr,
     ):  # fmt: skip
         """Gather → centre → √w → digits of (z − c)·√w / s into panel [H_t, SLICES, m_pad, b_pad] (rows contiguous)."""
         hb = tl.program_id(1)
@@ -338,7 +344,7 @@ if triton is not None:
         r = tl.program_id(0) * BR + tl.arange(0, BR)  # [BR] rows of this chunk
         r_ok = r < rows_here
         ok = r_ok[:, None] & ch_ok[None, :]
-        base = tl.load(offsets + hb)
+        base = tl.multiple_of(tl.load(offsets + hb), OFFSET_MULTIPLE)  # Plan.x_multiple / y_multiple
         x_ptrs = src + base + (row0 + r)[:, None].to(tl.int64) * stride_n + ch[None, :] * stride_d
         x = tl.load(x_ptrs, mask=ok, other=0.0).to(tl.float64)  # [BR, BC]
         z = x - tl.load(center_ptr + head * m + col, mask=ch_ok, other=0.0)[None, :]  # [BR, BC]   x − c
@@ -418,7 +424,7 @@ def _block_c(width: int) -> int:
 
 
 def _launch_stats(source, w, sqrt_w, center, outs, plan: Plan, segments: int, passes: PassConfig) -> None:
-    rows, offsets, stride_n, stride_d, width, col0 = source
+    rows, offsets, stride_n, stride_d, width, col0, multiple = source
     nb, block_c = offsets.shape[1], _block_c(width)
     seg_rows = _round_up(-(-plan.chunk // segments), passes.stats_rows)
     grid = (len(plan.spans()) * segments, plan.heads * nb, triton.cdiv(width, block_c))
@@ -426,19 +432,20 @@ def _launch_stats(source, w, sqrt_w, center, outs, plan: Plan, segments: int, pa
         rows, offsets, center if w is None else w, center if sqrt_w is None else sqrt_w, center, *outs,
         plan.rows, plan.chunk, segments, stride_n, stride_d, width, col0, plan.m, nb, plan.heads,
         HAS_W=w is not None, SEG_ROWS=seg_rows, BR=passes.stats_rows, BC=block_c,
+        OFFSET_MULTIPLE=multiple if passes.offset_hint else 1,
         num_warps=passes.stats_warps,
     )  # fmt: skip
 
 
 def _launch_panel(source, sqrt_w, center, inverse, panel, span: slice, plan: Plan, passes: PassConfig) -> None:
-    rows, offsets, stride_n, stride_d, width, col0 = source
+    rows, offsets, stride_n, stride_d, width, col0, multiple = source
     nb, block_c = offsets.shape[1], _block_c(width)
     grid = (plan.chunk // passes.panel_rows, plan.heads * nb, triton.cdiv(width, block_c))
     _panel_kernel[grid](
         rows, offsets, center if sqrt_w is None else sqrt_w, center, inverse, panel, span.start,
         span.stop - span.start, plan.rows, stride_n, stride_d, width, col0, plan.m, nb, plan.m_pad, plan.chunk,
         HAS_W=sqrt_w is not None, SLICES=SLICES, RADIX=RADIX, BR=passes.panel_rows, BC=block_c,
-        num_warps=passes.panel_warps,
+        OFFSET_MULTIPLE=multiple if passes.offset_hint else 1, num_warps=passes.panel_warps,
     )  # fmt: skip
 
 
@@ -479,9 +486,9 @@ def _triton_moments(
     if triton is None:
         raise RuntimeError("backend='triton' needs the triton package")
     heads, m, device = plan.heads, plan.m, rows_x.device
-    sources = (  # (rows, schedule [H_t, nb], row stride, channel stride, block width, first feature column)
-        (rows_x, plan.x_offsets, rows_x.stride(2), rows_x.stride(3), rows_x.shape[3], 0),
-        (rows_y, plan.y_offsets, rows_y.stride(1), rows_y.stride(2), rows_y.shape[2], plan.p),
+    sources = (  # (rows, schedule [H_t, nb], row stride, channel stride, block width, first column, offset multiple)
+        (rows_x, plan.x_offsets, rows_x.stride(2), rows_x.stride(3), rows_x.shape[3], 0, plan.x_multiple),
+        (rows_y, plan.y_offsets, rows_y.stride(1), rows_y.stride(2), rows_y.shape[2], plan.p, plan.y_multiple),
     )
     segments, chunks = max(1, plan.chunk // SEGMENT_ROWS), len(plan.spans())
     sums, bound, squares = torch.zeros(3, chunks * segments, heads, m, dtype=torch.float64, device=device)

@@ -9,8 +9,8 @@ d = 128, Head-Local, k = 8, 500 sequences × 256 rows = 128,000 rows). Timing on
 Paths: generic / streaming / fused (statistics backends timed here, each + the float64 solve), emulate (the fused
 arithmetic in torch), fit (src.fit.fit_mapper(statistics="fused") end to end: Attn-Repair weights from the raw
 sensitivities, solve, float32 coefficients). --variant NAME:key=value;... times fused variants (levels, gram
-BM,BN,BK,warps,stages, stats rows,warps, panel rows,warps) on --variant-layers layers; the JSON is rewritten after
-every path, so a run cut short keeps what it measured.
+BM,BN,BK,warps,stages, stats rows,warps, panel rows,warps, hint 0 | 1: the gathers' offset hint) on --variant-layers
+layers; the JSON is rewritten after every path, so a run cut short keeps what it measured.
 
 Needs only torch (+ triton for the fused kernels) and this repository's src/ and kernels/: no hydra, no mlflow.
 """
@@ -170,7 +170,7 @@ def fit_path(traces: Traces, source_layers, head_index, args, clock: Clock, laye
 
 
 def variant(spec: str, args) -> tuple[str, argparse.Namespace]:
-    """ "NAME:levels=4;gram=128,64,64,8,3;stats=16,4;panel=32,8;solve=16" → (NAME, args with those)."""
+    """ "NAME:levels=4;gram=128,64,64,8,3;stats=16,4;panel=32,8;solve=16;hint=0" → (NAME, args with those)."""
     name, _, settings = spec.partition(":")
     changed = argparse.Namespace(**vars(args))
     changed.config = args.config or GRAM_CONFIGS[0]  # explicit: a variant's tiles must not carry over to the next
@@ -183,6 +183,8 @@ def variant(spec: str, args) -> tuple[str, argparse.Namespace]:
             changed.config = GramConfig(*numbers)
         elif key == "solve":
             changed.solve_group = numbers[0]
+        elif key == "hint":  # hint=0: the gathers without the schedule's offset multiple (the loads before 2026-12-07)
+            changed.passes = PassConfig(**{**vars(changed.passes), "offset_hint": bool(numbers[0])})
         elif key in ("stats", "panel"):
             changed.passes = PassConfig(
                 **{**vars(changed.passes), f"{key}_rows": numbers[0], f"{key}_warps": numbers[1]}

@@ -14,7 +14,8 @@
 #   bash scripts/device_quality.sh signal     the receiver's read error over a lever grid, then its rank correlation
 #                                             with the loss (issue 25: src/eval/read_error.py, src/report/error_signal.py)
 #   bash scripts/device_quality.sh length     quality vs history length to 32K (validation items), then the length evidence
-#   bash scripts/device_quality.sh gate       issue 23: the gate at bf16 on the graph engine, item shards joined
+#   bash scripts/device_quality.sh gate       issue 23: the gate at bf16 on the graph engine, item shards joined (stops
+#                                             where both joined runs are committed: RERUN=1 for a re-run)
 #   bash scripts/device_quality.sh frontier3  issue 25: each recompute rule's frontier on the engine, then the chosen one
 # The GPU image has no hydra/mlflow: hydra comes from the carried wheels, tracking writes JSON records
 # that come back as one tarball in $OUT and are imported here with `python -m src.tracking import DIR`.
@@ -41,7 +42,7 @@ run() {
   timeout "$left" python3 -m src.run -m "${COMMON[@]}" "$@" 2>&1 | tee -a "$OUT/log.txt" || LAST_RC=$?
   [ "$LAST_RC" -eq 0 ] || echo "FAILED (rc $LAST_RC): $*" | tee -a "$OUT/log.txt"
 }
-pack() { [ -d "$OUT/trk" ] && tar czf "$OUT/trk-$stage.tgz" -C "$OUT" trk && rm -rf "$OUT/trk"; }
+pack() { if [ -d "$OUT/trk" ]; then tar czf "$OUT/trk-$stage.tgz" -C "$OUT" trk && rm -rf "$OUT/trk"; fi; }
 step() {  # step N ARGS…: one step of a resumable queue (routed, routed2, routed3), unless an earlier call on this machine
   # finished it ($HOME/<stage>.done) or FROM=N / TO=N leave it out (a later lease on a fresh machine, one step alone)
   local n=$1; shift
@@ -260,6 +261,12 @@ PY
     # src.routed_merge once all are in (same code and config, or it refuses). Defaults: LIMIT=400 SHARDS=4 (~25 min of
     # device time for both directions at routed4's 0.83 s a turn on HF; the engine's is unmeasured); raise both
     # together for the full power. Reverse direction after the forward one; its records join apart.
+    judged=$(ls -d results/gate-*/*_routed_fewshot_*_shards"${SHARDS:-4}"-* 2>/dev/null | wc -l)
+    if [ "$judged" -ge 2 ] && [ -z "${RERUN:-}" ]; then  # both directions joined and committed: the plan's runs
+      mkdir -p "$OUT"; echo "gate: both directions' joined runs are committed (results/gate-*); results/gate_plans.yaml judges the" \
+        "first, a re-run is counted and never judged — RERUN=1 runs it anyway" | tee -a "$OUT/log.txt"
+      exit 0
+    fi
     G=(+experiment=routed "${CAPACITY[@]}" workload.warmup=2 pair.dtype=bfloat16 pair.compute_dtype=bfloat16
       pair.apply_backend=auto workload.engine_capacity=8448 +workload=fewshot "workload.tasks=[arc_easy,arc_challenge]"
       workload.shots.arc_easy=200 workload.shots.arc_challenge=200 "workload.limit=${LIMIT:-400}"

@@ -1,5 +1,5 @@
-"""The connector's opt-in host timings (src/serving/timings.py) and the TTFT bench's fold of them, without an engine
-(a handoff over real engines writing every phase: tests/test_vllm_serving.py)."""
+"""The connector's opt-in host timings (src/serving/timings.py), the TTFT bench's fold of them and the random mapper
+it times, without an engine (a handoff over real engines writing every phase: tests/test_vllm_serving.py)."""
 
 from __future__ import annotations
 
@@ -101,3 +101,21 @@ def test_the_maps_device_span_is_the_gpu_time_between_its_marks(tmp_path):
     (line,) = [json.loads(line) for line in path.read_text().splitlines()]
     assert (line["role"], line["phase"], line["request"], line["tokens"]) == ("device", "map", "r", 4096)
     assert line["ms"] > 0
+
+
+def test_the_random_bench_builds_a_mapper_of_k_source_layers_and_rebuilds_for_another_k(tmp_path):
+    """scripts/bench_vllm_ttft.py `build` on the tiny random pair (4 → 6 layers): the mapper reads k source layers per
+    target layer; the same --work is reused for the same k and rebuilt for another; k past the source's layers is a
+    ValueError naming them (the bench turns it into a usage error before any engine starts)."""
+    from src.artifact import load_mapper
+
+    bench, pair = _bench(), ROOT / "conf" / "pair" / "tiny_random.yaml"
+    *_, mapper = bench.build(pair, tmp_path, torch.float32, 3)
+    assert load_mapper(mapper).source_layers.shape == (6, 3)
+    stamp = (mapper / "manifest.json").stat().st_mtime_ns
+    assert bench.build(pair, tmp_path, torch.float32, 3)[2] == mapper
+    assert (mapper / "manifest.json").stat().st_mtime_ns == stamp  # reused, not rebuilt
+    bench.build(pair, tmp_path, torch.float32, 4)
+    assert load_mapper(mapper).source_layers.shape == (6, 4)
+    with pytest.raises(ValueError, match="1 to the source's 4 layers"):
+        bench.build(pair, tmp_path, torch.float32, 5)

@@ -20,6 +20,7 @@ from kernels.fused_fit import (
     RADIX,
     SLICES,
     GramConfig,
+    PassConfig,
     _emulated_gram,
     chunk_scale,
     fused_moments,
@@ -314,3 +315,26 @@ def test_triton_paper_like_shape_meets_the_artifact_bound():
     layers, head_index = torch.tensor([0, 2, 3, 4, 5, 7, 8, 9]), head_assignment("local", heads, heads)
     got = fused_moments(rows_x, rows_y, w, layers, head_index, 16384, backend="triton")
     _assert_matches_float64(got, _materialized(rows_x, rows_y, w, layers, head_index), stats_tol=1e-8)
+
+
+@pytest.mark.skipif(not triton_available(), reason="triton is not installed")
+def test_the_gathers_offset_hint_is_the_plans_multiple_unless_the_pass_config_turns_it_off(monkeypatch):
+    """Both passes launch with the schedule's offset multiple (16-byte gathers, tests/test_kernels_stores.py), or 1
+    with `PassConfig(offset_hint=False)` — the loads of before, for an A/B on one GPU (bench_fused_fit.py hint=0)."""
+    import kernels.fused_fit as fused_fit
+
+    seen = []
+
+    class Launch:  # a kernel's `kernel[grid](...)`, recording the hint it is given
+        def __getitem__(self, grid):
+            return lambda *args, **constants: seen.append(constants["OFFSET_MULTIPLE"])
+
+    monkeypatch.setattr(fused_fit, "_stats_kernel", Launch())
+    monkeypatch.setattr(fused_fit, "_panel_kernel", Launch())
+    rows_x, rows_y = torch.zeros(3, 2, 40, 16), torch.zeros(2, 40, 8)
+    plan = make_plan(rows_x, rows_y, torch.tensor([0, 2]), torch.tensor([[0], [1]]), 64)
+    source = (rows_x, plan.x_offsets, rows_x.stride(2), rows_x.stride(3), 16, 0, plan.x_multiple)
+    for passes in (PassConfig(), PassConfig(offset_hint=False)):
+        fused_fit._launch_stats(source, None, None, None, (None,) * 3, plan, 1, passes)
+        fused_fit._launch_panel(source, None, None, None, None, slice(0, 40), plan, passes)
+    assert seen == [16, 16, 1, 1]

@@ -16,9 +16,9 @@ for the width of every global access: 16 bytes where a thread's share of a conti
 whole share at once. Narrower by design: per-row and per-column values (softmax statistics, column sums, int64
 positions), and tiles smaller than the program: at 4 warps (Triton's default; neither wrapper names one)
 `rope_write`'s 64-channel halves and the combine's 128-channel rows give a thread one element, so both are compiled
-at 1 warp too, where a lost alignment would show. Not by design, asserted as it stands: the fused fit's gathered
-rows load 4 bytes at a time — their block offset is loaded from the schedule, of unknown alignment, as the map's
-layer offset was."""
+at 1 warp too, where a lost alignment would show. The fused fit's gathered rows loaded 4 bytes at a time until
+2026-12-07 — their block offset is loaded from the schedule, of unknown alignment, as the map's layer offset was —
+and load 16 now that the plan carries the schedule's offset multiple (`Plan.x_multiple`, a `tl.multiple_of`)."""
 
 from __future__ import annotations
 
@@ -182,8 +182,9 @@ def test_derope_moves_a_threads_channels_at_once():
     assert accesses == {"ld.global.v2.b32": 2, "ld.global.v4.b32": 4, "st.global.v2.b32": 2}, accesses
 
 
+@pytest.mark.parametrize("multiple", [ALIGN, 1], ids=["hinted", "unhinted"])
 @pytest.mark.parametrize("source", ["x", "y"])
-def test_fused_fit_stores_its_panel_16_bytes_at_a_time_and_gathers_rows_4(source):
+def test_fused_fit_gathers_rows_and_stores_its_panel_16_bytes_at_a_time(source, multiple):
     blocks, width, col0 = (FIT_BLOCKS, SOURCE_DIM, 0) if source == "x" else (1, HEAD_DIM, FIT_BLOCKS * SOURCE_DIM)
     m = FIT_BLOCKS * SOURCE_DIM + HEAD_DIM  # p + d_t, already a multiple of 128 (m_pad)
     passes, segments, block_c = fused_fit.PassConfig(), FIT_CHUNK // fused_fit.SEGMENT_ROWS, min(width, 128)
@@ -191,9 +192,10 @@ def test_fused_fit_stores_its_panel_16_bytes_at_a_time_and_gathers_rows_4(source
             "stride_d": 1, "width": width, "col0": col0, "m": m, "nb": blocks, "heads": KV_HEADS, "row0": FIT_CHUNK,
             "rows_here": FIT_CHUNK, "m_pad": m, "b_pad": FIT_CHUNK}  # fmt: skip
     seg_rows = fused_fit._round_up(-(-FIT_CHUNK // segments), passes.stats_rows)
-    constants = dict(HAS_W=True, SEG_ROWS=seg_rows, BR=passes.stats_rows, BC=block_c)  # weighted rows
+    constants = dict(HAS_W=True, SEG_ROWS=seg_rows, BR=passes.stats_rows, BC=block_c, OFFSET_MULTIPLE=multiple)
     stats = _accesses(_ptx(fused_fit._stats_kernel, constants, passes.stats_warps, args))
-    constants = dict(HAS_W=True, SLICES=fused_fit.SLICES, RADIX=fused_fit.RADIX, BR=passes.panel_rows, BC=block_c)
+    constants = dict(HAS_W=True, SLICES=fused_fit.SLICES, RADIX=fused_fit.RADIX, BR=passes.panel_rows, BC=block_c,
+                     OFFSET_MULTIPLE=multiple)  # fmt: skip
     panel = _accesses(_ptx(fused_fit._panel_kernel, constants, passes.panel_warps, args))
     share = lambda rows, warps: rows * block_c // (32 * warps)  # a thread's elements of the [rows, columns] tile
     # the digits, 16 int8 rows a vector, 4 slices
@@ -201,9 +203,24 @@ def test_fused_fit_stores_its_panel_16_bytes_at_a_time_and_gathers_rows_4(source
     assert _only(panel, "st.") == {"st.global.v4.b32": slices}, panel
     # by design: the column sums, maxima and squares, float64 scalars of a [columns] reduction
     assert _only(stats, "st.") == {"st.global.b64": 3}, stats
-    # not by design: the gathered float32 rows, one at a time — `base` is loaded (a tl.multiple_of would make them v4)
-    assert _only(stats, "ld.", "b32") == {"ld.global.b32": share(passes.stats_rows, passes.stats_warps)}, stats
-    assert _only(panel, "ld.", "b32") == {"ld.global.b32": share(passes.panel_rows, passes.panel_warps)}, panel
+    # the gathered float32 rows: 4 a vector given the schedule's offset multiple (Plan.x_multiple), one at a time
+    # without it — a loaded offset's alignment is unknown to the compiler
+    for loads, (rows, warps) in ((stats, (passes.stats_rows, passes.stats_warps)),
+                                 (panel, (passes.panel_rows, passes.panel_warps))):  # fmt: skip
+        if multiple == ALIGN:
+            assert _only(loads, "ld.", "b32") == {"ld.global.v4.b32": share(rows, warps) // 4}, loads
+        else:
+            assert _only(loads, "ld.", "b32") == {"ld.global.b32": share(rows, warps)}, loads
+
+
+def test_the_fit_plan_carries_its_schedules_offset_multiples():
+    rows_x, rows_y = torch.zeros(3, 2, 40, 16), torch.zeros(2, 40, 8)  # [L_s, H_s, n, d_s], [H_t, n, d_t]
+    plan = fused_fit.make_plan(rows_x, rows_y, torch.tensor([0, 2]), torch.tensor([[0], [1]]), 64)
+    assert (plan.x_multiple, plan.y_multiple) == (ALIGN, ALIGN)  # strides 1,280 / 640 and 320 elements
+    odd = torch.zeros(3, 2, 41, 16)[:, :, :40]  # a layer and head step of 1,312 / 656: multiples of 16
+    assert fused_fit.make_plan(odd, rows_y, torch.tensor([1]), torch.tensor([[1], [0]]), 64).x_multiple == ALIGN
+    odd = torch.zeros(3, 2, 40, 17)[..., :16]  # steps of 1,360 / 680 elements: 8 divides both
+    assert fused_fit.make_plan(odd, rows_y, torch.tensor([1]), torch.tensor([[1], [0]]), 64).x_multiple == 8
 
 
 def test_fused_fit_gram_copies_and_flushes_16_bytes_at_a_time():
