@@ -261,6 +261,8 @@ def parse() -> argparse.Namespace:
         args.storage, args.device = "float32", args.device or "cpu"
         args.paths, args.repeats = args.paths or "generic,streaming,fused,emulate,fit", args.repeats or 2
     args.paths, args.repeats = args.paths or "generic,streaming,fused", args.repeats or 3
+    if args.variant and not 1 <= args.variant_layers <= args.target_layers:
+        parser.error(f"--variant-layers {args.variant_layers}: 1 to the {args.target_layers} target layers")
     args.device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     args.config = GramConfig(*map(int, args.gram_config.split(","))) if args.gram_config else None
     passes = {}

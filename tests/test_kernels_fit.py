@@ -4,6 +4,7 @@ head, no / heavy-tailed weights, offsets of 1e3), the CPU fallback, determinism,
 CPU, or on CUDA — the Triton kernels themselves. GPU tests skip without CUDA.
 """
 
+import json
 import os
 import subprocess
 import sys
@@ -338,3 +339,16 @@ def test_the_gathers_offset_hint_is_the_plans_multiple_unless_the_pass_config_tu
         fused_fit._launch_stats(source, None, None, None, (None,) * 3, plan, 1, passes)
         fused_fit._launch_panel(source, None, None, None, None, slice(0, 40), plan, passes)
     assert seen == [16, 16, 1, 1]
+
+
+def test_the_fit_bench_times_a_variant_without_the_hint_and_refuses_more_layers_than_the_target(tmp_path):
+    """scripts/bench_fused_fit.py --quick (CPU): a hint=0 variant beside the default runs and is recorded; asking a
+    variant for more layers than the target has is a usage error, not an IndexError mid-run."""
+    script, out = ROOT / "scripts" / "bench_fused_fit.py", tmp_path / "ff.json"
+    common = [sys.executable, str(script), "--quick", "--paths", "fused", "--out", str(out)]
+    done = subprocess.run([*common, "--variant", "unhinted:hint=0", "--variant-layers", "2"], capture_output=True,
+                          text=True, timeout=300)  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert "variant:unhinted" in json.loads(out.read_text())["paths"]
+    refused = subprocess.run([*common, "--variant", "unhinted:hint=0"], capture_output=True, text=True, timeout=300)
+    assert refused.returncode == 2 and "--variant-layers 8: 1 to the 3 target layers" in refused.stderr
