@@ -99,3 +99,19 @@ def test_a_routes_coefficients_default_to_the_dtype_its_mapper_was_fitted_in(pai
     _, given = routes.bound_routes(spec, pair.large, torch.float32, torch.float32, "torch", "cpu")
     assert {b.mapper.weight_k.dtype for b in fitted.values()} == {torch.bfloat16}
     assert {b.mapper.weight_k.dtype for b in given.values()} == {torch.float32}
+
+
+def test_a_gemm_route_for_a_mapper_reading_few_source_layers_says_what_it_costs(pair, caplog):
+    """apply_backend "gemm" packs every source layer: for a mapper reading few of them (k < 0.75 L_s) the worker says
+    at start how many times the gathered map's work it multiplies (the vLLM bench's k = 2 mapper: 12×, 2026-12-07);
+    a mapper reading them all (the fitted one: k = 2 of the small model's 2) starts silently."""
+    fitted, identity = (
+        (RouteSpec(pair.fitted, pair.small),),
+        (RouteSpec(pair.identity, pair.large),),
+    )  # k 2 of 2, 1 of 3
+    with caplog.at_level(logging.WARNING, logger=routes.__name__):
+        routes.bound_routes(fitted, pair.large, torch.float32, None, "gemm", "cpu")
+        assert not [r for r in caplog.records if "apply_backend" in r.getMessage()]
+        routes.bound_routes(identity, pair.large, torch.float32, None, "gemm", "cpu")
+    (line,) = [r.getMessage() for r in caplog.records if "apply_backend" in r.getMessage()]
+    assert "multiplies all 3 source layers for a mapper reading 1 per target layer — 3.0× the gathered map's" in line

@@ -27,7 +27,7 @@ import torch
 from transformers import PreTrainedModel
 
 from kernels.apply_map import map_cache
-from kernels.apply_map_gemm import PackedMapper, packed_weights
+from kernels.apply_map_gemm import PackedMapper, gemm_worthwhile, packed_weights
 from src.artifact import Mapper, length_evidence, load_mapper
 from src.maps import LayerViews
 from src.model_identity import NotStreamable, skeleton, streamed_identity
@@ -252,6 +252,11 @@ def bound_routes(
         if mapper.token_features:
             raise ValueError(f"kvrelay: mapper {spec.mapper} reads the target's token features (a layer-0 receiver "
                              "prefill inside the load): not served by the connector")  # fmt: skip
+        if backend == "gemm" and not gemm_worthwhile(mapper, sender.kv.num_layers):  # packs every source layer
+            logger.warning("kvrelay: route %s: apply_backend \"gemm\" multiplies all %d source layers for a mapper "
+                           "reading %d per target layer — %.1f× the gathered map's work (\"auto\" maps it gathered)",
+                           spec.mapper, sender.kv.num_layers, mapper.source_layers.shape[1],
+                           sender.kv.num_layers / mapper.source_layers.shape[1])  # fmt: skip
         compute = compute_dtype or getattr(torch, fitted_dtypes(mapper.manifest)["compute_dtype"])
         bound[mapper_id(mapper)] = Bound(bound_mapper(mapper, device, compute), sender.kv, receiver.kv,
                                          RopeTable(sender.rotary.to(device)), RopeTable(receiver.rotary.to(device)),
