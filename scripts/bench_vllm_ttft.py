@@ -79,8 +79,9 @@ def measure(
 ) -> list[dict]:  # fmt: skip
     """One row per length: every repeat's ms per path, and what the receiver mapped (module docstring); `fresh(n)`:
     n tokens no engine has seen (`random_tokens`, `text_tokens`); with `timings` (the engines' KVRELAY_TIMINGS
-    file), the median host ms of each phase (`host_ms`; its role "device": the map's device ms on CUDA); `keys`: how the handoff's prefix-cache keys are kept apart
-    — "cache_salt" (its provenance salt, as the router sends it) or "re-keyed" (none: the connector re-keys)."""
+    file), the median host ms of each phase (`host_ms`; its role "device": the map's device ms on CUDA); `keys`: how
+    the handoff's prefix-cache keys are kept apart — "cache_salt" (its provenance salt, as the router sends it) or
+    "re-keyed" (none: the connector re-keys)."""
     from src.serving.provenance import provenance_salt
 
     rows = []
@@ -240,8 +241,6 @@ def build(pair: Path, work: Path, dtype: torch.dtype, k: int) -> tuple[Path, Pat
     manifest = {"source_fingerprint": fingerprint(models["source"]), "target_fingerprint": fingerprint(models["target"]),
                 "tokenizer_hash": token_hash, "token_features": False, "calibration": {}}  # fmt: skip
     source_kv, target_kv = describe_kv(models["source"]), describe_kv(models["target"])
-    if not 1 <= k <= source_kv.num_layers:
-        raise ValueError(f"the mapper reads 1 to the source's {source_kv.num_layers} layers per target layer")
     shutil.rmtree(work / "mapper", ignore_errors=True)  # another k's
     save_mapper(synthetic_mapper(source_kv, target_kv, "local", k, manifest, seed=0), work / "mapper")
     built.write_text(str(k))
@@ -295,7 +294,7 @@ def main(argv: list[str] | None = None) -> int:
     lengths = [int(n) for n in (args.lengths or default).split(",")]
     repeats = args.repeats or (1 if args.smoke else 11)
     gpu = torch.cuda.is_available()
-    dtypes, coefficients = {}, {}  # a real mapper's fitted dtypes (both engines); a random one's coefficients
+    dtypes, coefficients, described = {}, {}, {}  # a real mapper's fitted dtypes (both engines); a random one's
     if args.models:  # every refusal before an engine starts
         try:
             dtypes = check_real(*args.models, args.mapper, lengths, 16 if gpu else 32)
@@ -342,10 +341,11 @@ def main(argv: list[str] | None = None) -> int:
         try:
             small_dir, large_dir, mapper_dir = build(args.pair, work, torch.bfloat16, args.k)
         except ValueError as error:  # k past the source's layers, named by src/synthetic.py
-            parser.error(f"--k {args.k}: {error}")
+            parser.error(f"--k: {error}")
         settings = gpu_settings
         fresh, label, weights, dtype = random_tokens(300), str(args.pair), "random", "bfloat16"
         coefficients = {"compute_dtype": args.compute_dtype or ("bfloat16" if gpu else "float32")}  # the receiver's
+        described = {"mapper": f"random Head-Local k = {args.k}"}  # the record says which mapper it timed
     route = {"routes": [{"mapper": str(mapper_dir), "source": str(small_dir)}], "apply_backend": args.apply_backend,
              "paged_writer": args.paged_writer} | coefficients  # fmt: skip
     small = engine(small_dir, sender | dtypes, **settings)  # the sender fingerprints in the fitted dtype
@@ -354,9 +354,8 @@ def main(argv: list[str] | None = None) -> int:
            "apply_backend": args.apply_backend, "paged_writer": args.paged_writer,
            "keys": args.keys, "dtype": dtype,
            "commit": commit(), "timings": args.timings,
-           "histories": f"text: {args.text}" if args.models else "random tokens"} | dtypes | coefficients  # fmt: skip
-    if not args.models and not args.smoke:
-        run["mapper"] = f"random Head-Local k = {args.k}"
+           "histories": f"text: {args.text}" if args.models else "random tokens",
+           **dtypes, **coefficients, **described}  # fmt: skip
     rows, mapper = [], mapper_id(load_mapper(mapper_dir))
     for n in lengths:  # the record rewritten after each length: a call cut by its time limit keeps what ran
         rows += measure(small, large, mapper, [n], repeats, fresh, timings=timings, keys=args.keys)

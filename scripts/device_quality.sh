@@ -263,8 +263,9 @@ PY
     # together for the full power. Reverse direction after the forward one; its records join apart.
     judged=$(ls -d results/gate-*/*_routed_fewshot_*_shards"${SHARDS:-4}"-* 2>/dev/null | wc -l)
     if [ "$judged" -ge 2 ] && [ -z "${RERUN:-}" ]; then  # both directions joined and committed: the plan's runs
-      mkdir -p "$OUT"; echo "gate: both directions' joined runs are committed (results/gate-*); results/gate_plans.yaml judges the" \
-        "first, a re-run is counted and never judged — RERUN=1 runs it anyway" | tee -a "$OUT/log.txt"
+      mkdir -p "$OUT"
+      echo "gate: both directions' joined runs are committed (results/gate-*); results/gate_plans.yaml judges" \
+        "the first, a re-run is counted and never judged — RERUN=1 runs it anyway" | tee -a "$OUT/log.txt"
       exit 0
     fi
     G=(+experiment=routed "${CAPACITY[@]}" workload.warmup=2 pair.dtype=bfloat16 pair.compute_dtype=bfloat16

@@ -24,9 +24,10 @@
 #                on PARITY_ITEMS (40) validation passages, bf16, blocks of 16, eager (PARITY_GRAPHS=1: CUDA graphs)
 #                (PARITY_WRITER=stacked: the receiver's direct writer; the same items' record with the backend's writer
 #                should agree bit for bit) → $OUT/vllm_parity_<up|down>.json; ttft — scripts/bench_vllm_ttft.py
-#                --models/--mapper, real-text histories, REAL_LENGTHS (1K–8K: 8 × the 1,024-token calibration), REAL_REPEATS (21), device exports
-#                in a pool of POOL_MB (1536), the receiver's direct writer (PAGED_WRITER=stacked; backend: each layer's),
-#                the Triton map → $OUT/vllm_ttft_real.json (until 2026-12-07: 9 repeats, each layer's writer, no pool). One line of summary per part.
+#                --models/--mapper, real-text histories, REAL_LENGTHS (1K–8K: 8 × the 1,024-token calibration),
+#                REAL_REPEATS (21), device exports in a pool of POOL_MB (1536), the receiver's direct writer
+#                (PAGED_WRITER=stacked; backend: each layer's), the Triton map → $OUT/vllm_ttft_real.json (until
+#                2026-12-07: 9 repeats, each layer's writer, no pool). One line of summary per part.
 # scripts/vllm_gpu_wheels.txt: vllm 0.26.0's Requires-Dist less the device image's packages (KINDS.md's list of
 # 2026-11-17), plus their own missing needs and three pins found on an H100 (2026-12-06): openai 2.29 (3.x imports
 # httpx2), xgrammar 0.2.1 (0.2.9 needs a newer apache-tvm-ffi than vllm's pin), pydantic-extra-types (mistral_common).
@@ -117,8 +118,8 @@ EOF
         "tracking.json_dir=$OUT/trk-fit-$1" eval.nll.streams=1 eval.latency.repeats=1 eval.latency.warmup=1 \
         eval.rollback=false > "$OUT/fit-$1.txt" 2>&1 || { echo "fit $1 FAILED: $OUT/fit-$1.txt" >&2; return 1; }
       python3 scripts/find_mapper.py "$OUT/trk-fit-$1" "$KVRELAY_HOME/mappers"
-      tar czf "$OUT/trk-fit-$1.tgz" -C "$OUT" "trk-fit-$1" && rm -rf "${OUT:?}/trk-fit-$1"  # one file: $OUT returns ≤ 8,
-      # two folders deep (the record's artifacts sit three down)
+      # one file: $OUT returns ≤ 8 files, two folders deep (the record's artifacts sit three down)
+      tar czf "$OUT/trk-fit-$1.tgz" -C "$OUT" "trk-fit-$1" && rm -rf "${OUT:?}/trk-fit-$1"
       echo "fit $1: $((SECONDS - began)) s" >&2
     }
     parity() {  # parity MAPPER NAME — its scratch (a K/V file per item) outside $OUT: 80 files there were over a call's

@@ -52,7 +52,7 @@ def compare(first: list[dict], second: list[dict], where: str) -> dict:
 
 def agreement(first: Path, second: Path) -> dict:
     """Every finished run of `first` against the run of the same folder name in `second`, summed per path."""
-    runs, cut, total = [], [], {}
+    runs, cut, mine, theirs = [], [], [], []
     for folder in sorted(p for p in first.iterdir() if (p / "record.json").is_file()):
         if read_record(folder / "record.json")["status"] != "FINISHED":
             cut.append(folder.name)
@@ -61,17 +61,12 @@ def agreement(first: Path, second: Path) -> dict:
         if not (other / "record.json").is_file():
             raise RecordError(f"{other}: no record of run {folder.name} to compare with")
         keys = ("task", "index", "scores")
-        found = compare(rows_with(read_items(folder), keys, folder), rows_with(read_items(other), keys, other),
-                        folder.name)  # fmt: skip
-        runs.append({"run": folder.name, "paths": found})
-        for path, entry in found.items():
-            sum_ = total.setdefault(path, {"items": 0, "differ": 0, "margins": [], "max_abs_score_change": 0.0})
-            sum_["items"] += entry["items"]
-            sum_["differ"] += entry["differ"]
-            sum_["margins"] += entry["margins"]
-            sum_["max_abs_score_change"] = max(sum_["max_abs_score_change"], entry["max_abs_score_change"])
+        a, b = rows_with(read_items(folder), keys, folder), rows_with(read_items(other), keys, other)
+        runs.append({"run": folder.name, "paths": compare(a, b, folder.name)})
+        mine, theirs = mine + a, theirs + b
     if not runs:
         raise RecordError(f"{first}: no finished run record to compare")
+    total = compare(mine, theirs, str(first))  # every run's items, paired as above
     return {"first": str(first), "second": str(second), "runs": runs, "not_finished": cut, "total": total}
 
 

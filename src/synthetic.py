@@ -49,7 +49,10 @@ def synthetic_traces(
 def synthetic_mapper(
     source: KVInterface, target: KVInterface, support: str, k: int, manifest: dict, seed: int
 ) -> Mapper:
-    """A mapper of the fitted shape (depth-proportional layers, the support's head map), random coefficients."""
+    """A mapper of the fitted shape (depth-proportional layers, the support's head map), random coefficients; k past
+    the source's layers is a ValueError (`depth_layers` would give fewer columns than the weights' width)."""
+    if not 1 <= k <= source.num_layers:
+        raise ValueError(f"k={k}: the mapper reads 1 to the source's {source.num_layers} layers per target layer")
     head_index = head_assignment(support, source.num_kv_heads, target.num_kv_heads)
     width = k * head_index.shape[1] * source.head_dim
     generator = torch.Generator().manual_seed(seed)

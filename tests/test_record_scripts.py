@@ -210,6 +210,6 @@ def test_rerun_agreement_counts_a_changed_answer_and_refuses_other_items(tmp_pat
     )
     with pytest.raises(module.RecordError, match="run-a: the two runs hold different items"):
         module.agreement(first, second)
-    done = subprocess.run([sys.executable, str(REPO / "scripts/rerun_agreement.py"), str(first), str(tmp_path / "none")],
-                          capture_output=True, text=True)  # fmt: skip
+    script = str(REPO / "scripts/rerun_agreement.py")
+    done = subprocess.run([sys.executable, script, str(first), str(tmp_path / "none")], capture_output=True, text=True)
     assert done.returncode != 0 and "rerun_agreement: " in done.stderr and "Traceback" not in done.stderr

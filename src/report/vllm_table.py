@@ -56,7 +56,8 @@ def vllm_ttft(rows: list, *documents: Document, runs: dict[str, BenchRun]) -> st
         repeats = {len(row["map_ms"]) for row in bench["rows"]}
         pair = " → ".join(Path(part).stem for part in bench["pair"].split(" → "))  # a config, or two model folders
         lines += [
-            f"{pair}, {bench['weights']} weights, {run.dtype}, mapper: {mapper_of(bench)}, new turn {bench['turn']} tokens, "
+            f"{pair}, {bench['weights']} weights, {run.dtype}, mapper: {mapper_of(bench)}, "
+            f"new turn {bench['turn']} tokens, "
             f"{'/'.join(map(str, sorted(repeats)))} repeats, transport: {run.transport} — {machine['date']}, "
             f"code {run.commit}, vllm {machine['vllm']}, torch {machine['torch']}, {machine['device']} "
             f"(`results/{where}`)",

@@ -7,7 +7,7 @@
         "routes": [{"mapper": "/mappers/0p5b_to_1p5b", "source": "/models/qwen25coder_0p5b"}],  # into this engine
         "policy": {"levers": {"hold_back": 16}},  # over conf/policy/default.yaml (mode, levers, guards)
         "fingerprint_dtype": "float32",     # the dtype the mapper's pair was fingerprinted in (its fit's pair.dtype)
-        "compute_dtype": "fitted",          # the map's coefficients: each mapper's fitted pair.compute_dtype, or a dtype
+        "compute_dtype": "fitted",          # the map's coefficients: fitted (each mapper's own) or a dtype
         "apply_backend": "torch",           # torch | auto | triton | gemm (kernels/apply_map.py)
         "keep_exports": 16,                 # a sender keeps its newest exports, removes older ones
         "paged_writer": "backend",          # backend | stacked (FlashAttention: the map stores into the blocks)
