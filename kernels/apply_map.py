@@ -49,6 +49,7 @@ class KernelConfig:
     num_warps: int = 8
     num_stages: int = 3
     layers_inner: bool = True  # launch order: every target layer of one token block together (False: layer by layer)
+    single_dot: bool = False  # both RoPE halves in one tl.dot of 2·BLOCK_HALF columns, split after the K-loop
 
 
 def default_config(seq: int, compute_dtype: torch.dtype) -> KernelConfig:
@@ -151,6 +152,7 @@ def _map_kernel(
     UPCAST: tl.constexpr,  # interpreter only: its bf16 dot is wrong, so multiply in fp32
     LAYERS_INNER: tl.constexpr,  # grid (H_t, L_t·B, token blocks); else (H_t, token blocks, L_t·B)
     OFFSET_MULTIPLE: tl.constexpr,  # a power of two dividing every layer offset (LayerViews.multiple)
+    SINGLE_DOT: tl.constexpr,  # one [BLOCK_K, 2·BLOCK_HALF] tile per K step (else one tl.dot per RoPE half)
     BLOCK_M: tl.constexpr,
     BLOCK_K: tl.constexpr,
     BLOCK_HALF: tl.constexpr,
@@ -166,7 +168,11 @@ def _map_kernel(
     col_lo, col_hi = i * S_LO, i * S_LO + D_HI  # [BLOCK_HALF] output columns of each pair's two members
     x_tok = x_ptr + b.to(tl.int64) * sxb + t[:, None] * sxt + c[None, :]  # [BLOCK_M, BLOCK_K]
     w_head = w_ptr + (layer * target_heads + h).to(tl.int64) * (K_SEL * FAN_IN * D_S * D_T)
-    acc_lo = tl.full((BLOCK_M, BLOCK_HALF), 0.0, tl.float32)  # builtins only: the interpreter runs them unpatched
+    n = tl.arange(0, 2 * BLOCK_HALF)  # SINGLE_DOT's columns: every pair's lo member, then every hi member
+    col = tl.where(n < BLOCK_HALF, n * S_LO, (n - BLOCK_HALF) * S_LO + D_HI)  # [2·BLOCK_HALF]
+    n_mask = (n % BLOCK_HALF) < HALF
+    acc = tl.full((BLOCK_M, 2 * BLOCK_HALF), 0.0, tl.float32)  # builtins only: the interpreter runs them unpatched
+    acc_lo = tl.full((BLOCK_M, BLOCK_HALF), 0.0, tl.float32)
     acc_hi = tl.full((BLOCK_M, BLOCK_HALF), 0.0, tl.float32)
     for kk in range(0, K_SEL * FAN_IN * D_S, BLOCK_K):
         q = kk // D_S  # feature block: selected layer j, admitted head g
@@ -176,13 +182,22 @@ def _map_kernel(
         x_block = x_tok + source_layer * sxl + source_head * sxh + (kk - q * D_S)  # the gather
         x = tl.load(x_block, mask=t_mask[:, None], other=0.0)  # [BLOCK_M, BLOCK_K]
         w_rows = w_head + (kk + c)[:, None] * D_T  # [BLOCK_K, 1]
-        w_lo = tl.load(w_rows + col_lo[None, :], mask=i_mask[None, :], other=0.0)  # [BLOCK_K, BLOCK_HALF]
-        w_hi = tl.load(w_rows + col_hi[None, :], mask=i_mask[None, :], other=0.0)
-        x = x.to(w_lo.dtype)  # what gather_features(...).to(weight dtype) does
-        if UPCAST:
-            x, w_lo, w_hi = x.to(tl.float32), w_lo.to(tl.float32), w_hi.to(tl.float32)
-        acc_lo = tl.dot(x, w_lo, acc_lo, input_precision=PRECISION)  # [BLOCK_M, BLOCK_HALF]
-        acc_hi = tl.dot(x, w_hi, acc_hi, input_precision=PRECISION)
+        if SINGLE_DOT:
+            w = tl.load(w_rows + col[None, :], mask=n_mask[None, :], other=0.0)  # [BLOCK_K, 2·BLOCK_HALF]
+            x = x.to(w.dtype)  # what gather_features(...).to(weight dtype) does
+            if UPCAST:
+                x, w = x.to(tl.float32), w.to(tl.float32)
+            acc = tl.dot(x, w, acc, input_precision=PRECISION)  # [BLOCK_M, 2·BLOCK_HALF]
+        else:
+            w_lo = tl.load(w_rows + col_lo[None, :], mask=i_mask[None, :], other=0.0)  # [BLOCK_K, BLOCK_HALF]
+            w_hi = tl.load(w_rows + col_hi[None, :], mask=i_mask[None, :], other=0.0)
+            x = x.to(w_lo.dtype)
+            if UPCAST:
+                x, w_lo, w_hi = x.to(tl.float32), w_lo.to(tl.float32), w_hi.to(tl.float32)
+            acc_lo = tl.dot(x, w_lo, acc_lo, input_precision=PRECISION)  # [BLOCK_M, BLOCK_HALF]
+            acc_hi = tl.dot(x, w_hi, acc_hi, input_precision=PRECISION)
+    if SINGLE_DOT:  # [BLOCK_M, 2·BLOCK_HALF] → [BLOCK_M, 2, BLOCK_HALF] → the two halves [BLOCK_M, BLOCK_HALF]
+        acc_lo, acc_hi = tl.split(tl.permute(tl.reshape(acc, (BLOCK_M, 2, BLOCK_HALF)), (0, 2, 1)))
     bias_row = bias_ptr + (layer * target_heads + h) * D_T
     acc_lo += tl.load(bias_row + col_lo, mask=i_mask, other=0.0).to(tl.float32)[None, :]
     acc_hi += tl.load(bias_row + col_hi, mask=i_mask, other=0.0).to(tl.float32)[None, :]
@@ -313,7 +328,7 @@ def _map_component(
         **rope_pairs(layout, half), ROPE=rope is not None, CHECK=flags is not None, SLOTS=slots is not None,
         PRECISION=precision,
         UPCAST=interpret and weight.dtype != torch.float32,
-        LAYERS_INNER=config.layers_inner, OFFSET_MULTIPLE=out.multiple,
+        LAYERS_INNER=config.layers_inner, OFFSET_MULTIPLE=out.multiple, SINGLE_DOT=config.single_dot,
         BLOCK_M=config.block_m, BLOCK_K=block_k, BLOCK_HALF=pow2(half),
         num_warps=config.num_warps, num_stages=config.num_stages,
     )  # fmt: skip

@@ -25,7 +25,7 @@ import statistics
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 
 import torch
@@ -67,7 +67,8 @@ PEAKS = {  # dense, by the device name's model
     "H100": {"bf16_dense_tflops": 989.0, "tf32_dense_tflops": 494.0, "hbm_gbps": 3350.0},  # SXM datasheet
 }
 PEAK = PEAKS["H100" if torch.cuda.is_available() and "H100" in torch.cuda.get_device_name() else "H200"]
-SWEEP = {  # candidate `_map_kernel` tiles (block_m, block_k, num_warps, num_stages), each in both launch orders
+SWEEP = {  # candidate `_map_kernel` tiles (block_m, block_k, num_warps, num_stages), each in both launch orders and
+    # both dot forms (one tl.dot per RoPE half, or KernelConfig.single_dot)
     torch.bfloat16: [
         (128, 64, 8, 3),
         (128, 64, 8, 4),
@@ -186,7 +187,9 @@ def exact_errors(keys, values, mapper: Mapper, tables, outputs: dict, layers: in
 def sweep_tiles(call: tuple, options: dict, compute: torch.dtype, cuda: bool) -> tuple[KernelConfig | None, dict]:
     """p50 of every candidate tile (20 calls each); the fastest, and the per-tile results."""
     timings, sweep = {}, {}
-    for tile in [(*tile, inner) for tile in SWEEP[compute] for inner in (True, False)]:  # both launch orders
+    for tile in [
+        (*tile, inner, single) for tile in SWEEP[compute] for inner in (True, False) for single in (False, True)
+    ]:
         config = KernelConfig(*tile)
         try:
             stats = timed(lambda c=config: map_cache(*call, **options, config=c), 20, 3, cuda)
@@ -246,6 +249,10 @@ def bench_prefix(
         if tuned is None and not args.no_sweep:
             tuned, sweep = sweep_tiles(call, options, compute, cuda)
         paths["triton"] = lambda: map_cache(*call, **options, config=default)
+        single = replace(default, single_dot=not default.single_dot)  # the other dot form, default tile
+        paths["triton_single_dot" if single.single_dot else "triton_two_dots"] = lambda: map_cache(
+            *call, **options, config=single
+        )
         if tuned is not None and tuned != default:
             paths["triton_tuned"] = lambda: map_cache(*call, **options, config=tuned)
         if cuda and not args.no_graph:

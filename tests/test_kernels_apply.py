@@ -20,6 +20,7 @@ from kernels.apply_map import (
     HAVE_TRITON,
     CapturedMapCache,
     KernelConfig,
+    default_config,
     derope_keys,
     map_cache,
     map_cache_ref,
@@ -221,15 +222,19 @@ INTERPRETED = {  # support, H_s, H_t, d_s, d_t, batch, seq, layout, coefficient 
 @interpreter
 @pytest.mark.filterwarnings("ignore:invalid value encountered in matmul:RuntimeWarning")  # inf · 0 in masked lanes
 @pytest.mark.parametrize("name", sorted(INTERPRETED))
-@pytest.mark.parametrize("layers_inner", [True, False], ids=["layers-inner", "layers-outer"])  # launch orders
-def test_interpreted_kernel_equals_reference(name, layers_inner, interpreted):
+@pytest.mark.parametrize(  # launch orders; both RoPE halves in one tl.dot
+    "layers_inner, single_dot",
+    [(True, False), (False, False), (True, True)],
+    ids=["layers-inner", "layers-outer", "single-dot"],
+)
+def test_interpreted_kernel_equals_reference(name, layers_inner, single_dot, interpreted):
     support, source_heads, target_heads, d_s, d_t, batch, seq, layout, dtype = INTERPRETED[name]
     shape = dict(L_s=3, L_t=4, H_s=source_heads, H_t=target_heads, d_s=d_s, d_t=d_t, batch=batch, seq=seq)
     keys, values, tables = _case(shape)
     mapper = _random_mapper(3, 4, source_heads, target_heads, d_s, d_t, support=support, dtype=dtype)
     flags = torch.ones(4, dtype=torch.int32)
     args = (keys, values, mapper, *tables, layout, layout, torch.float32)
-    config = dataclasses.replace(SMALL, layers_inner=layers_inner)
+    config = dataclasses.replace(SMALL, layers_inner=layers_inner, single_dot=single_dot)
     ours = map_cache(*args, nonfinite=flags, backend="triton", config=config, precision="ieee")
     _assert_match(ours, map_cache_ref(*args), TOLERANCE["ieee" if dtype == torch.float32 else "bf16"])
     assert flags.tolist() == [0, 0, 0, 0]
@@ -280,7 +285,8 @@ CUDA_CASES = {  # support, H_s, H_t, d_s, d_t, batch, seq, layout, cache dtype, 
 @cuda
 @pytest.mark.gpu
 @pytest.mark.parametrize("name", sorted(CUDA_CASES))
-def test_cuda_kernel_equals_reference(name):
+@pytest.mark.parametrize("single_dot", [False, True], ids=["two-dots", "single-dot"])
+def test_cuda_kernel_equals_reference(name, single_dot):
     support, source_heads, target_heads, d_s, d_t, batch, seq, layout, cache, compute, precision = CUDA_CASES[name]
     shape = dict(L_s=5, L_t=7, H_s=source_heads, H_t=target_heads, d_s=d_s, d_t=d_t, batch=batch, seq=seq)
     keys, values, tables = _case(dict(shape, device="cuda", cache_dtype=cache))
@@ -288,7 +294,8 @@ def test_cuda_kernel_equals_reference(name):
         5, 7, source_heads, target_heads, d_s, d_t, support=support, k=3, dtype=compute, device="cuda"
     )
     args = (keys, values, mapper, *tables, layout, layout, cache)
-    ours = map_cache(*args, backend="triton", precision=precision)
+    config = dataclasses.replace(default_config(seq, compute), single_dot=single_dot)
+    ours = map_cache(*args, backend="triton", precision=precision, config=config)
     reference = map_cache_ref(*args)
     _assert_match(ours, reference, TOLERANCE["bf16" if compute != torch.float32 else precision])
     if compute == torch.bfloat16:
