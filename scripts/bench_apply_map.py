@@ -243,16 +243,19 @@ def bench_prefix(
     options = {"nonfinite": flags, "precision": args.precision}  # Triton paths
     paths = {"reference": lambda: map_cache_ref(*call, nonfinite=flags)}
     reason = triton_unsupported(keys[0], mapper, tables[0], tables[2], ("half", "half"))
-    sweep, graph_errors = {}, {}
+    sweep, path_errors = {}, {}
     if "triton" in args.backends and reason is None:
         default = default_config(seq, compute)
         if tuned is None and not args.no_sweep:
             tuned, sweep = sweep_tiles(call, options, compute, cuda)
         paths["triton"] = lambda: map_cache(*call, **options, config=default)
-        single = replace(default, single_dot=not default.single_dot)  # the other dot form, default tile
-        paths["triton_single_dot" if single.single_dot else "triton_two_dots"] = lambda: map_cache(
-            *call, **options, config=single
-        )
+        other = replace(default, single_dot=not default.single_dot)  # the other dot form, the default tile
+        name = "triton_single_dot" if other.single_dot else "triton_two_dots"
+        try:  # a form this GPU's compiler refuses is a result too (the default is still timed)
+            map_cache(*call, **options, config=other)
+            paths[name] = lambda: map_cache(*call, **options, config=other)
+        except Exception as error:
+            path_errors[name] = f"{type(error).__name__}: {str(error)[:200]}"
         if tuned is not None and tuned != default:
             paths["triton_tuned"] = lambda: map_cache(*call, **options, config=tuned)
         if cuda and not args.no_graph:
@@ -266,7 +269,7 @@ def bench_prefix(
                 gemm_graph = CapturedMapCache(*call, **gemm)
                 paths["gemm_graph"] = lambda: gemm_graph(keys, values)
             except Exception as error:
-                graph_errors["gemm_graph"] = f"{type(error).__name__}: {str(error)[:200]}"
+                path_errors["gemm_graph"] = f"{type(error).__name__}: {str(error)[:200]}"
     amount = work(mapper, source, args.batch, seq, cache.itemsize)
     peak = PEAK["tf32_dense_tflops" if compute == torch.float32 else "bf16_dense_tflops"]
     rows, outputs = measure(paths, amount, peak, args, cuda)
@@ -287,7 +290,7 @@ def bench_prefix(
         stats = timed(lambda: head_products(*stacked, packed), args.reps, args.warmup, cuda)
         rows["gemm_products_only"] = dict(stats, tflops=amount["gemm_flop"] / (stats["ms_p50"] / 1e3) / 1e12)
     return {"work": amount, "paths": rows, "nonfinite_layers": nonfinite, "triton_unsupported": reason} | {
-        "graph_errors": graph_errors,
+        "path_errors": path_errors,
         "sweep": sweep,
         "tuned": tuned,
     }
