@@ -32,6 +32,7 @@ from src.maps import (
     map_layers,
     map_refusal,
     shares_heads,
+    stacked_flags,
     store_slots,
 )
 from src.models import KVInterface
@@ -208,8 +209,9 @@ class KVTransfer:
             if self.token_features:
                 raise TransferError("a token-feature mapper reads the prefix ids (target layer 0): use into()")
             self._check_span(source_keys, source_values, positions, slots, keys, values)
-            layers = list(zip(source_keys[:, None], source_values[:, None], strict=True))  # [1, H_s, T, d_s] views
-            return self._mapped(layers, positions, None, (keys, values), slots, bound)[1]
+            stacked = (source_keys[:, None], source_values[:, None])  # [L_s, 1, H_s, T, d_s]: no copy into a stack
+            layers = list(zip(*stacked, strict=True))  # [1, H_s, T, d_s] views
+            return self._mapped(layers, positions, None, (keys, values), slots, bound, stacked)[1]
         except TransferError:
             raise
         except Exception as error:  # no check foresaw it: still a refusal, so a handoff rolls back
@@ -262,11 +264,14 @@ class KVTransfer:
         except Exception as error:  # no check foresaw it: still a refusal, so a handoff rolls back
             raise TransferError(f"{UNEXPECTED}: {type(error).__name__}: {error}") from error
 
-    def _mapped(self, layers, positions, input_ids, out, slots, bound) -> tuple[DynamicCache | None, MapFlags]:
-        """The map by the backend (`_fused`, or `_map` then stored at the slots), and its device flags."""
-        source, _ = layer_flags(layers)  # [L_s, 2]
+    def _mapped(
+        self, layers, positions, input_ids, out, slots, bound, stacked=None
+    ) -> tuple[DynamicCache | None, MapFlags]:
+        """The map by the backend (`_fused`, or `_map` then stored at the slots), and its device flags. stacked: the
+        layers as (K, V) [L_s, B, H_s, T, d_s] on the target's device where the caller holds them so (`map_into`)."""
+        source, _ = stacked_flags(*stacked) if stacked else layer_flags(layers)  # [L_s, 2]
         if self.backend != "torch" and not self.token_features:
-            cache, target, beyond = self._fused(layers, positions, out, slots, bound)
+            cache, target, beyond = self._fused(layers, positions, out, slots, bound, stacked)
         else:
             batch, seq = layers[0][0].shape[0], layers[0][0].shape[2]
             cache, target, peak = self._map(layers, positions, input_ids, batch, seq)
@@ -307,21 +312,24 @@ class KVTransfer:
         return cache, nonfinite.any(1), peak
 
     def _fused(
-        self, layers: list[tuple[torch.Tensor, torch.Tensor]], positions: torch.Tensor, out, slots, bound
+        self, layers: list[tuple[torch.Tensor, torch.Tensor]], positions: torch.Tensor, out, slots, bound, stacked=None
     ) -> tuple[DynamicCache | None, torch.Tensor, torch.Tensor]:
         """The same map through `kernels.apply_map.map_cache` (Triton on CUDA where supported, else its torch
         reference; `backend="triton"` refuses to fall back): one launch per component, its flags in the epilogue —
         a new DynamicCache, or None with `out` written at `slots`; the non-finite flags [L_t] and the flags [L_t] of
-        a |value| above `bound`."""
+        a |value| above `bound`. stacked: (K, V) [L_s, B, H_s, T, d_s] on the device, read in place (a list of
+        layers costs map_cache one stacking copy of each)."""
         source_cos, source_sin = rope_cos_sin(self.source.model.rotary_emb, positions)
         target_cos, target_sin = rope_cos_sin(self.target.model.rotary_emb, positions)
         layers_t = self.target_kv.num_layers
         nonfinite = torch.zeros(layers_t, dtype=torch.int32, device=self.device)  # [L_t]
         beyond = torch.zeros(layers_t, dtype=torch.int32, device=self.device)  # [L_t]
         try:
+            source_keys, source_values = stacked or ([k.to(self.device) for k, _ in layers],
+                                                     [v.to(self.device) for _, v in layers])  # fmt: skip
             keys, values = map_cache(
-                [k.to(self.device) for k, _ in layers],
-                [v.to(self.device) for _, v in layers],
+                source_keys,
+                source_values,
                 self.mapper,
                 source_cos,
                 source_sin,

@@ -133,9 +133,20 @@ def store_slots(destination: Sequence[torch.Tensor], mapped: torch.Tensor, slots
 
 def layer_flags(layers: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
     """Non-finite flags [L, 2] (keys, values) and the largest finite |entry| [L] of each layer's (keys, values), on
-    the device, in a few multi-tensor launches."""
+    the device, in a few multi-tensor launches (one per tensor where the layers are not dense: `stacked_flags`)."""
     tensors = [t for pair in layers for t in pair]
-    peaks = torch.stack(torch._foreach_norm(tensors, float("inf"))).float().view(-1, 2)  # [L, 2] max |x|, NaN stays
+    return _peak_flags(torch.stack(torch._foreach_norm(tensors, float("inf"))).float().view(-1, 2))
+
+
+def stacked_flags(keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`layer_flags` of stacked keys / values [L, ...] (any strides: one reduction per component)."""
+    dims = tuple(range(1, keys.dim()))
+    norms = [torch.linalg.vector_norm(t, float("inf"), dim=dims) for t in (keys, values)]  # [L] each
+    return _peak_flags(torch.stack(norms, 1).float())
+
+
+def _peak_flags(peaks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """max |x| per layer and component [L, 2] (NaN where one is NaN) → non-finite flags [L, 2], largest finite [L]."""
     finite = torch.isfinite(peaks)  # [L, 2]
     return ~finite, torch.where(finite, peaks, 0.0).amax(1)  # [L, 2], [L]
 

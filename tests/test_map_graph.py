@@ -13,9 +13,9 @@ from kernels.apply_map import HAVE_TRITON, default_config
 from src.apply import KVTransfer
 from src.eval.ttft import handoff_ttft
 from src.forward import prefill
-from src.maps import TransferError, cache_layers
+from src.maps import TransferError, cache_layers, layer_flags, stacked_flags
 from src.runtime.engine import Engine
-from src.runtime.map_graph import SPAN_BUCKETS, MapGraphs, padding, span_bucket, span_route
+from src.runtime.map_graph import SPAN_BUCKETS, MapGraphs, fill, padding, span_bucket, span_route
 from tests.conftest import calibration_ids
 from tests.exact_pair import exact_pair
 from tests.host_syncs import DeviceReads
@@ -72,10 +72,21 @@ def test_the_route_is_data_with_its_reason():
 
 
 def test_padding_repeats_the_last_token_into_the_scratch_slot():
-    positions, slots, rows = padding(5, 8, 5, 99)  # 3 tokens at 5..7, bucket 5, scratch slot 99
+    positions, slots = padding(5, 8, 5, 99)  # 3 tokens at 5..7, bucket 5, scratch slot 99
     assert positions.tolist() == [5, 6, 7, 7, 7] and slots.tolist() == [5, 6, 7, 99, 99]
-    assert rows.tolist() == [0, 1, 2, 2, 2]
     assert padding(5, 10, 5, 99)[1].tolist() == [5, 6, 7, 8, 9]  # the bucket's own size: no pad row
+
+
+@pytest.mark.parametrize("count", [1, 5, 8])
+def test_fill_holds_the_span_then_its_last_row_in_a_token_major_view(count):
+    """`fill` = the span's layers stacked, its last row repeated to the bucket; the view's rows are one prefix."""
+    generator = torch.Generator().manual_seed(count)
+    layers = [torch.randn(1, 2, 11, 4, generator=generator)[:, :, 3 : 3 + count] for _ in range(3)]  # [1, H_s, n, d]
+    flat = torch.full((8 * 3 * 2 * 4,), float("nan"))
+    static = flat.view(8, 3, 2, 4).permute(1, 2, 0, 3)  # [L_s, H_s, b, d_s], token-major as MapGraphs keeps it
+    fill(static, layers)
+    rows = torch.arange(8).clamp(max=count - 1)  # [b]
+    assert torch.equal(static, torch.cat(layers)[:, :, rows])
 
 
 def _engine(pair) -> Engine:
@@ -182,3 +193,16 @@ def test_the_ttft_record_says_the_maps_ran_eagerly_on_the_cpu(pair):
     metrics = handoff_ttft(transfer, ids[:, :20], ids[:, 20:], 1, 1, 0, ("static", "graph"))
     ran = [metrics[f"{name}.{what}"] for name in ("static", "graph") for what in ("map_graph", "map_bucket")]
     assert ran == [0, 0, 0, 0]
+
+
+def test_stacked_flags_equal_each_layers_flags_on_a_token_major_stack():
+    """The map graph's source flags come from its token-major static views (not dense per layer): one reduction per
+    component must flag what the per-layer norms flag — NaN, Inf, and each layer's largest finite |entry|."""
+    flat = torch.randn(6 * 3 * 2 * 4, generator=torch.Generator().manual_seed(0))
+    keys = flat.view(6, 3, 2, 4).permute(1, 2, 0, 3)  # [L, H, b, d], token-major
+    values = (flat * 3).view(6, 3, 2, 4).permute(1, 2, 0, 3)
+    keys[1, 0, 4, 2], values[2, 1, 5, 0], keys[0, 1, 0, 3] = float("nan"), float("inf"), -40.0
+    bad, peak = stacked_flags(keys, values)
+    assert bad.tolist() == [[False, False], [True, False], [False, True]]
+    assert torch.equal(bad, layer_flags(list(zip(keys, values, strict=True)))[0])
+    assert torch.equal(peak, layer_flags(list(zip(keys, values, strict=True)))[1]) and float(peak[0]) == 40.0

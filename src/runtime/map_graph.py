@@ -18,9 +18,10 @@ The pad rows repeat the span's last token — its source K/V and its position �
 which no query reads: the cache outside the span is untouched, and the flags (non-finite values, the largest |value|)
 are the unpadded map's, as a repeated row holds no value the span does not. The inputs are copied into the graph's
 static buffers (per transfer, sized to the largest bucket it has used, viewed by every bucket — the span's source
-K/V once more, ≈ 200 MB at 16K tokens of a 0.5B source in bf16; kept while the engine is): the source K/V by one
-concatenation and one gather per component, the positions, slots and gather rows by one host → device copy (built on the host from ints: no
-device read). The graph writes the engine's cache in place and its flags into one static tensor, copied out per
+K/V once more, ≈ 200 MB at 16K tokens of a 0.5B source in bf16; kept while the engine is): token-major, so that a
+span's rows are one contiguous prefix of every bucket's view — the source K/V by one stacking copy per component into
+that prefix and one small copy of the last row into the pad rows (the map reads the view's strides: no further
+copy), the positions and slots by one host → device copy (built on the host from ints: no device read). The graph writes the engine's cache in place and its flags into one static tensor, copied out per
 run (a later replay of the same graph — another piece, another handoff — must not change flags already returned).
 
 The graphs share the engine's memory pool with its forward graphs: every graph of an engine runs on one stream,
@@ -84,18 +85,26 @@ def span_route(count: int, graphs: bool, token_features: bool) -> SpanRoute:
 class Static(NamedTuple):
     """A bucket's view of a transfer's static inputs (b rows): what the captured map reads."""
 
-    keys: torch.Tensor  # [L_s, H_s, b, d_s] the span's source keys (RoPE'd), pad rows = its last row
-    values: torch.Tensor  # [L_s, H_s, b, d_s]
-    index: torch.Tensor  # [3, b] long: positions, slots (pads: the scratch slot), the span row each row copies
+    keys: torch.Tensor  # [L_s, H_s, b, d_s] the span's source keys (RoPE'd), pad rows = its last row; token-major
+    values: torch.Tensor  # [L_s, H_s, b, d_s]  (strides H_s·d_s, d_s, L_s·H_s·d_s, 1)
+    index: torch.Tensor  # [2, b] long: positions, slots (pads: the scratch slot)
 
 
 def padding(start: int, end: int, bucket: int, scratch: int) -> torch.Tensor:
-    """[3, bucket] on the host: positions start..end − 1 then end − 1 repeated; slots the same then `scratch`; the span
-    rows 0..n − 1 then n − 1 (what the pad rows copy)."""
+    """[2, bucket] on the host: positions start..end − 1 then end − 1 repeated; slots the same then `scratch`."""
     count = end - start
-    rows = torch.arange(bucket).clamp_(max=count - 1)  # [b]
+    rows = torch.arange(bucket).clamp_(max=count - 1)  # [b]: the span row each row holds (pads: the last)
     slots = torch.where(torch.arange(bucket) < count, rows + start, scratch)  # [b]
-    return torch.stack([rows + start, slots, rows])
+    return torch.stack([rows + start, slots])
+
+
+def fill(static: torch.Tensor, layers: list[torch.Tensor]) -> None:
+    """Source layers [1, H_s, n, d_s] (n ≤ b) into a bucket's token-major view [L_s, H_s, b, d_s]: rows 0..n − 1 by
+    one stacking copy into their contiguous prefix, rows n..b − 1 a copy of row n − 1."""
+    rows = static.permute(2, 0, 1, 3)  # [b, L_s, H_s, d_s], contiguous
+    count = layers[0].shape[2]
+    torch.stack([layer[0].to(static.device).transpose(0, 1) for layer in layers], 1, out=rows[:count])  # [n, L_s, …]
+    rows[count:].copy_(rows[count - 1 : count].expand_as(rows[count:]))  # the pad rows repeat the last
 
 
 class MapGraphs:
@@ -123,28 +132,28 @@ class MapGraphs:
         one reallocates them and drops the graphs that read the old ones (captured again on use; `capture` asks for
         the largest first)."""
         kv = transfer.source_kv
-        shape = (kv.num_layers, kv.num_kv_heads, bucket, kv.head_dim)
-        count = shape[0] * shape[1] * bucket * shape[3]
+        shape = (bucket, kv.num_layers, kv.num_kv_heads, kv.head_dim)  # token-major: a span is a prefix of rows
+        count = bucket * shape[1] * shape[2] * shape[3]
         if transfer not in self._inputs or self._inputs[transfer][0].numel() < count:
             self._graphs.pop(transfer, None)
             dtype = next(transfer.source.parameters()).dtype
             flat = [torch.zeros(count, dtype=dtype, device=transfer.device) for _ in range(2)]  # K, V
-            self._inputs[transfer] = (*flat, torch.zeros(3 * bucket, dtype=torch.long, device=transfer.device))
+            self._inputs[transfer] = (*flat, torch.zeros(2 * bucket, dtype=torch.long, device=transfer.device))
         keys, values, index = self._inputs[transfer]
-        return Static(keys[:count].view(shape), values[:count].view(shape), index[: 3 * bucket].view(3, bucket))
+        view = lambda flat: flat[:count].view(shape).permute(1, 2, 0, 3)  # [L_s, H_s, b, d_s]
+        return Static(view(keys), view(values), index[: 2 * bucket].view(2, bucket))
 
     def _map(self, transfer: KVTransfer, static: Static, bound: float | None) -> torch.Tensor:
         """The map of the static span into the engine's cache: its flags packed [2·L_s + 2·L_t] bool (source, target,
         beyond) in one tensor (what the graph captures)."""
-        positions, slots, _ = static.index
+        positions, slots = static.index
         flags = transfer.map_into(static.keys, static.values, positions, slots, *self.blocks, bound)
         return torch.cat([flags.source.reshape(-1), flags.target, flags.beyond])  # [2·L_s + 2·L_t]
 
     def _capture(self, transfer: KVTransfer, bucket: int, bound: float | None) -> tuple:
         """The graph of the bucket's map; its warm-up and capture write only the scratch slot."""
         static = self._static(transfer, bucket)
-        static.index[:2].fill_(self.scratch)  # positions (any ≥ 0) and slots: the scratch slot
-        static.index[2].zero_()
+        static.index.fill_(self.scratch)  # positions (any ≥ 0) and slots: the scratch slot
         stream = torch.cuda.Stream(transfer.device)
         stream.wait_stream(torch.cuda.current_stream(transfer.device))
         with torch.cuda.stream(stream):  # compile the kernels and warm the allocator outside the capture
@@ -188,10 +197,9 @@ class MapGraphs:
         if self.replay and (bucket, bound) not in self._graphs.get(transfer, {}):
             self._keep(transfer, bucket, bound)
         static = self._static(transfer, bucket)
-        static.index.copy_(padding(start, end, bucket, self.scratch), non_blocking=True)  # [3, b] from the host
+        static.index.copy_(padding(start, end, bucket, self.scratch), non_blocking=True)  # [2, b] from the host
         for component, target in enumerate((static.keys, static.values)):
-            source = torch.cat([pair[component] for pair in layers])  # [L_s, H_s, n, d_s]
-            torch.index_select(source.to(target.device), 2, static.index[2], out=target)  # [L_s, H_s, b, d_s]
+            fill(target, [pair[component] for pair in layers])  # [L_s, H_s, b, d_s]
         if not self.replay:
             packed = self._map(transfer, static, bound)
         else:
