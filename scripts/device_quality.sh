@@ -78,9 +78,10 @@ case $stage in
     done
     for pid in "${pids[@]}"; do wait "$pid"; done  # a failed conversion stops the stage (set -e)
     grep -hv "it/s\]" "$OUT"/fetch-*.txt | tail -8
-    # the engine's Triton kernels against Hugging Face on the real 1.5B (tests/test_engine_real.py; ~1 min)
-    python3 -m pytest -q -p no:cacheprovider -m slow tests/test_engine_real.py 2>&1 | tee "$OUT/engine-real-test.txt" |
-      tail -3 || true
+    # the engine's Triton kernels against Hugging Face on the real 1.5B (tests/test_engine_real.py; ~1 min;
+    # ENGINE_TEST=0 leaves it out where a lease is short and the kernels are unchanged since it last passed)
+    [ "${ENGINE_TEST:-1}" = 0 ] || python3 -m pytest -q -p no:cacheprovider -m slow tests/test_engine_real.py 2>&1 |
+      tee "$OUT/engine-real-test.txt" | tail -3 || true
     mkdir -p "$OUT/trk" ;;
   attribution)  # paper budget on Gutenberg: the Table-2 rows, then the budget sweep (NLL + R² only)
     run budget=paper "$METHODS" "${DIAGNOSE[@]}" tracking.experiment=real_attribution
