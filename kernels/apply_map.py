@@ -153,7 +153,6 @@ def _map_kernel(
     LAYERS_INNER: tl.constexpr,  # grid (H_t, L_t·B, token blocks); else (H_t, token blocks, L_t·B)
     OFFSET_MULTIPLE: tl.constexpr,  # a power of two dividing every layer offset (LayerViews.multiple)
     SINGLE_DOT: tl.constexpr,  # one [BLOCK_K, 2·BLOCK_HALF] tile per K step (else one tl.dot per RoPE half)
-    IN_ORDER: tl.constexpr,  # SINGLE_DOT's columns are 0..2·BLOCK_HALF − 1 in order ("half", HALF a power of two)
     BLOCK_M: tl.constexpr,
     BLOCK_K: tl.constexpr,
     BLOCK_HALF: tl.constexpr,
@@ -170,10 +169,7 @@ def _map_kernel(
     x_tok = x_ptr + b.to(tl.int64) * sxb + t[:, None] * sxt + c[None, :]  # [BLOCK_M, BLOCK_K]
     w_head = w_ptr + (layer * target_heads + h).to(tl.int64) * (K_SEL * FAN_IN * D_S * D_T)
     n = tl.arange(0, 2 * BLOCK_HALF)  # SINGLE_DOT's columns: every pair's lo member, then every hi member
-    if IN_ORDER:  # provably contiguous: vector loads of W
-        col = n
-    else:
-        col = tl.where(n < BLOCK_HALF, n * S_LO, (n - BLOCK_HALF) * S_LO + D_HI)  # [2·BLOCK_HALF]
+    col = tl.where(n < BLOCK_HALF, n * S_LO, (n - BLOCK_HALF) * S_LO + D_HI)  # [2·BLOCK_HALF] ("half": n)
     n_mask = (n % BLOCK_HALF) < HALF
     acc = tl.full((BLOCK_M, 2 * BLOCK_HALF), 0.0, tl.float32)  # builtins only: the interpreter runs them unpatched
     acc_lo = tl.full((BLOCK_M, BLOCK_HALF), 0.0, tl.float32)
@@ -317,7 +313,6 @@ def _map_component(
     else:
         stride = 0
     block_k = min(config.block_k, d_s & -d_s)  # the largest power of two dividing d_s (≥ 16)
-    pairs = rope_pairs(layout, half)
     # layers inner: the L_t·H_t programs that run together read one token block's source rows, which stay in L2 (a
     # source layer feeds ≈ k·L_t/L_s target layers); layers outer re-reads the whole source once per target layer
     rows, blocks = target_layers * batch, triton.cdiv(seq, config.block_m)
@@ -330,11 +325,10 @@ def _map_component(
         slots if slots is not None else layers, bound, block_size, seq, batch, target_heads, *x.stride()[:4], stride,
         *base.stride()[:3],
         K_SEL=layers.shape[1], FAN_IN=heads.shape[1], D_S=d_s, D_T=d_t, HALF=half,
-        **pairs, ROPE=rope is not None, CHECK=flags is not None, SLOTS=slots is not None,
+        **rope_pairs(layout, half), ROPE=rope is not None, CHECK=flags is not None, SLOTS=slots is not None,
         PRECISION=precision,
         UPCAST=interpret and weight.dtype != torch.float32,
         LAYERS_INNER=config.layers_inner, OFFSET_MULTIPLE=out.multiple, SINGLE_DOT=config.single_dot,
-        IN_ORDER=pairs["S_LO"] == 1 and pairs["D_HI"] == pow2(half),
         BLOCK_M=config.block_m, BLOCK_K=block_k, BLOCK_HALF=pow2(half),
         num_warps=config.num_warps, num_stages=config.num_stages,
     )  # fmt: skip

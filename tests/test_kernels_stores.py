@@ -98,10 +98,15 @@ def _only(accesses: Counter, prefix: str, suffix: str = "") -> Counter:
     return Counter({key: n for key, n in accesses.items() if key.startswith(prefix) and key.endswith(suffix)})
 
 
-def _map_stores(multiple: int, slots: bool) -> Counter:
+def _map_ptx(multiple: int, slots: bool, single_dot: bool = False) -> str:
     constants = dict(ROPE, K_SEL=24, FAN_IN=1, D_S=64, D_T=128, SLOTS=slots, PRECISION="ieee", UPCAST=False,
-                     LAYERS_INNER=True, OFFSET_MULTIPLE=multiple, BLOCK_M=128, BLOCK_K=64)  # fmt: skip
-    return _stores(_ptx(_map_kernel, constants, num_warps=8))
+                     LAYERS_INNER=True, OFFSET_MULTIPLE=multiple, SINGLE_DOT=single_dot, BLOCK_M=128,
+                     BLOCK_K=64)  # fmt: skip
+    return _ptx(_map_kernel, constants, num_warps=8)
+
+
+def _map_stores(multiple: int, slots: bool) -> Counter:
+    return _stores(_map_ptx(multiple, slots))
 
 
 def _epilogue_stores(multiple: int, slots: bool) -> Counter:
@@ -115,6 +120,17 @@ def test_the_maps_stores_are_16_byte_vectors_given_the_offsets_multiple(stores, 
     vectors, scalars = stores(ALIGN, slots), stores(1, slots)
     assert set(vectors) == {"st.global.v4.b32"}, vectors
     assert set(scalars) == {"st.global.b16"} and sum(scalars.values()) == 8 * sum(vectors.values()), scalars
+
+
+@pytest.mark.parametrize(("single_dot", "width"), [(False, 64), (True, 128)], ids=["two-dots", "single-dot"])
+def test_the_maps_dot_form_sets_the_wgmma_width_and_keeps_every_access(single_dot, width):
+    """`KernelConfig.single_dot`: one m64n128 wgmma per 16 channels instead of two m64n64 (the RoPE halves), with the
+    same 16-byte copies of the gathered rows and of W into shared memory, and the same 16-byte stores."""
+    ptx = _map_ptx(ALIGN, False, single_dot)
+    assert set(re.findall(r"wgmma\.mma_async\.sync\.aligned\.m64n(\d+)k16", ptx)) == {str(width)}
+    accesses = _accesses(ptx)
+    assert _only(accesses, "cp.async") == {"cp.async 0x10": 16, "cp.async 0x8": 3}, accesses  # rows and W; the int64 indices
+    assert _only(accesses, "st.") == {"st.global.v4.b32": 8}, accesses
 
 
 def test_the_offsets_multiple_is_the_largest_power_of_two_up_to_align_dividing_every_offset():
