@@ -129,7 +129,8 @@ def test_the_maps_dot_form_sets_the_wgmma_width_and_keeps_every_access(single_do
     ptx = _map_ptx(ALIGN, False, single_dot)
     assert set(re.findall(r"wgmma\.mma_async\.sync\.aligned\.m64n(\d+)k16", ptx)) == {str(width)}
     accesses = _accesses(ptx)
-    assert _only(accesses, "cp.async") == {"cp.async 0x10": 16, "cp.async 0x8": 3}, accesses  # rows and W; the int64 indices
+    copies = {"cp.async 0x10": 16, "cp.async 0x8": 3}  # the gathered rows and W; the int64 indices
+    assert _only(accesses, "cp.async") == copies, accesses
     assert _only(accesses, "st.") == {"st.global.v4.b32": 8}, accesses
 
 
