@@ -327,20 +327,35 @@ PY
     # layer, recomputed from there), progressive 0.8 (the set shrinks by deviation per layer: ≈ 4 % + 21 % x r), and
     # deviation with V fitted in attention space (the levers combined). `python -m src.choose` and the paired table
     # (src/report/routed_tables.py routed_paired: equal prefill within 5 points) compare them; the chosen one then
-    # runs on test items (FROM=9). fp32 as the earlier passage frontier; engines sized for the passages.
+    # runs on test items (steps 9-10, once all eight validation steps are in). fp32 as the earlier passage frontier;
+    # engines sized for the passages.
     F=(+experiment=routed "${CAPACITY[@]}" workload.warmup=2 +workload=passage workload.split=valid workload.limit=50
       workload.engine_capacity=2048 policy.levers.native_sink=4 tracking.experiment=routed_frontier3)
     SHARES=policy.levers.recompute=0.015,0.065,0.115,0.165,0.265
+    # Order (2026-12-07): the two rules the CPU frontier could not separate first, both directions; then V in attention
+    # space (at most a downward gain there); progressive last (it lost 36.7 [23, 50] points upward on the CPU, decided)
+    UP=pair=qwen25coder_0p5b_to_1p5b DOWN=pair=qwen25coder_1p5b_to_0p5b
     n=0
-    for direction in pair=qwen25coder_0p5b_to_1p5b pair=qwen25coder_1p5b_to_0p5b; do
-      step $((n += 1)) "${F[@]}" "$direction" $SHARES policy.levers.recompute_rule=deviation
-      step $((n += 1)) "${F[@]}" "$direction" $SHARES policy.levers.recompute_rule=turn
-      step $((n += 1)) "${F[@]}" "$direction" policy.levers.recompute=0.05,0.25,0.5,0.75,1.0 policy.levers.progressive=0.8
+    for rule in deviation turn; do
+      for direction in $UP $DOWN; do step $((n += 1)) "${F[@]}" "$direction" $SHARES policy.levers.recompute_rule=$rule; done
+    done
+    for direction in $UP $DOWN; do
       step $((n += 1)) "${F[@]}" "$direction" $SHARES policy.levers.recompute_rule=deviation fit.v_space=attention
     done
+    for direction in $UP $DOWN; do
+      step $((n += 1)) "${F[@]}" "$direction" policy.levers.recompute=0.05,0.25,0.5,0.75,1.0 policy.levers.progressive=0.8
+    done
+    done_here=$(cat "$HOME/frontier3.done" 2>/dev/null || echo 0)
+    if [ "$done_here" -lt 8 ] && [ "${FROM:-1}" -lt 9 ]; then  # a lever chosen from a partial frontier would be
+      # reported on test items: every validation run first — this machine's, or all leases' runs carried as a folder
+      # (VALID=<dir>, e.g. .stage/frontier3-valid) with FROM=9
+      echo "frontier3: $done_here of 8 validation steps on this machine: no lever chosen, no test items" |
+        tee -a "$OUT/log.txt"
+      exit 0
+    fi
     for direction in qwen25coder_0.5b_to_1.5b qwen25coder_1.5b_to_0.5b; do
-      lever=$(python3 -m src.choose "$HOME/valid" --workload passage --direction "$direction" --data "$HOME/data" \
-        2>>"$OUT/log.txt") || lever=
+      lever=$(python3 -m src.choose "${VALID:-$HOME/valid}" --workload passage --direction "$direction" \
+        --data "$HOME/data" 2>>"$OUT/log.txt") || lever=
       echo "chosen on validation items ($direction): ${lever:-NONE}" | tee -a "$OUT/log.txt"
       pair=pair=$(echo "$direction" | sed 's/\./p/g')  # qwen25coder_0.5b_to_1.5b -> qwen25coder_0p5b_to_1p5b
       [ -n "$lever" ] && step $((n += 1)) "${F[@]}" workload.split=test workload.limit=100 "$pair" $lever
