@@ -13,7 +13,9 @@ accumulator with the target's RoPE, casts and stores straight into [L_t, B, H_t,
 at its own offset from the first (`LayerViews`: a stacked tensor's constant step, or per-layer allocations at any
 addresses, as vLLM's GPU runner gives its paged caches), at slots when given. Each program
 computes one target head's columns as two halves — the two members of every RoPE pair — so the rotation needs
-no register shuffles; the interleaved layout is the same code with stride-2 column offsets. Full-Head (every
+no register shuffles; the interleaved layout is the same code with stride-2 column offsets. `KernelConfig.single_dot`
+multiplies both halves in one dot of 2·BLOCK_HALF columns and splits the accumulator after the K-loop: on Hopper one
+m64n128 wgmma where the halves issue two m64n64 (tests/test_kernels_stores.py reads the PTX); off until timed. Full-Head (every
 target head reads the same source heads) is the same kernel: the H_t programs of one token block read the
 same feature tiles back to back, i.e. one GEMM against W viewed as [p, H_t·d_t] tiled by head, out of L2.
 
