@@ -184,12 +184,13 @@ def exact_errors(keys, values, mapper: Mapper, tables, outputs: dict, layers: in
     }
 
 
-def sweep_tiles(call: tuple, options: dict, compute: torch.dtype, cuda: bool) -> tuple[KernelConfig | None, dict]:
-    """p50 of every candidate tile (20 calls each); the fastest, and the per-tile results."""
+def sweep_tiles(
+    call: tuple, options: dict, tiles: list[tuple[int, ...]], cuda: bool
+) -> tuple[KernelConfig | None, dict]:
+    """p50 of every candidate tile (20 calls each) in both launch orders and dot forms; the fastest, and the per-tile
+    results."""
     timings, sweep = {}, {}
-    for tile in [
-        (*tile, inner, single) for tile in SWEEP[compute] for inner in (True, False) for single in (False, True)
-    ]:
+    for tile in [(*tile, inner, single) for tile in tiles for inner in (True, False) for single in (False, True)]:
         config = KernelConfig(*tile)
         try:
             stats = timed(lambda c=config: map_cache(*call, **options, config=c), 20, 3, cuda)
@@ -198,6 +199,14 @@ def sweep_tiles(call: tuple, options: dict, compute: torch.dtype, cuda: bool) ->
             stats = {"error": f"{type(error).__name__}: {str(error)[:200]}"}
         sweep[str(tile)] = stats
     return (min(timings, key=timings.get) if timings else None), sweep
+
+
+def tile_arg(text: str) -> tuple[int, int, int, int]:
+    """--tiles: "block_m,block_k,num_warps,num_stages" → a tile tuple (argparse reports a bad one as a usage error)."""
+    parts = text.split(",")
+    if len(parts) != 4 or not all(part.isdigit() and int(part) > 0 for part in parts):
+        raise argparse.ArgumentTypeError(f"a tile is BM,BK,WARPS,STAGES (positive integers), not {text!r}")
+    return tuple(int(part) for part in parts)
 
 
 def measure(paths: dict[str, Callable], amount: dict, peak_tflops: float, args, cuda: bool) -> tuple[dict, dict]:
@@ -247,7 +256,7 @@ def bench_prefix(
     if "triton" in args.backends and reason is None:
         default = default_config(seq, compute)
         if tuned is None and not args.no_sweep:
-            tuned, sweep = sweep_tiles(call, options, compute, cuda)
+            tuned, sweep = sweep_tiles(call, options, args.tiles or SWEEP[compute], cuda)
         paths["triton"] = lambda: map_cache(*call, **options, config=default)
         other = replace(default, single_dot=not default.single_dot)  # the other dot form, the default tile
         name = "triton_single_dot" if other.single_dot else "triton_two_dots"
@@ -339,6 +348,8 @@ def main() -> None:
     parser.add_argument("--backends", nargs="+", default=["triton"], choices=["triton", "gemm"],
                         help="map_cache paths timed beside the reference (gemm: one GEMM per target head)")  # fmt: skip
     parser.add_argument("--no-sweep", action="store_true", help="skip the tile sweep at the longest prefix")
+    parser.add_argument("--tiles", nargs="+", type=tile_arg, metavar="BM,BK,WARPS,STAGES",
+                        help="sweep these tiles instead of SWEEP's (each in both launch orders and dot forms)")  # fmt: skip
     parser.add_argument("--no-graph", action="store_true", help="skip the CUDA-graph path")
     parser.add_argument("--no-exact", action="store_true", help="skip the fp64 error check")
     parser.add_argument("--quick", action="store_true", help="tiny shapes, CPU allowed, 3 reps")
