@@ -15,8 +15,8 @@ addresses, as vLLM's GPU runner gives its paged caches), at slots when given. Ea
 computes one target head's columns as two halves — the two members of every RoPE pair — so the rotation needs
 no register shuffles; the interleaved layout is the same code with stride-2 column offsets. `KernelConfig.single_dot`
 multiplies both halves in one dot of 2·BLOCK_HALF columns and splits the accumulator after the K-loop: on Hopper one
-m64n128 wgmma where the halves issue two m64n64 (tests/test_kernels_stores.py reads the PTX); off until timed. Full-Head (every
-target head reads the same source heads) is the same kernel: the H_t programs of one token block read the
+m64n128 wgmma where the halves issue two m64n64 (tests/test_kernels_stores.py reads the PTX); off until timed.
+Full-Head (every target head reads the same source heads) is the same kernel: the H_t programs of one token block read the
 same feature tiles back to back, i.e. one GEMM against W viewed as [p, H_t·d_t] tiled by head, out of L2.
 
 `map_cache_ref` is the pure-torch reference (`src.apply.map_layers`) and the fallback: no triton, CPU
@@ -170,12 +170,14 @@ def _map_kernel(
     col_lo, col_hi = i * S_LO, i * S_LO + D_HI  # [BLOCK_HALF] output columns of each pair's two members
     x_tok = x_ptr + b.to(tl.int64) * sxb + t[:, None] * sxt + c[None, :]  # [BLOCK_M, BLOCK_K]
     w_head = w_ptr + (layer * target_heads + h).to(tl.int64) * (K_SEL * FAN_IN * D_S * D_T)
-    n = tl.arange(0, 2 * BLOCK_HALF)  # SINGLE_DOT's columns: every pair's lo member, then every hi member
-    col = tl.where(n < BLOCK_HALF, n * S_LO, (n - BLOCK_HALF) * S_LO + D_HI)  # [2·BLOCK_HALF] ("half": n)
-    n_mask = (n % BLOCK_HALF) < HALF
-    acc = tl.full((BLOCK_M, 2 * BLOCK_HALF), 0.0, tl.float32)  # builtins only: the interpreter runs them unpatched
-    acc_lo = tl.full((BLOCK_M, BLOCK_HALF), 0.0, tl.float32)
-    acc_hi = tl.full((BLOCK_M, BLOCK_HALF), 0.0, tl.float32)
+    if SINGLE_DOT:  # one tile of columns: every pair's lo member, then every hi member
+        n = tl.arange(0, 2 * BLOCK_HALF)  # [2·BLOCK_HALF]
+        col = tl.where(n < BLOCK_HALF, n * S_LO, (n - BLOCK_HALF) * S_LO + D_HI)  # [2·BLOCK_HALF] ("half": n)
+        n_mask = (n % BLOCK_HALF) < HALF
+        acc = tl.full((BLOCK_M, 2 * BLOCK_HALF), 0.0, tl.float32)  # builtins only: the interpreter runs them unpatched
+    else:
+        acc_lo = tl.full((BLOCK_M, BLOCK_HALF), 0.0, tl.float32)
+        acc_hi = tl.full((BLOCK_M, BLOCK_HALF), 0.0, tl.float32)
     for kk in range(0, K_SEL * FAN_IN * D_S, BLOCK_K):
         q = kk // D_S  # feature block: selected layer j, admitted head g
         j, g = q // FAN_IN, q % FAN_IN

@@ -349,7 +349,7 @@ def main() -> None:
                         help="map_cache paths timed beside the reference (gemm: one GEMM per target head)")  # fmt: skip
     parser.add_argument("--no-sweep", action="store_true", help="skip the tile sweep at the longest prefix")
     parser.add_argument("--tiles", nargs="+", type=tile_arg, metavar="BM,BK,WARPS,STAGES",
-                        help="sweep these tiles instead of SWEEP's (each in both launch orders and dot forms)")  # fmt: skip
+                        help="sweep these tiles instead of SWEEP's (both launch orders and dot forms)")  # fmt: skip
     parser.add_argument("--no-graph", action="store_true", help="skip the CUDA-graph path")
     parser.add_argument("--no-exact", action="store_true", help="skip the fp64 error check")
     parser.add_argument("--quick", action="store_true", help="tiny shapes, CPU allowed, 3 reps")

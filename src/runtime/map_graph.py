@@ -21,8 +21,9 @@ static buffers (per transfer, sized to the largest bucket it has used, viewed by
 K/V once more, ≈ 200 MB at 16K tokens of a 0.5B source in bf16; kept while the engine is): token-major, so that a
 span's rows are one contiguous prefix of every bucket's view — the source K/V by one stacking copy per component into
 that prefix and one small copy of the last row into the pad rows (the map reads the view's strides: no further
-copy), the positions and slots by one host → device copy (built on the host from ints: no device read). The graph writes the engine's cache in place and its flags into one static tensor, copied out per
-run (a later replay of the same graph — another piece, another handoff — must not change flags already returned).
+copy), the positions and slots by one host → device copy (built on the host from ints: no device read). The graph
+writes the engine's cache in place and its flags into one static tensor, copied out per run (a later replay of the
+same graph — another piece, another handoff — must not change flags already returned).
 
 The graphs share the engine's memory pool with its forward graphs: every graph of an engine runs on one stream,
 never concurrently, and none reads another's pool memory (each graph's outputs are tensors held here or by the
