@@ -70,6 +70,9 @@ PEAK = PEAKS["H100" if torch.cuda.is_available() and "H100" in torch.cuda.get_de
 SWEEP = {  # candidate `_map_kernel` tiles (block_m, block_k, num_warps, num_stages), each in both launch orders and
     # both dot forms (one tl.dot per RoPE half, or KernelConfig.single_dot)
     torch.bfloat16: [
+        (128, 64, 4, 4),  # around the default (128, 64, 4, 3), the 2026-12-07 sweep's best
+        (256, 64, 4, 3),
+        (128, 128, 4, 3),
         (128, 64, 8, 3),
         (128, 64, 8, 4),
         (128, 32, 8, 4),

@@ -5,6 +5,7 @@ of a session that never tried a transfer, bit for bit.
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import replace
 
 import torch
@@ -12,7 +13,7 @@ import torch
 from src.artifact import Mapper
 from src.eval.rollback import cache_max_abs_diff
 from src.routed_runs import Run
-from src.runtime.routing import bind
+from src.runtime.routing import RouteRefusedWarning, bind
 from src.runtime.session import Session
 
 
@@ -49,7 +50,10 @@ def rollback(
             outputs = []
             if "routed" in run.open:  # the routed kind's engines go to this attempt
                 run.open.pop("routed").close()
-            attempt = Session(run.models, route, replace(run.policy, **overrides), engines=run.engines.get("routed"))
+            policy, engines = replace(run.policy, **overrides), run.engines.get("routed")
+            with warnings.catch_warnings():  # the planted mismatch is refused at binding on purpose: no run warning
+                warnings.simplefilter("ignore", RouteRefusedWarning)
+                attempt = Session(run.models, route, policy, engines=engines)
             run.open["routed"] = attempt
             for session in (attempt, run.session("reprefill")):
                 session.append("source", history)

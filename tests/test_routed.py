@@ -8,6 +8,7 @@ import copy
 import json
 import math
 import time
+import warnings
 from dataclasses import asdict, replace
 from pathlib import Path
 
@@ -21,7 +22,7 @@ from src.routed import handoffs, median_ci, paired_gain, quality, speedup_ci, ti
 from src.routed_multiturn import multiturn
 from src.routed_rollback import rollback
 from src.routed_runs import Run, bucket, single_turn, switches
-from src.runtime.routing import Policy, bind
+from src.runtime.routing import Policy, RouteRefusedWarning, bind
 from src.tasks import Item, load_task
 from src.workloads import Bytes, Example
 from tests.exact_pair import exact_pair
@@ -160,12 +161,16 @@ def test_switches_and_multiturn_on_the_exact_pair(pair):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_rollback_replay_verifies_every_kind(pair, dtype):
     """Every refusal kind falls back bit for bit — in bf16 too, the dtype a server runs (on CPU: a GPU run that broke
-    it, BENCHMARKS § rollback, is not reproduced here)."""
+    it, BENCHMARKS § rollback, is not reproduced here) — and the planted refusal at binding leaves no route warning in
+    the run's log (a log that says "every handoff on it re-prefills" of a run whose handoffs all mapped misleads)."""
     if dtype != torch.float32:
         pair = pair._replace(source=copy.deepcopy(pair.source).to(dtype), target=copy.deepcopy(pair.target).to(dtype))
     run = run_of(pair)
     replays = [(run.encode(ex.history), run.groups(ex.item)[0][0]) for ex in EXAMPLES[:2]]
-    checks = rollback(run, pair.exact, replays, 3, (pair.tokenizer_hash,))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        checks = rollback(run, pair.exact, replays, 3, (pair.tokenizer_hash,))
+    assert not [w for w in caught if issubclass(w.category, RouteRefusedWarning)]
     kinds = ("artifact_mismatch", "nonfinite_map", "nonfinite_source", "beyond_length", "failed_guard")
     verified = {f"rollback.{kind}{end}": 1.0 for kind in kinds for end in ("", ".refused", ".tokens_equal")}
     diffs = {f"rollback.{kind}.cache_max_abs_diff": 0.0 for kind in kinds}

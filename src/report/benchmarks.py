@@ -43,10 +43,12 @@ ENGINE_V2 = "engine-h100-2026-12-06"  # the engine with the receiver protocol an
 ENGINE_V2B = "engine-h100-2026-12-06b"  # the same pair job at 732d5f6: host reads cut, capture_all, timed attention
 ENGINE_V2C = "engine-h100-2026-12-06c"  # the same pair job at a35c14b: the map replayed as a CUDA graph
 ENGINE_V2D = "engine-h100-2026-12-06d"  # the same at e04778a: the map's launch order, samples and intervals kept
+ENGINE_V2E = "engine-h100-2026-12-07"  # the same at 057902f: the map graph's token-major inputs, one stacking copy
 GATE_FIRST = "gate-h100-2026-12-06"  # the first gate run: 8 shards, before its plan named 4 (unregistered)
 GATE = "gate-h100-2026-12-06b"  # scripts/device_quality.sh gate as registered: 200-shot ARC, bf16, graph engine
 FRONTIER_CPU = "frontier-cpu-2026-12-06"  # issue 34 item 2: the passage frontier on the CPU, fp32
 FRONTIER_CPU_TEST = "frontier-cpu-test-2026-12-06"  # the levers chosen on its validation runs, on test items
+FRONTIER3 = "frontier3-h100-2026-12-07"  # device_quality.sh frontier3, step 1 of 8 (validation items, bf16, engine)
 FUSED = "fused-fit-h200-2026-12-03/bench_fused_fit.json"
 COVERAGE = "gate-coverage-cpu-2026-12-06/coverage.json"  # scripts/gate_coverage.py
 VLLM_FILE = "vllm-h100-2026-12-06/vllm_ttft_file.json"  # scripts/bench_vllm_ttft.py, one H100
@@ -67,6 +69,8 @@ VLLM_POOL = "vllm-h100-2026-12-06f/vllm_ttft_device_stacked_cache_salt_pool1536.
 VLLM_VECTOR = "vllm-h100-2026-12-07b/vllm_ttft_device_stacked_cache_salt_pool1536.json"  # 7f7a215: vector stores again
 VLLM_GEMM = "vllm-h100-2026-12-07b/vllm_ttft_device_stacked_cache_salt_pool1536_gemm.json"  # 7f7a215: the gemm map
 VLLM_REAL_G = "vllm-h100-2026-12-07b/vllm_ttft_real.json"  # 7f7a215: the real pair, its bf16 mapper
+VLLM_K24 = "vllm-h100-2026-12-07c/vllm_ttft_device_stacked_cache_salt_pool1536.json"  # 057902f: random k = 24, bf16
+VLLM_REAL_H = "vllm-h100-2026-12-07c/vllm_ttft_real.json"  # 057902f: the real pair, the direct writer and the pool
 VLLM_RUNS = {
     VLLM_FILE: BenchRun("file, exports on the machine's disk (/tmp/vllm-bench/exports)", "bf16", "732d5f6"),
     VLLM_SHM: BenchRun("file, exports on /dev/shm (tmpfs)", "bf16", "732d5f6"),
@@ -130,6 +134,18 @@ VLLM_RUNS = {
         "bf16",
         "7f7a215",
     ),  # fmt: skip
+    VLLM_K24: BenchRun(
+        "device (CUDA IPC), Triton map (default tile), paged_writer stacked (engaged), the handoff salted "
+        "(cache_salt), the exports in an export pool of 1,536 MiB",
+        "bf16",
+        "057902f",
+    ),  # fmt: skip
+    VLLM_REAL_H: BenchRun(
+        "device (CUDA IPC), Triton map (default tile), paged_writer stacked (engaged), the handoff salted "
+        "(cache_salt), the exports in an export pool of 1,536 MiB",
+        "bf16",
+        "057902f",
+    ),  # fmt: skip
 }
 
 
@@ -152,11 +168,14 @@ TABLES: dict[str, Table] = {
     "routed_frontier_cpu_paired": Table((FRONTIER_CPU,), routed_paired),  # the rules at equal prefill, same items
     "routed_frontier_cpu_test": Table((FRONTIER_CPU_TEST,), routed),
     "routed_frontier_cpu_test_tasks": Table((FRONTIER_CPU_TEST,), routed_tasks),
+    "routed_frontier3": Table((FRONTIER3,), routed),
+    "routed_frontier3_tasks": Table((FRONTIER3,), routed_tasks),
     "engine": Table((ENGINE,), engine),
     "engine_v2": Table((ENGINE_V2,), engine),
     "engine_v2b": Table((ENGINE_V2B,), engine),
     "engine_v2c": Table((ENGINE_V2C,), engine),
     "engine_v2d": Table((ENGINE_V2D,), engine),
+    "engine_v2e": Table((ENGINE_V2E,), engine),
     "vllm_ttft": Table((), partial(vllm_ttft, runs=VLLM_RUNS), files=(VLLM_TRITON, VLLM_DEVICE)),
     "vllm_ttft_file": Table((), partial(vllm_ttft, runs=VLLM_RUNS), files=(VLLM_FILE, VLLM_SHM)),
     "vllm_ttft_b": Table((), partial(vllm_ttft, runs=VLLM_RUNS), files=(VLLM_TIMED, VLLM_REAL)),
@@ -169,15 +188,17 @@ TABLES: dict[str, Table] = {
     "vllm_phases_f": Table((), vllm_phases, files=(VLLM_SALT, VLLM_POOL)),
     "vllm_ttft_g": Table((), partial(vllm_ttft, runs=VLLM_RUNS), files=(VLLM_VECTOR, VLLM_GEMM, VLLM_REAL_G)),
     "vllm_phases_g": Table((), vllm_phases, files=(VLLM_VECTOR, VLLM_GEMM, VLLM_REAL_G)),
+    "vllm_ttft_h": Table((), partial(vllm_ttft, runs=VLLM_RUNS), files=(VLLM_K24, VLLM_REAL_H)),
+    "vllm_phases_h": Table((), vllm_phases, files=(VLLM_K24, VLLM_REAL_H)),
     "routed_gate": Table((GATE,), lambda rows: routed(joined(rows))),
     "routed_gate_tasks": Table((GATE,), lambda rows: routed_tasks(joined(rows))),
     "routed_gate_first": Table((GATE_FIRST,), lambda rows: routed(joined(rows))),
     "decision": Table((ROUTED, LEVERS, FITS, BF16, GATE_FIRST, GATE), decision),
     "headline": Table(
         (ROUTED, LEVERS, FITS, BF16, ENGINE, GATE_FIRST, GATE),
-        partial(headline, vllm_run=VLLM_RUNS[VLLM_REAL_G]),
+        partial(headline, vllm_run=VLLM_RUNS[VLLM_REAL_H]),
         README.name,
-        (FUSED, VLLM_REAL_G),
+        (FUSED, VLLM_REAL_H),
     ),
     "decision_brief": Table((ROUTED, LEVERS, FITS, BF16, GATE_FIRST, GATE), decision_brief, README.name),
     "gate_coverage": Table((), coverage, files=(COVERAGE,)),
