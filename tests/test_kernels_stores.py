@@ -33,6 +33,8 @@ from kernels import fused_fit
 from kernels.apply_map import DEROPE_BLOCK_T, _derope_kernel, _map_kernel
 from kernels.apply_map_epilogue import EPILOGUE_BLOCK_M, _epilogue_kernel, pow2, rope_pairs
 from kernels.jit import HAVE_TRITON, triton
+from kernels.paged_read import BLOCK_T as READ_BLOCK_T
+from kernels.paged_read import _read_kernel
 from kernels.rms_norm import _rms_norm_kernel
 from kernels.rope_write import _rope_write_kernel
 from kernels.turn_attention import BLOCK_N, BLOCK_T, _combine_kernel, _turn_attention_kernel, split_count
@@ -197,6 +199,20 @@ def test_derope_moves_a_threads_channels_at_once():
     accesses = _accesses(_ptx(_derope_kernel, constants, 4, args))
     # a [16 tokens, 32 pairs] half over 128 threads: 4 channels a thread, 8 bytes of bf16 keys, 16 of fp32 tables
     assert accesses == {"ld.global.v2.b32": 2, "ld.global.v4.b32": 4, "st.global.v2.b32": 2}, accesses
+
+
+@pytest.mark.parametrize("multiple", [ALIGN, 1], ids=["hinted", "unhinted"])
+def test_the_exports_read_moves_16_byte_vectors_given_the_offsets_multiple(multiple):
+    """The sender's export read (kernels/paged_read.py) of the 0.5B's flash caches (2 KV heads × 64 channels, blocks of
+    16, NHD): each layer's K / V address is a loaded offset from the first, as the map's stores are — hinted, a thread
+    loads and stores its 64 channels' share 16 bytes at a time; unhinted, its loads are 2-byte scalars."""
+    args = {"k_offsets_ptr": "*i64", "v_offsets_ptr": "*i64", "slots_ptr": "*i64", "out_k_ptr": "*bf16",
+            "out_v_ptr": "*bf16", "seq": TOKENS, "heads": KV_HEADS, "block_size": 16,
+            "s_b": 16 * KV_HEADS * 2 * SOURCE_DIM, "s_h": 2 * SOURCE_DIM, "s_n": KV_HEADS * 2 * SOURCE_DIM}  # fmt: skip
+    constants = dict(HEAD_DIM=SOURCE_DIM, OFFSET_MULTIPLE=multiple, BLOCK=READ_BLOCK_T)
+    accesses = _accesses(_ptx(_read_kernel, constants, 4, args))
+    loads = {"ld.global.v4.b32": 8} if multiple == ALIGN else {"ld.global.b16": 64}  # K and V: [64, 64] bf16 each
+    assert accesses == {**loads, "st.global.v4.b32": 8, "ld.global.b64": 6}, accesses  # b64: slots and offsets
 
 
 @pytest.mark.parametrize("multiple", [ALIGN, 1], ids=["hinted", "unhinted"])

@@ -47,6 +47,7 @@ FLOORS = [
         "kernels.turn_attention",
         "kernels.rms_norm",
         "kernels.rope_write",
+        "kernels.paged_read",  # the sender's export read from every flash layer in one launch (serving/paged.py)
     },
     {"src.apply"},
     {"src.runtime.plan", "src.runtime.recompute"},

@@ -28,6 +28,9 @@ in slot `block_ids[p // block_size] · block_size + p % block_size`. Inside a (b
              of every layer follows (`write_slots`): two indexed writes instead of L calls; on a CPU the write is
              the copy itself, and vLLM's CPU writer copies faster than torch's indexing
 
+The sender's export (`read_export`) reads every layer of the flash layout in one launch (kernels/paged_read.py, over
+`flash_halves`), elsewhere one `read_slots` per layer.
+
 `read_slots` / `write_slots` are the pure-torch layouts: the sender reads its export through the first, the tests
 compare the backend's writer with the second, and `check_layout` verifies a reader against the live backend once per
 engine (an unknown layout is refused before serving, never misread).
@@ -40,6 +43,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kernels.paged_read import read_layers
 from src.maps import LayerViews, unlike
 
 LAYOUTS = {"FLASH_ATTN": "flash", "CPU_ATTN": "cpu"}  # vLLM attention backend name → the layout kvrelay reads
@@ -152,13 +156,34 @@ class Writer:
         if caches[0].dtype not in UNQUANTIZED:
             raise ValueError(f"the caches are {caches[0].dtype}: quantized, the backend's writer keeps their scales")
         if layout == "flash":
-            d = caches[0].shape[-1] // 2
-            return cls(direct=(LayerViews.of([kv[..., :d] for kv in caches]),  # L × [B, H, N, d]
-                               LayerViews.of([kv[..., d:] for kv in caches])))  # fmt: skip
+            return cls(direct=flash_halves(caches))
         stacked = stack_layers(layers)
         if stacked is None:
             raise ValueError("the cpu layout's one write needs every cache alike in one storage, a constant step apart")
         return cls(stacked=(stacked, layout))
+
+
+def flash_halves(caches: Sequence[torch.Tensor]) -> tuple[LayerViews, LayerViews]:
+    """Every layer's K and V halves [B, H, N, d] of flash caches [B, H, N, 2d], wherever each was allocated, as the
+    map's direct stores and the export's one-launch read address them; a ValueError naming what differs where the
+    caches are not alike (`LayerViews.of`)."""
+    d = caches[0].shape[-1] // 2
+    return LayerViews.of([kv[..., :d] for kv in caches]), LayerViews.of([kv[..., d:] for kv in caches])
+
+
+def read_export(
+    layers: Sequence[torch.nn.Module],
+    slots: torch.Tensor,
+    layout: str,
+    halves: tuple[LayerViews, LayerViews] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """K and V [L, H, T, d] of every layer at slots [T] — the sender's export: one launch over the flash layout's
+    `halves` (kernels/paged_read.py, its reference where no kernel runs), else one `read_slots` per layer, stacked."""
+    if halves is not None:
+        return read_layers(*halves, slots.to(halves[0].base.device))
+    pairs = [read_slots(layer.kv_cache, slots, layout) for layer in layers]  # ([T, H, d], [T, H, d])
+    return (torch.stack([k for k, _ in pairs]).transpose(1, 2),  # [L, H, T, d] (the transport copies to its memory)
+            torch.stack([v for _, v in pairs]).transpose(1, 2))  # fmt: skip
 
 
 def write_mapped(

@@ -26,7 +26,8 @@ sync; the finiteness flags and the magnitude guard are read afterwards, in `get_
 where the export's lease is released (its reads have ended: transport.py) and a failed load's blocks are reported —
 vLLM then recomputes them (kv_load_failure_policy "recompute"), discarding the step's output for that request. A
 load that cannot even start (export missing or malformed), or that the scheduler refused, is reported the same way.
-`wait_for_save` (after the forward, once per step) reads each save's slots from every layer and publishes the export
+`wait_for_save` (after the forward, once per step) reads each save's slots from every layer (FlashAttention's layout: in
+one launch, `paged.read_export`) and publishes the export
 (in files, or kept on the GPU: `export_memory`). No per-layer hook: the forward itself is untouched (CUDA graphs
 included).
 """
@@ -50,7 +51,7 @@ from src.runtime.plan import SplicePlan
 from src.serving.claim import claim
 from src.serving.config import connector_config
 from src.serving.metadata import KVRelayMetadata, Load, Save
-from src.serving.paged import Writer, check_layout, read_slots, slots_for, write_mapped
+from src.serving.paged import Writer, check_layout, flash_halves, read_export, slots_for, write_mapped
 from src.serving.params import KEY, Handoff, RelayParams, parse
 from src.serving.provenance import rekey, salted
 from src.serving.routes import LoadFlags, bound_routes, model_tokenizer_hash, scheduled_routes
@@ -271,6 +272,12 @@ class KVRelayConnector(KVConnectorBase_V1):
         named = sorted((extract_layer_index(name), context[name]) for name in kv_caches)
         self.layers = [layer for _, layer in named]
         self.layout = check_layout(self.layers[0])
+        self.halves = None  # the export's one-launch read over the flash layout's halves (paged.read_export)
+        if self.layout == "flash":
+            try:
+                self.halves = flash_halves([layer.kv_cache for layer in self.layers])
+            except ValueError as why:
+                logger.warning("kvrelay: the export reads each layer apart: %s", why)
         self.writer = Writer()  # paged_writer: each layer's own writer, one write, or the map's stores (paged.py)
         if self.config.paged_writer == "stacked":
             try:
@@ -365,9 +372,7 @@ class KVRelayConnector(KVConnectorBase_V1):
 
     def _export(self, save: Save) -> None:
         slots = slots_for(save.block_ids, self.block_size, 0, len(save.ids), self.device)  # [T]
-        pairs = [read_slots(layer.kv_cache, slots, self.layout) for layer in self.layers]  # ([T, H, d], [T, H, d])
-        keys = torch.stack([k for k, _ in pairs]).transpose(1, 2)  # [L, H, T, d] (the transport copies to its memory)
-        values = torch.stack([v for _, v in pairs]).transpose(1, 2)
+        keys, values = read_export(self.layers, slots, self.layout, self.halves)  # [L, H, T, d] each
         heads = (self.heads.start, self.heads.stop - self.heads.start, self.total_heads)
         self.transport.put(save.export_id, keys, values, save.ids, self.identity.fingerprint,
                            self.identity.tokenizer_hash, heads, save.mapped, self.rank, self.ranks,
