@@ -24,7 +24,7 @@ from src.serving import export_pool as export_pool_module
 from src.serving import transport as transport_module
 from src.serving.config import connector_config
 from src.serving.export_pool import ALIGNMENT, Region, Regions, lock_state, remove_dead_pools, sender_holds
-from src.serving.transport import ExportError, Transport, publish
+from src.serving.transport import ExportError, Transport, id_tensor, publish
 
 
 def _kv(layers=2, heads=2, tokens=6, d=4, seed=0, device="cpu"):
@@ -476,3 +476,10 @@ def test_a_senders_export_pool_is_opened_once_its_regions_reused_only_once_no_re
     assert sender.exitcode == 0
     with pytest.raises(ExportError, match=r"the sender of export 'p4' is gone"):
         receiver.load("p4", 0, 40, "cuda")
+
+
+def test_token_ids_cross_to_a_tensor_unchanged_through_a_c_array():
+    """`id_tensor` (the sender's ids, without torch.tensor's per-int conversion) gives torch.tensor's tensor."""
+    for ids in ([], [0], [151_642, 7, 2**40, 0, 3], list(range(8192))):
+        made = id_tensor(ids)
+        assert made.dtype == torch.int64 and torch.equal(made, torch.tensor(ids, dtype=torch.int64))
