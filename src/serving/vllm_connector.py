@@ -51,7 +51,7 @@ from src.runtime.plan import SplicePlan
 from src.serving.claim import claim
 from src.serving.config import connector_config
 from src.serving.metadata import KVRelayMetadata, Load, Save
-from src.serving.paged import Writer, check_layout, flash_halves, read_export, slots_for, write_mapped
+from src.serving.paged import UNQUANTIZED, Writer, check_layout, flash_halves, read_export, slots_for, write_mapped
 from src.serving.params import KEY, Handoff, RelayParams, parse
 from src.serving.provenance import rekey, salted
 from src.serving.routes import LoadFlags, bound_routes, model_tokenizer_hash, scheduled_routes
@@ -273,7 +273,7 @@ class KVRelayConnector(KVConnectorBase_V1):
         self.layers = [layer for _, layer in named]
         self.layout = check_layout(self.layers[0])
         self.halves = None  # the export's one-launch read over the flash layout's halves (paged.read_export)
-        if self.layout == "flash":
+        if self.layout == "flash" and self.layers[0].kv_cache.dtype in UNQUANTIZED:
             try:
                 self.halves = flash_halves([layer.kv_cache for layer in self.layers])
             except ValueError as why:
