@@ -66,7 +66,7 @@ def read_layers(
     reason = triton_unsupported(keys, values)
     if backend == "triton" and reason is not None:
         raise ValueError(f"Triton paged read unavailable: {reason}")
-    if backend == "torch" or reason is not None:
+    if backend == "torch" or reason is not None or slots.numel() == 0:  # no tokens: no launch of an empty grid
         return read_layers_ref(keys, values, slots)
     base = keys.base  # [B, H, N, d]
     layers, (_, heads, size, d), seq = len(keys.views), base.shape, slots.numel()

@@ -47,6 +47,8 @@ def test_one_launch_reads_what_each_layers_read_reads(allocation, dtype, interpr
     assert keys.shape == (3, 2, 70, 16) and keys.is_contiguous()
     assert torch.equal(keys, expected[0]) and torch.equal(values, expected[1])
     assert torch.equal(keys, read_layers_ref(*flash_halves(caches), slots)[0])
+    empty = read_layers(*flash_halves(caches), slots[:0], backend="triton")  # no tokens: empty, no launch
+    assert all(t.shape == (3, 2, 0, 16) for t in empty)
 
 
 def test_the_reference_is_each_layers_read_and_the_fallback_says_why():
