@@ -85,8 +85,8 @@ EOF
     # dumped at 60 s (faulthandler): every other test first — a failure there does not stop the stage
     fa=tests/test_paged_direct.py::test_the_direct_map_is_what_vllms_flash_cache_writer_writes_of_the_mapped_scratch
     python3 -m pytest -v -p no:cacheprovider -m "gpu or not gpu" --deselect "$fa" tests/test_paged_direct.py \
-      tests/test_transport.py tests/test_vllm_parts.py 2>&1 | tee "$OUT/vllm-tests.txt" | grep -E -v "PASSED|SKIPPED" \
-      | tail -8 || echo "some tests failed: $OUT/vllm-tests.txt"
+      tests/test_paged_read.py tests/test_transport.py tests/test_vllm_parts.py 2>&1 | tee "$OUT/vllm-tests.txt" \
+      | grep -E -v "PASSED|SKIPPED" | tail -8 || echo "some tests failed: $OUT/vllm-tests.txt"
     timeout 150 python3 -X faulthandler -m pytest -v -p no:cacheprovider -m gpu -o faulthandler_timeout=60 "$fa" 2>&1 \
       | tee "$OUT/vllm-tests-flash-writer.txt" | tail -8 || echo "the flash-writer comparison: cut at 150 s" ;;
   bench)  # both engines start in ≈ 90 s each on a fresh machine (compile, graphs): ≥ 360 s for three lengths; the
