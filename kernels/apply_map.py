@@ -55,13 +55,16 @@ class KernelConfig:
     single_dot: bool = False  # both RoPE halves in one tl.dot of 2·BLOCK_HALF columns, split after the K-loop
 
 
-def default_config(seq: int, compute_dtype: torch.dtype) -> KernelConfig:
+def default_config(seq: int, compute_dtype: torch.dtype, head_dim: int = 128) -> KernelConfig:
     """fp32 tiles take half the channels per stage (shared memory); short prefixes use 64-token blocks. 16-bit
-    inputs: one dot at 4 warps, the fastest of the sweep at 16K on an H100 (1.145 ms at 8K against 1.376 for two
-    dots at 8 warps; results/vllm-h100-2026-12-07c/apply.json); fp32 keeps the two dots at 8 warps (not timed)."""
+    inputs and target heads of ≤ 128 channels: one dot at 4 warps, the fastest of the sweep at 16K on an H100 (1.145
+    ms at 8K against 1.376 for two dots at 8 warps; results/vllm-h100-2026-12-07c/apply.json). Wider heads keep two
+    dots at 8 warps: one dot's 128 × 256 fp32 accumulator over 4 warps spills (ptxas, sm_90); fp32 too (not timed)."""
     block_m = 64 if seq <= 64 else 128
     if compute_dtype == torch.float32:
         return KernelConfig(block_m=block_m, block_k=32)
+    if head_dim > 128:
+        return KernelConfig(block_m=block_m, block_k=64)
     return KernelConfig(block_m=block_m, block_k=64, num_warps=4, single_dot=True)
 
 
@@ -427,7 +430,7 @@ def map_cache(
     target_layers, target_heads, _, d_t = mapper.weight_k.shape
     compute = mapper.weight_k.dtype
     precision = precision or (_fp32_precision() if compute == torch.float32 else "tf32")  # tf32: ignored for bf16
-    config = config or default_config(seq, compute)
+    config = config or default_config(seq, compute, d_t)
     content = derope_keys(keys, source_cos, source_sin, source_layout, compute)  # [L_s, B, H_s, T, d_s]
     shape = (target_layers, batch, target_heads, seq, d_t)
     if out is None:

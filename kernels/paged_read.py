@@ -68,6 +68,7 @@ def read_layers(
         raise ValueError(f"Triton paged read unavailable: {reason}")
     if backend == "torch" or reason is not None or slots.numel() == 0:  # no tokens: no launch of an empty grid
         return read_layers_ref(keys, values, slots)
+    slots = slots.long().contiguous()  # int64 addresses (int32 slots would wrap on large caches), one stride
     base = keys.base  # [B, H, N, d]
     layers, (_, heads, size, d), seq = len(keys.views), base.shape, slots.numel()
     out_k = torch.empty(layers, heads, seq, d, dtype=base.dtype, device=base.device)

@@ -30,8 +30,9 @@ def rollback(
     """Every refusal kind on the workload's own (history, turn) ids: the routed session must report it
     (fallback_reprefill / unsupported) and then produce the greedy tokens and the target cache of a session that
     never tried a transfer, bit for bit. `rollback.<kind>` and `rollback_verified` are 1.0 when every replay holds;
-    what failed is logged beside: `.refused` (every replay reported the refusal), `.tokens_equal`, `.cache_max_abs_diff`
-    (over replays and layers, inf when the lengths differ)."""
+    what failed is logged beside: `.at_binding` (the route refused when bound — the planted mismatch's refusal; any
+    other kind refused there never reached its own check, so it does not hold), `.refused` (every replay reported the
+    refusal), `.tokens_equal`, `.cache_max_abs_diff` (over replays and layers, inf when the lengths differ)."""
     manifest = mapper.manifest
     kinds = {  # kind → (mapper, policy overrides, poison the source's cache)
         "artifact_mismatch": (replace(mapper, manifest=manifest | {"target_fingerprint": "0" * 64}), {}, False),
@@ -45,14 +46,16 @@ def rollback(
     checks = {}
     for kind, (broken, overrides, poison) in kinds.items():
         route = {("source", "target"): bind(source, target, broken, *bind_args)}
+        at_binding = route[("source", "target")].refusal is not None  # the mismatch's only: any other tests nothing
         held, refused, tokens_equal, diff = [], [], [], 0.0
         for history, turn in replays:
             outputs = []
             if "routed" in run.open:  # the routed kind's engines go to this attempt
                 run.open.pop("routed").close()
             policy, engines = replace(run.policy, **overrides), run.engines.get("routed")
-            with warnings.catch_warnings():  # the planted mismatch is refused at binding on purpose: no run warning
-                warnings.simplefilter("ignore", RouteRefusedWarning)
+            with warnings.catch_warnings():
+                if kind == "artifact_mismatch":  # refused at binding on purpose: not a warning of the run
+                    warnings.simplefilter("ignore", RouteRefusedWarning)  # any other kind refused there still warns
                 attempt = Session(run.models, route, policy, engines=engines)
             run.open["routed"] = attempt
             for session in (attempt, run.session("reprefill")):
@@ -66,9 +69,10 @@ def rollback(
             refused.append(record.status != "applied")
             tokens_equal.append(torch.equal(tokens, reference))
             diff = max(diff, gap)
-            held.append(refused[-1] and tokens_equal[-1] and gap == 0.0)
+            held.append(refused[-1] and tokens_equal[-1] and gap == 0.0 and at_binding == (kind == "artifact_mismatch"))
         checks[f"rollback.{kind}"] = float(bool(held) and all(held))
         checks |= {
+            f"rollback.{kind}.at_binding": float(at_binding),
             f"rollback.{kind}.refused": float(all(refused)),
             f"rollback.{kind}.tokens_equal": float(all(tokens_equal)),
             f"rollback.{kind}.cache_max_abs_diff": diff,

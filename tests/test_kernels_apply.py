@@ -413,3 +413,13 @@ def test_layer_views_refuse_unlike_or_misaligned_layers_naming_which():
         LayerViews.of([views[0], storage[0:8].view(4, 2)])
     with pytest.raises(ValueError, match="layer 1's cache is not alike layer 0's: dtype torch.float64"):
         LayerViews.of([views[0], torch.zeros(2, 4, dtype=torch.float64)])
+
+
+def test_the_default_tile_is_one_dot_at_4_warps_for_16_bit_heads_of_at_most_128_channels():
+    """The H100's sweep (2026-12-07) for 16-bit inputs at d_t = 128; wider heads keep two dots at 8 warps (one dot's
+    128 × 256 fp32 accumulator over 4 warps spills), fp32 keeps its half-width channel steps."""
+    one_dot = KernelConfig(block_m=128, block_k=64, num_warps=4, num_stages=3, layers_inner=True, single_dot=True)
+    assert default_config(8192, torch.bfloat16) == one_dot == default_config(8192, torch.float16, 64)
+    assert default_config(8192, torch.bfloat16, 256) == KernelConfig(block_m=128, block_k=64)
+    assert default_config(8192, torch.float32) == KernelConfig(block_m=128, block_k=32)
+    assert default_config(64, torch.bfloat16).block_m == 64

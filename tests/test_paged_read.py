@@ -5,13 +5,16 @@ slots in blocks out of order; its reference is that path; the worker's export ha
 kernel in its CPU interpreter here (it addresses raw pointers), compiled on CUDA in the GPU case."""
 
 import collections
+import logging
 from types import SimpleNamespace
 
 import pytest
 import torch
 
+from kernels import paged_read
 from kernels.apply_map import HAVE_TRITON
 from kernels.paged_read import read_layers, read_layers_ref, triton_unsupported
+from src.serving import paged
 from src.serving.metadata import KVRelayMetadata, Save
 from src.serving.paged import flash_halves, read_export, read_slots, slots_for
 from tests.test_kernels_apply import interpreted  # noqa: F401  (the fixture)
@@ -47,7 +50,13 @@ def test_one_launch_reads_what_each_layers_read_reads(allocation, dtype, interpr
     assert keys.shape == (3, 2, 70, 16) and keys.is_contiguous()
     assert torch.equal(keys, expected[0]) and torch.equal(values, expected[1])
     assert torch.equal(keys, read_layers_ref(*flash_halves(caches), slots)[0])
-    empty = read_layers(*flash_halves(caches), slots[:0], backend="triton")  # no tokens: empty, no launch
+
+    def no_launch(*_):
+        raise AssertionError("an export of no tokens launched the kernel")
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(paged_read, "jit", no_launch)
+        empty = read_layers(*flash_halves(caches), slots[:0], backend="triton")  # no tokens: empty, no launch
     assert all(t.shape == (3, 2, 0, 16) for t in empty)
 
 
@@ -72,14 +81,8 @@ def test_the_kernel_refuses_what_it_cannot_read_naming_it(interpreted):  # noqa:
     assert all(torch.equal(a, b) for a, b in zip(read_layers(*flash_halves(odd), SLOTS), expected, strict=True))
 
 
-@needs_vllm
-@pytest.mark.parametrize("allocation", ["block-major", "apart-descending"])
-def test_the_worker_exports_every_layers_kv_read_in_one_pass(pair, tmp_path, allocation):  # noqa: F811
-    """register_kv_caches builds the flash halves once; `wait_for_save` hands the transport each layer's K/V at the
-    request's slots, [L, H, T, d] — what the per-layer read gave."""
-    caches = _filled(allocation)
-    worker = _worker(caches, _route(pair, "torch"), 1e6, tmp_path)
-    assert worker.halves is not None
+def _exported(worker) -> tuple[torch.Tensor, torch.Tensor]:
+    """The K/V the worker's `wait_for_save` hands its transport for a 40-token prompt in blocks 3, 1."""
     put = []
     worker.transport = SimpleNamespace(put=lambda export_id, keys, values, ids, *rest, **kw: put.append((keys, values)))
     worker.identity = SimpleNamespace(fingerprint="f" * 64, tokenizer_hash="t" * 64)
@@ -88,8 +91,83 @@ def test_the_worker_exports_every_layers_kv_read_in_one_pass(pair, tmp_path, all
     worker._get_connector_metadata = lambda: KVRelayMetadata(saves=[save])
     worker.has_connector_metadata = lambda: True
     worker.wait_for_save()
-    (keys, values), expected = put[0], _per_layer(caches, SLOTS)
+    return put[0]
+
+
+@needs_vllm
+@pytest.mark.parametrize("path", ["reference", pytest.param("kernel", marks=interpreter)])
+@pytest.mark.parametrize("allocation", ["block-major", "apart-descending"])
+def test_the_worker_exports_every_layers_kv_read_in_one_pass(pair, tmp_path, allocation, path, request):  # noqa: F811
+    """register_kv_caches builds the flash halves once; `wait_for_save` hands the transport each layer's K/V at the
+    request's slots, [L, H, T, d] — what the per-layer read gave — through the kernel (interpreted) or its reference."""
+    if path == "kernel":
+        request.getfixturevalue("interpreted")
+    caches = _filled(allocation)
+    worker = _worker(caches, _route(pair, "torch"), 1e6, tmp_path)
+    assert worker.halves is not None
+    (keys, values), expected = _exported(worker), _per_layer(caches, SLOTS)
     assert torch.equal(keys, expected[0]) and torch.equal(values, expected[1])
+    assert keys.is_contiguous() == (path == "kernel")  # the kernel's own [L, H, T, d]; the reference's strided stack
+
+
+@needs_vllm
+def test_unlike_or_quantized_caches_and_a_failed_launch_read_each_layer_apart(pair, tmp_path, caplog, monkeypatch):  # noqa: F811
+    """No halves for layers unlike each other (said) or quantized (as the per-layer read always read them); a launch
+    that fails is said once, and that export and the later ones read each layer apart — the same K/V."""
+    caches = _filled("apart")
+    unlike = [*caches[:2], caches[2].half()]
+    with caplog.at_level(logging.WARNING):
+        assert _worker(unlike, _route(pair, "torch"), 1e6, tmp_path).halves is None
+    assert "the export reads each layer apart: layer 2's cache is not alike layer 0's" in caplog.text
+    quantized = [kv.to(torch.float8_e4m3fn) for kv in caches]
+    assert _worker(quantized, _route(pair, "torch"), 1e6, tmp_path).halves is None
+    worker = _worker(caches, _route(pair, "torch"), 1e6, tmp_path)
+
+    def refused(*_):
+        raise RuntimeError("the compiler refused")
+
+    monkeypatch.setattr(paged, "read_layers", refused)
+    with caplog.at_level(logging.WARNING):
+        keys, values = _exported(worker)
+    assert worker.halves is None and "one-launch read failed (the compiler refused)" in caplog.text
+    expected = _per_layer(caches, SLOTS)
+    assert torch.equal(keys, expected[0]) and torch.equal(values, expected[1])
+
+
+@interpreter
+def test_the_launch_hints_the_offsets_multiple_of_both_halves(interpreted, monkeypatch):  # noqa: F811
+    """The alignment hint is the largest power of two dividing every K and V layer offset: 16 elements for caches
+    allocated whole, 1 for layers at odd element offsets in one buffer — whose read is still exact."""
+    launched = []
+    real = paged_read.jit
+
+    def spy(kernel, interpret):
+        return _Spied(real(kernel, interpret), launched)
+
+    monkeypatch.setattr(paged_read, "jit", spy)
+    aligned = _filled("apart")
+    read_layers(*flash_halves(aligned), SLOTS, backend="triton")
+    buffer = torch.randn(3 * 4 * 32 * 2 * 32 + 8)
+    size = 4 * 32 * 2 * 32
+    odd = [buffer[1 + i * (size + 1) : 1 + i * (size + 1) + size].view(4, 32, 2, 32).transpose(1, 2) for i in range(2)]
+    keys, values = read_layers(*flash_halves(odd), SLOTS, backend="triton")
+    assert launched == [16, 1]
+    expected = _per_layer(odd, SLOTS)
+    assert torch.equal(keys, expected[0]) and torch.equal(values, expected[1])
+
+
+class _Spied:
+    """A jitted kernel whose launches record their OFFSET_MULTIPLE before running."""
+
+    def __init__(self, launch, launched: list):
+        self.launch, self.launched = launch, launched
+
+    def __getitem__(self, grid):
+        def run(*args, **constants):
+            self.launched.append(constants["OFFSET_MULTIPLE"])
+            return self.launch[grid](*args, **constants)
+
+        return run
 
 
 @pytest.mark.gpu

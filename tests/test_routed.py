@@ -18,6 +18,7 @@ import torch
 import yaml
 from omegaconf import OmegaConf
 
+from src.models import fingerprint
 from src.routed import handoffs, median_ci, paired_gain, quality, speedup_ci, timing
 from src.routed_multiturn import multiturn
 from src.routed_rollback import rollback
@@ -163,18 +164,37 @@ def test_rollback_replay_verifies_every_kind(pair, dtype):
     """Every refusal kind falls back bit for bit — in bf16 too, the dtype a server runs (on CPU: a GPU run that broke
     it, BENCHMARKS § rollback, is not reproduced here) — and the planted refusal at binding leaves no route warning in
     the run's log (a log that says "every handoff on it re-prefills" of a run whose handoffs all mapped misleads)."""
-    if dtype != torch.float32:
+    mapper = pair.exact
+    if dtype != torch.float32:  # the models and the mapper's fingerprints in bf16, as a bf16 fit records them
         pair = pair._replace(source=copy.deepcopy(pair.source).to(dtype), target=copy.deepcopy(pair.target).to(dtype))
+        fingerprints = {"source_fingerprint": fingerprint(pair.source), "target_fingerprint": fingerprint(pair.target)}
+        mapper = replace(mapper, manifest=mapper.manifest | fingerprints)
     run = run_of(pair)
     replays = [(run.encode(ex.history), run.groups(ex.item)[0][0]) for ex in EXAMPLES[:2]]
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        checks = rollback(run, pair.exact, replays, 3, (pair.tokenizer_hash,))
+        checks = rollback(run, mapper, replays, 3, (pair.tokenizer_hash,))
     assert not [w for w in caught if issubclass(w.category, RouteRefusedWarning)]
     kinds = ("artifact_mismatch", "nonfinite_map", "nonfinite_source", "beyond_length", "failed_guard")
     verified = {f"rollback.{kind}{end}": 1.0 for kind in kinds for end in ("", ".refused", ".tokens_equal")}
     diffs = {f"rollback.{kind}.cache_max_abs_diff": 0.0 for kind in kinds}
-    assert checks == verified | diffs | {"rollback_verified": 1.0}
+    binding = {f"rollback.{kind}.at_binding": float(kind == "artifact_mismatch") for kind in kinds}
+    assert checks == verified | diffs | binding | {"rollback_verified": 1.0}
+
+
+def test_a_rollback_kind_refused_already_at_binding_is_not_verified(pair):
+    """A mapper of other models than the run's (here: fingerprinted before a cast to bf16) is refused when bound,
+    so every kind's replay re-prefills bit for bit — but only the planted mismatch tested its own refusal: the other
+    kinds do not hold (`.at_binding` says why), and their binding refusals warn."""
+    cast = pair._replace(source=copy.deepcopy(pair.source).to(torch.bfloat16),
+                         target=copy.deepcopy(pair.target).to(torch.bfloat16))  # fmt: skip
+    run = run_of(cast)
+    replays = [(run.encode(EXAMPLES[0].history), run.groups(EXAMPLES[0].item)[0][0])]
+    with pytest.warns(RouteRefusedWarning, match="source fingerprint"):
+        checks = rollback(run, pair.exact, replays, 3, (pair.tokenizer_hash,))
+    assert checks["rollback.artifact_mismatch"] == 1.0 and checks["rollback_verified"] == 0.0
+    assert checks["rollback.failed_guard.at_binding"] == 1.0 and checks["rollback.failed_guard"] == 0.0
+    assert checks["rollback.failed_guard.refused"] == checks["rollback.failed_guard.tokens_equal"] == 1.0
 
 
 def test_rollback_replay_says_what_broke(pair, monkeypatch):
