@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import warnings
 from dataclasses import replace
+from typing import NamedTuple
 
 import torch
 
@@ -15,6 +16,16 @@ from src.eval.rollback import cache_max_abs_diff
 from src.routed_runs import Run
 from src.runtime.routing import RouteRefusedWarning, bind
 from src.runtime.session import Session
+
+
+class RefusalKind(NamedTuple):
+    """One planted fault: the mapper bound, the words its refusal's reason holds, policy overrides, whether the source's
+    cache is poisoned (a NaN in its last token)."""
+
+    mapper: Mapper
+    reason: str
+    overrides: dict | None = None
+    poison: bool = False
 
 
 def _overflowing(mapper: Mapper) -> Mapper:
@@ -27,32 +38,35 @@ def _overflowing(mapper: Mapper) -> Mapper:
 def rollback(
     run: Run, mapper: Mapper, replays: list[tuple[torch.Tensor, torch.Tensor]], max_new_tokens: int, bind_args
 ) -> dict[str, float]:
-    """Every refusal kind on the workload's own (history, turn) ids: the routed session must report it
-    (fallback_reprefill / unsupported) and then produce the greedy tokens and the target cache of a session that
-    never tried a transfer, bit for bit. `rollback.<kind>` and `rollback_verified` are 1.0 when every replay holds;
-    what failed is logged beside: `.at_binding` (the route refused when bound — the planted mismatch's refusal; any
-    other kind refused there never reached its own check, so it does not hold), `.refused` (every replay reported the
-    refusal), `.tokens_equal`, `.cache_max_abs_diff` (over replays and layers, inf when the lengths differ)."""
+    """Every refusal kind on the workload's own (history, turn) ids: the routed session must report it — refused for
+    that kind's own reason (`RefusalKind.reason` in the record's reason: a replay refused for another, say the length
+    guard or a binding refusal, never reached the check it stands for) — and then produce the greedy tokens and the
+    target cache of a session that never tried a transfer, bit for bit. The kinds planted in the map, the source or
+    the guard run with the length guard off, so a mapper verified for shorter histories than the replays' still gets
+    them checked. `rollback.<kind>` and `rollback_verified` are 1.0 when every replay holds; what failed is logged
+    beside: `.refused` (every replay refused for the kind's reason), `.tokens_equal`, `.cache_max_abs_diff` (over
+    replays and layers, inf when the lengths differ)."""
     manifest = mapper.manifest
-    kinds = {  # kind → (mapper, policy overrides, poison the source's cache)
-        "artifact_mismatch": (replace(mapper, manifest=manifest | {"target_fingerprint": "0" * 64}), {}, False),
-        "nonfinite_map": (_overflowing(mapper), {}, False),
-        "nonfinite_source": (mapper, {}, True),
-        "beyond_length": (replace(mapper, manifest=manifest | {"calibration": {"seq_len": 1}}),
-                          {"max_length_factor": 1.0, "length_guard": "factor"}, False),  # also for a mapper with evidence
-        "failed_guard": (mapper, {"guard_max_abs": 0.0}, False),
+    unguarded = {"length_guard": "off"}
+    kinds = {
+        "artifact_mismatch": RefusalKind(replace(mapper, manifest=manifest | {"target_fingerprint": "0" * 64}),
+                                         "does not belong to this pair"),
+        "nonfinite_map": RefusalKind(_overflowing(mapper), "is not finite", unguarded),
+        "nonfinite_source": RefusalKind(mapper, "contains NaN or Inf", unguarded, poison=True),
+        "beyond_length": RefusalKind(replace(mapper, manifest=manifest | {"calibration": {"seq_len": 1}}),
+                                     "calibration length", {"max_length_factor": 1.0, "length_guard": "factor"}),
+        "failed_guard": RefusalKind(mapper, "guard:", unguarded | {"guard_max_abs": 0.0}),
     }  # fmt: skip
     source, target = run.models["source"], run.models["target"]
     checks = {}
-    for kind, (broken, overrides, poison) in kinds.items():
+    for kind, (broken, reason, overrides, poison) in kinds.items():
         route = {("source", "target"): bind(source, target, broken, *bind_args)}
-        at_binding = route[("source", "target")].refusal is not None  # the mismatch's only: any other tests nothing
         held, refused, tokens_equal, diff = [], [], [], 0.0
         for history, turn in replays:
             outputs = []
             if "routed" in run.open:  # the routed kind's engines go to this attempt
                 run.open.pop("routed").close()
-            policy, engines = replace(run.policy, **overrides), run.engines.get("routed")
+            policy, engines = replace(run.policy, **(overrides or {})), run.engines.get("routed")
             with warnings.catch_warnings():
                 if kind == "artifact_mismatch":  # refused at binding on purpose: not a warning of the run
                     warnings.simplefilter("ignore", RouteRefusedWarning)  # any other kind refused there still warns
@@ -66,13 +80,12 @@ def rollback(
                 outputs.append((record, session.generate("target", [], max_new_tokens), session.cache("target")))
             (record, tokens, cache), (_, reference, reference_cache) = outputs
             gap = cache_max_abs_diff(cache, reference_cache)  # 0 exactly when every key and value is equal
-            refused.append(record.status != "applied")
+            refused.append(record.status != "applied" and reason in (record.reason or ""))
             tokens_equal.append(torch.equal(tokens, reference))
             diff = max(diff, gap)
-            held.append(refused[-1] and tokens_equal[-1] and gap == 0.0 and at_binding == (kind == "artifact_mismatch"))
+            held.append(refused[-1] and tokens_equal[-1] and gap == 0.0)
         checks[f"rollback.{kind}"] = float(bool(held) and all(held))
         checks |= {
-            f"rollback.{kind}.at_binding": float(at_binding),
             f"rollback.{kind}.refused": float(all(refused)),
             f"rollback.{kind}.tokens_equal": float(all(tokens_equal)),
             f"rollback.{kind}.cache_max_abs_diff": diff,

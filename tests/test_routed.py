@@ -18,6 +18,7 @@ import torch
 import yaml
 from omegaconf import OmegaConf
 
+from src.length_evidence import evidence
 from src.models import fingerprint
 from src.routed import handoffs, median_ci, paired_gain, quality, speedup_ci, timing
 from src.routed_multiturn import multiturn
@@ -27,6 +28,7 @@ from src.runtime.routing import Policy, RouteRefusedWarning, bind
 from src.tasks import Item, load_task
 from src.workloads import Bytes, Example
 from tests.exact_pair import exact_pair
+from tests.test_length_evidence import UNSAVED, measured, with_evidence
 
 REPO = Path(__file__).resolve().parents[1]
 DATA = REPO.parent / "shared/data"
@@ -178,14 +180,13 @@ def test_rollback_replay_verifies_every_kind(pair, dtype):
     kinds = ("artifact_mismatch", "nonfinite_map", "nonfinite_source", "beyond_length", "failed_guard")
     verified = {f"rollback.{kind}{end}": 1.0 for kind in kinds for end in ("", ".refused", ".tokens_equal")}
     diffs = {f"rollback.{kind}.cache_max_abs_diff": 0.0 for kind in kinds}
-    binding = {f"rollback.{kind}.at_binding": float(kind == "artifact_mismatch") for kind in kinds}
-    assert checks == verified | diffs | binding | {"rollback_verified": 1.0}
+    assert checks == verified | diffs | {"rollback_verified": 1.0}
 
 
-def test_a_rollback_kind_refused_already_at_binding_is_not_verified(pair):
-    """A mapper of other models than the run's (here: fingerprinted before a cast to bf16) is refused when bound,
-    so every kind's replay re-prefills bit for bit — but only the planted mismatch tested its own refusal: the other
-    kinds do not hold (`.at_binding` says why), and their binding refusals warn."""
+def test_a_rollback_kind_refused_for_another_reason_is_not_verified(pair):
+    """A replay counts only a refusal for its kind's own reason. A mapper of other models than the run's (here:
+    fingerprinted before a cast to bf16) is refused when bound, so every kind's replay re-prefills bit for bit — but
+    only the planted mismatch tested its own refusal: the other kinds do not hold, and their binding refusals warn."""
     cast = pair._replace(source=copy.deepcopy(pair.source).to(torch.bfloat16),
                          target=copy.deepcopy(pair.target).to(torch.bfloat16))  # fmt: skip
     run = run_of(cast)
@@ -193,8 +194,20 @@ def test_a_rollback_kind_refused_already_at_binding_is_not_verified(pair):
     with pytest.warns(RouteRefusedWarning, match="source fingerprint"):
         checks = rollback(run, pair.exact, replays, 3, (pair.tokenizer_hash,))
     assert checks["rollback.artifact_mismatch"] == 1.0 and checks["rollback_verified"] == 0.0
-    assert checks["rollback.failed_guard.at_binding"] == 1.0 and checks["rollback.failed_guard"] == 0.0
-    assert checks["rollback.failed_guard.refused"] == checks["rollback.failed_guard.tokens_equal"] == 1.0
+    assert checks["rollback.failed_guard"] == checks["rollback.failed_guard.refused"] == 0.0
+    assert checks["rollback.failed_guard.tokens_equal"] == 1.0  # re-prefilled bit for bit — for the wrong reason
+
+
+def test_a_mapper_verified_for_shorter_histories_still_gets_every_kind_checked(pair):
+    """Length evidence shorter than the replayed histories refuses every handoff under the run's own policy; the
+    kinds planted in the map, the source and the guard run with the length guard off, so each is still refused for
+    its own reason and verified."""
+    mapper = with_evidence(pair, evidence([measured(0, 32, 4)], [32], 1.0, 300, UNSAVED))  # verified to 4 tokens
+    assert bind(pair.source, pair.target, mapper, pair.tokenizer_hash).verified_length == 4
+    run = run_of(pair)
+    replays = [(run.encode(EXAMPLES[0].history), run.groups(EXAMPLES[0].item)[0][0])]
+    checks = rollback(run, mapper, replays, 3, (pair.tokenizer_hash,))
+    assert checks["rollback_verified"] == 1.0, {k: v for k, v in checks.items() if v != 1.0}
 
 
 def test_rollback_replay_says_what_broke(pair, monkeypatch):
