@@ -272,18 +272,18 @@ class KVRelayConnector(KVConnectorBase_V1):
         named = sorted((extract_layer_index(name), context[name]) for name in kv_caches)
         self.layers = [layer for _, layer in named]
         self.layout = check_layout(self.layers[0])
-        self.halves = None  # the export's one-launch read over the flash layout's halves (paged.read_export)
-        if self.layout == "flash" and self.layers[0].kv_cache.dtype in UNQUANTIZED:
-            try:
-                self.halves = flash_halves([layer.kv_cache for layer in self.layers])
-            except ValueError as why:
-                logger.warning("kvrelay: the export reads each layer apart: %s", why)
         self.writer = Writer()  # paged_writer: each layer's own writer, one write, or the map's stores (paged.py)
         if self.config.paged_writer == "stacked":
             try:
                 self.writer = Writer.over(self.layers, self.layout)
             except ValueError as why:
                 logger.warning("kvrelay: paged_writer stacked: %s; each layer's own writer writes", why)
+        self.halves = self.writer.direct  # the export's one-launch read over the flash layout's halves (read_export)
+        if self.halves is None and self.layout == "flash" and self.layers[0].kv_cache.dtype in UNQUANTIZED:
+            try:
+                self.halves = flash_halves([layer.kv_cache for layer in self.layers])
+            except ValueError as why:
+                logger.warning("kvrelay: the export reads each layer apart: %s", why)
         heads, total = self.layers[0].kv_cache.shape[1], self._vllm_config.model_config.get_total_num_kv_heads()
         first = self.rank * heads if total >= self.ranks else self.rank * total // self.ranks  # else: replicated
         self.heads = slice(first, first + heads)  # this worker's KV heads: vLLM splits them contiguously
