@@ -15,7 +15,6 @@ from kernels import paged_read
 from kernels.apply_map import HAVE_TRITON
 from kernels.paged_read import read_layers, read_layers_ref, triton_unsupported
 from src.serving import paged
-from src.serving.metadata import KVRelayMetadata, Save
 from src.serving.paged import flash_halves, read_export, read_slots, slots_for
 from tests.test_kernels_apply import interpreted  # noqa: F401  (the fixture)
 from tests.test_paged_direct import ALLOCATIONS, SLOTS, _caches, _layers, _route, _worker, pair  # noqa: F401
@@ -83,6 +82,8 @@ def test_the_kernel_refuses_what_it_cannot_read_naming_it(interpreted):  # noqa:
 
 def _exported(worker) -> tuple[torch.Tensor, torch.Tensor]:
     """The K/V the worker's `wait_for_save` hands its transport for a 40-token prompt in blocks 3, 1."""
+    from src.serving.metadata import KVRelayMetadata, Save  # vLLM's base class: the kernel's tests here run without it
+
     put = []
     worker.transport = SimpleNamespace(put=lambda export_id, keys, values, ids, *rest, **kw: put.append((keys, values)))
     worker.identity = SimpleNamespace(fingerprint="f" * 64, tokenizer_hash="t" * 64)

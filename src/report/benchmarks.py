@@ -48,7 +48,7 @@ GATE_FIRST = "gate-h100-2026-12-06"  # the first gate run: 8 shards, before its 
 GATE = "gate-h100-2026-12-06b"  # scripts/device_quality.sh gate as registered: 200-shot ARC, bf16, graph engine
 FRONTIER_CPU = "frontier-cpu-2026-12-06"  # issue 34 item 2: the passage frontier on the CPU, fp32
 FRONTIER_CPU_TEST = "frontier-cpu-test-2026-12-06"  # the levers chosen on its validation runs, on test items
-FRONTIER3 = "frontier3-h100-2026-12-07"  # device_quality.sh frontier3, step 1 of 8 (validation items, fp32, engine)
+FRONTIER3 = "frontier3-h100-2026-12-07"  # device_quality.sh frontier3, steps 1-2 of 8 (validation items, fp32, engine)
 FUSED = "fused-fit-h200-2026-12-03/bench_fused_fit.json"
 COVERAGE = "gate-coverage-cpu-2026-12-06/coverage.json"  # scripts/gate_coverage.py
 VLLM_FILE = "vllm-h100-2026-12-06/vllm_ttft_file.json"  # scripts/bench_vllm_ttft.py, one H100
@@ -71,6 +71,7 @@ VLLM_GEMM = "vllm-h100-2026-12-07b/vllm_ttft_device_stacked_cache_salt_pool1536_
 VLLM_REAL_G = "vllm-h100-2026-12-07b/vllm_ttft_real.json"  # 7f7a215: the real pair, its bf16 mapper
 VLLM_K24 = "vllm-h100-2026-12-07c/vllm_ttft_device_stacked_cache_salt_pool1536.json"  # 057902f: random k = 24, bf16
 VLLM_REAL_H = "vllm-h100-2026-12-07c/vllm_ttft_real.json"  # 057902f: the real pair, the direct writer and the pool
+VLLM_REAL_I = "vllm-h100-2026-12-07d/vllm_ttft_real.json"  # 38895ed: + the sender's export read in one launch
 VLLM_RUNS = {
     VLLM_FILE: BenchRun("file, exports on the machine's disk (/tmp/vllm-bench/exports)", "bf16", "732d5f6"),
     VLLM_SHM: BenchRun("file, exports on /dev/shm (tmpfs)", "bf16", "732d5f6"),
@@ -141,6 +142,13 @@ VLLM_RUNS[VLLM_K24] = VLLM_RUNS[VLLM_REAL_H] = BenchRun(  # one lease, both reco
     "bf16",
     "057902f",
 )
+VLLM_RUNS[VLLM_REAL_I] = BenchRun(
+    "device (CUDA IPC), Triton map (one dot, 4 warps), paged_writer stacked (engaged), the handoff salted "
+    "(cache_salt), the exports in an export pool of 1,536 MiB, the sender's export read in one launch "
+    "(kernels/paged_read.py)",
+    "bf16",
+    "38895ed",
+)
 
 
 TABLES: dict[str, Table] = {
@@ -184,15 +192,17 @@ TABLES: dict[str, Table] = {
     "vllm_phases_g": Table((), vllm_phases, files=(VLLM_VECTOR, VLLM_GEMM, VLLM_REAL_G)),
     "vllm_ttft_h": Table((), partial(vllm_ttft, runs=VLLM_RUNS), files=(VLLM_K24, VLLM_REAL_H)),
     "vllm_phases_h": Table((), vllm_phases, files=(VLLM_K24, VLLM_REAL_H)),
+    "vllm_ttft_i": Table((), partial(vllm_ttft, runs=VLLM_RUNS), files=(VLLM_REAL_H, VLLM_REAL_I)),
+    "vllm_phases_i": Table((), vllm_phases, files=(VLLM_REAL_H, VLLM_REAL_I)),
     "routed_gate": Table((GATE,), lambda rows: routed(joined(rows))),
     "routed_gate_tasks": Table((GATE,), lambda rows: routed_tasks(joined(rows))),
     "routed_gate_first": Table((GATE_FIRST,), lambda rows: routed(joined(rows))),
     "decision": Table((ROUTED, LEVERS, FITS, BF16, GATE_FIRST, GATE), decision),
     "headline": Table(
         (ROUTED, LEVERS, FITS, BF16, ENGINE, GATE_FIRST, GATE),
-        partial(headline, vllm_run=VLLM_RUNS[VLLM_REAL_H]),
+        partial(headline, vllm_run=VLLM_RUNS[VLLM_REAL_I]),
         README.name,
-        (FUSED, VLLM_REAL_H),
+        (FUSED, VLLM_REAL_I),
     ),
     "decision_brief": Table((ROUTED, LEVERS, FITS, BF16, GATE_FIRST, GATE), decision_brief, README.name),
     "gate_coverage": Table((), coverage, files=(COVERAGE,)),

@@ -202,8 +202,8 @@ def headline(rows: list[Row], fused: Document, vllm: Document, *, vllm_run: Benc
         "Handoff speedup vs re-prefill inside vLLM (two engines, the kvrelay connector)",
         *vllm_brief(vllm, vllm_run),
         _link(
-            "the-thirteenth-session-lease-the-real-maps-work-inside-vllm-the-single-dot-a-first-gpu-frontier-step-one-h100-"
-            "2026-12-07",
+            "the-fourteenth-session-lease-the-senders-export-in-one-launch-the-real-pair-inside-vllm-frontier3-step-2-one-"
+            "h100-2026-12-07",
             "latency inside vLLM",
         ),
     )
