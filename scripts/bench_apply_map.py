@@ -3,7 +3,12 @@ reference (the `src.apply.map_layers` path of KVTransfer) vs the fused Triton pa
 and the same under a CUDA graph, per support and prefix; with `--backends gemm`, also the map as one GEMM per target
 head (`map_cache(backend="gemm")`, its coefficients packed once per mapper, kernels/apply_map_gemm.py), its graph, and
 its gather and two GEMMs alone (`gemm_products_only`: `head_products`, no de-RoPE and no epilogue — what the epilogue
-adds is the difference; no output compared).
+adds is the difference; no output compared). Two paths call the map as the serving paths do: `triton_stacked` with
+the source already stacked [L_s, B, H_s, T, d_s] (the connector's export and the engine's map graph hand it so; every
+other path stacks the per-layer list inside the timed call), and `triton_paged` as the vLLM connector's direct writer
+does — stacked source, each target layer's flash cache [N_blocks, H_t, 16, 2·d_t] its own allocation, the request's
+blocks shuffled (`slots`), the finiteness and magnitude flags (bound GUARD) — its output read back from the blocks for
+the error columns.
 
 Random source caches and random coefficients of the exact shapes — timing, memory and numerics only. Rotary
 tables come from `transformers.Qwen3Config` (the real 14B / 32B sizes) through its rotary embedding class; no
@@ -44,12 +49,16 @@ from kernels.apply_map import (  # noqa: E402
     triton_unsupported,
 )
 from kernels.apply_map_gemm import PackedMapper, gemm_worthwhile, head_products, packed_weights  # noqa: E402
+from kernels.paged_read import read_layers_ref  # noqa: E402
 from src.artifact import Mapper  # noqa: E402
 from src.rope import remove_rope, rope_cos_sin  # noqa: E402
 from src.select import depth_layers  # noqa: E402
+from src.serving.paged import flash_halves, slots_for  # noqa: E402
 from src.support import head_assignment  # noqa: E402
 
 ROPE = {"rope_type": "default", "rope_theta": 1_000_000.0}
+BLOCK = 16  # vLLM's GPU block size (the bench's and the connector's)
+GUARD = 1e4  # triton_paged's magnitude bound: the flags are computed, random data never reaches it
 
 
 def sizes(hidden: int, intermediate: int, layers: int, heads: int, kv_heads: int, head_dim: int) -> dict:
@@ -170,6 +179,24 @@ def errors(ours, reference) -> dict[str, float]:
     return out
 
 
+def paged_destinations(target: Qwen3Config, seq: int, dtype: torch.dtype, device) -> tuple[tuple, torch.Tensor]:
+    """The connector's direct-writer destinations: each target layer's flash cache [N_blocks, H_t, BLOCK, 2·d_t] its
+    own allocation (vLLM's GPU runner allocates them apart), 8 blocks more than the request needs, the request's
+    blocks in shuffled order — (K, V) halves as `LayerViews` and the request's slots [T]."""
+    blocks = -(-seq // BLOCK)
+    shape = (blocks + 8, target.num_key_value_heads, BLOCK, 2 * target.head_dim)
+    caches = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(target.num_hidden_layers)]
+    order = torch.randperm(blocks + 8, generator=torch.Generator().manual_seed(0))[:blocks].tolist()
+    return flash_halves(caches), slots_for(order, BLOCK, 0, seq, device)
+
+
+def paged_output(destinations: tuple, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """What a map stored into `paged_destinations` at slots [T], read back as the other paths return it:
+    keys, values [L_t, 1, H_t, T, d_t]."""
+    keys, values = read_layers_ref(*destinations, slots)  # [L_t, H_t, T, d_t] each
+    return keys[:, None], values[:, None]
+
+
 def exact_errors(keys, values, mapper: Mapper, tables, outputs: dict, layers: int = 2) -> dict[str, float]:
     """Error of each path vs fp64 on the first `layers` target layers, same rounded inputs (content keys)."""
     compute = mapper.weight_k.dtype
@@ -212,8 +239,11 @@ def tile_arg(text: str) -> tuple[int, int, int, int]:
     return tuple(int(part) for part in parts)
 
 
-def measure(paths: dict[str, Callable], amount: dict, peak_tflops: float, args, cuda: bool) -> tuple[dict, dict]:
-    """Timing, throughput vs peaks and peak memory of every path, and one output of each (cloned)."""
+def measure(
+    paths: dict[str, Callable], amount: dict, peak_tflops: float, args, cuda: bool, readers: dict | None = None
+) -> tuple[dict, dict]:
+    """Timing, throughput vs peaks and peak memory of every path, and one output of each (cloned; through
+    `readers[name]` where a path's output must be read back, untimed)."""
     rows, outputs = {}, {}
     for name, fn in paths.items():
         stats = timed(fn, args.reps, args.warmup, cuda)
@@ -227,7 +257,7 @@ def measure(paths: dict[str, Callable], amount: dict, peak_tflops: float, args, 
             gbps_fraction_of_peak=gbps / PEAK["hbm_gbps"],
             peak_extra_bytes=peak_extra_bytes(fn, cuda),
         )
-        outputs[name] = tuple(t.clone() for t in fn())
+        outputs[name] = tuple(t.clone() for t in (readers or {}).get(name, lambda given: given)(fn()))
     return rows, outputs
 
 
@@ -255,7 +285,7 @@ def bench_prefix(
     options = {"nonfinite": flags, "precision": args.precision}  # Triton paths
     paths = {"reference": lambda: map_cache_ref(*call, nonfinite=flags)}
     reason = triton_unsupported(keys[0], mapper, tables[0], tables[2], ("half", "half"))
-    sweep, path_errors = {}, {}
+    sweep, path_errors, readers = {}, {}, {}
     if "triton" in args.backends and reason is None:
         default = default_config(seq, compute)
         if tuned is None and not args.no_sweep:
@@ -270,6 +300,14 @@ def bench_prefix(
             path_errors[name] = f"{type(error).__name__}: {str(error)[:200]}"
         if tuned is not None and tuned != default:
             paths["triton_tuned"] = lambda: map_cache(*call, **options, config=tuned)
+        stacked = (torch.stack(keys), torch.stack(values), *call[2:])  # [L_s, B, H_s, T, d_s] each, stacked once
+        paths["triton_stacked"] = lambda: map_cache(*stacked, **options, config=default)
+        if args.batch == 1:  # one request's blocks
+            halves, slots = paged_destinations(target, seq, cache, device)
+            beyond = torch.zeros_like(flags)  # [L_t]
+            paged = options | {"beyond": beyond, "bound": GUARD, "out": halves, "slots": slots}
+            paths["triton_paged"] = lambda: map_cache(*stacked, **paged, config=default)
+            readers["triton_paged"] = lambda out: paged_output(out, slots)
         if cuda and not args.no_graph:
             graph = CapturedMapCache(*call, **options, config=tuned or default)
             paths["triton_graph"] = lambda: graph(keys, values)
@@ -284,7 +322,7 @@ def bench_prefix(
                 path_errors["gemm_graph"] = f"{type(error).__name__}: {str(error)[:200]}"
     amount = work(mapper, source, args.batch, seq, cache.itemsize)
     peak = PEAK["tf32_dense_tflops" if compute == torch.float32 else "bf16_dense_tflops"]
-    rows, outputs = measure(paths, amount, peak, args, cuda)
+    rows, outputs = measure(paths, amount, peak, args, cuda, readers)
     for name in rows:
         rows[name] |= errors(outputs[name], outputs["reference"])
     if not args.no_exact:
