@@ -1,7 +1,8 @@
 """The map with no host sync (`KVTransfer.map_into` / `into`, kernels/apply_map.py): through a slot mapping into a
 static cache's slots or paged blocks, equal to the synchronous map on the exact non-identity pair; no value read on
 the host while mapping (tests/host_syncs.py); its finiteness and magnitude flags left on the device and decided
-afterwards (`map_refusal`) — on the static engine before the turn is read, which is then never read. The Triton path
+afterwards (`map_refusal`) — on the static engine after the turn's forward is launched, which a refusal then
+discards with the rollback. The Triton path
 runs in its CPU interpreter here, compiled on CUDA (the graph-capture test needs a GPU)."""
 
 import copy
@@ -13,6 +14,7 @@ from kernels.apply_map import HAVE_TRITON
 from src.apply import KVTransfer
 from src.forward import prefill
 from src.maps import TransferError, cache_layers, map_refusal
+from src.runtime import splice
 from src.runtime.engine import Engine
 from src.runtime.plan import Levers
 from src.runtime.splice import engine_handoff
@@ -134,21 +136,18 @@ def test_map_into_refuses_what_it_cannot_address(pair):
     assert all(bool((t == 7.0).all()) for t in destination)
 
 
-def test_a_refused_map_on_the_engine_is_decided_before_the_turn_is_read(pair):
-    """The overflowing map writes the engine's slots without raising; the splice reads its flags before the turn:
-    the turn's forward never runs, and the engine is emptied again."""
+def test_a_refused_map_on_the_engine_discards_the_turn_read_over_it(pair, monkeypatch):
+    """The overflowing map writes the engine's slots without raising; the splice launches the turn's forward before
+    it reads the flags (optimistic: no recompute), then refuses: the turn's logits never return, the engine is
+    emptied again, and a clean handoff after it reads what a prefill reads."""
     ids = calibration_ids(1, 24, seed=32)
     prefix, turn = ids[:, :20], ids[:, 20:]
     transfer = _transfer(pair, "torch", _overflowing(pair.exact))
-    engine = Engine(pair.target, 32)
-    forwards = []
-    handle = pair.target.model.layers[0].register_forward_pre_hook(lambda *_: forwards.append(1))
-    try:
-        with pytest.raises(TransferError, match="not finite"):
-            engine_handoff(transfer, engine, prefill(pair.source, prefix), prefix, Levers(), turn)
-    finally:
-        handle.remove()
-    assert forwards == [] and engine.length == 0
+    engine, held = Engine(pair.target, 32), []  # the engine's own forward (not the modules'): its length tells
+    monkeypatch.setattr(splice, "map_refusal", lambda flags: held.append(engine.length) or map_refusal(flags))
+    with pytest.raises(TransferError, match="not finite"):
+        engine_handoff(transfer, engine, prefill(pair.source, prefix), prefix, Levers(), turn)
+    assert held == [24] and engine.length == 0  # the turn read over the garbage before the flags, then rolled back
     assert not torch.isfinite(engine.keys[:, :, :20]).all() or not torch.isfinite(engine.values[:, :, :20]).all()
     clean = engine_handoff(_transfer(pair, "torch", pair.exact), engine, prefill(pair.source, prefix), prefix,
                            Levers(), turn)  # fmt: skip

@@ -19,7 +19,7 @@ from tests.host_syncs import DeviceReads
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models on a shared 2-core machine
 
-FLAGS = "src/maps.py map_refusal"  # the one intended read: every map's device flags, before the turn is read
+FLAGS = "src/maps.py map_refusal"  # the one intended read: every map's device flags (after the turn's launches)
 IDS = "runtime/splice.py engine_handoff"  # ids given on the device: the one copy of the conversation, checked there
 CHOSEN = "runtime/receivers.py read_tail"  # a recompute: the chosen positions, which the engine's forward reads
 PICK = "runtime/engine.py _layers"  # a shrinking set: the range check of its pick, once after the forward
@@ -108,3 +108,20 @@ def test_bad_ids_are_refused_before_the_engine_changes(setup, change, match):
     with pytest.raises(ValueError, match=match):
         engine_handoff(transfer, engine, source_cache, prefix, Levers(), turn)
     assert engine.length == 5 and torch.equal(engine.keys, before)
+
+
+@pytest.mark.parametrize("name", [*TRANSFER, *RECOMPUTE])
+def test_the_flags_are_read_after_the_turns_launches_unless_a_recompute_chooses(setup, name, monkeypatch):
+    """Without a recompute the engine holds the turn when the flags are read: its forward was launched over the
+    map's unread work (on a GPU the launches' host time overlaps the map's device time). With one, the flags come
+    first — the chosen positions are read on the host, never chosen from a refused map's values."""
+    from src.runtime import splice
+
+    pair, transfer, prefix, turn, source_cache = setup
+    levers = TRANSFER[name] if name in TRANSFER else RECOMPUTE[name][0]
+    engine, held = Engine(pair.target, 64), []
+    real = splice.map_refusal
+    monkeypatch.setattr(splice, "map_refusal", lambda flags: held.append(engine.length) or real(flags))
+    engine_handoff(transfer, engine, source_cache, prefix, levers, turn)
+    total = prefix.shape[1] + turn.shape[1]
+    assert held == ([total] if name in TRANSFER else [prefix.shape[1]])

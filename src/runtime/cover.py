@@ -124,7 +124,7 @@ def cover(switch: Switch, record: HandoffRecord) -> HandoffRecord:
     tail = torch.cat([switch.ids[end:total], turn])[None]  # [1, hold-back + turn]
     try:
         logits = splice(plan, receiver, switch.ids[None, :end], pieces, tail, tail)
-    except TransferError as refusal:  # a map's device flags, read before the tail: back to what it held
+    except TransferError as refusal:  # a map's device flags (the tail read or not): back to what it held
         reader.restore(saved)
         return reprefill(switch, record, "fallback_reprefill", str(refusal))
     costs.observe(model, "prefill", round(spend) + turn.numel(), (clock(device) - began) * 1e3)

@@ -72,7 +72,7 @@ def map_pieces(
     the slots past what it holds (no host sync: `Engine.map_span`) — and the bytes read. What the host sees (the
     length guard, shapes, ids, on a DynamicCache receiver every flag) raises TransferError now, nothing changed; on an
     engine, non-finite values and the magnitude guard (`Policy.guard_max_abs`) stay device flags in the `Piece`,
-    decided by the splice before the tail is read."""
+    decided by the splice (after the tail's launches, or before a recompute's choice)."""
     mapped, read, bound = [], 0, policy.guard_max_abs
     for start, end, sender in pieces:
         route = routes[(sender, receiver)]

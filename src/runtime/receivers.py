@@ -25,7 +25,8 @@ Layers = list[tuple[torch.Tensor, torch.Tensor]]  # (keys, values) per target la
 class Piece(NamedTuple):
     """A mapped span, conversation positions start..end − 1: its K/V per target layer [B, H_kv, end − start, d] to
     write, or None where the map already wrote the receiver's slots in place (`KVTransfer.into`), and the map's
-    device flags (None: checked already), decided by the splice before the tail is read."""
+    device flags (None: checked already), decided by the splice (after the tail's launches, or before a recompute's
+    choice)."""
 
     start: int
     end: int

@@ -52,8 +52,11 @@ def splice(
     """Carry out `plan` on `receiver`, which holds the conversation's first plan.held tokens: ids [B, end] the prefix,
     `pieces` the mapped span start..end − 1 (consecutive, at their own positions), tail [B, n] the hold-back and the
     new turn, queries [B, Q] the attention rule's query tokens. Returns the tail's last logits [B, V] (None: no tail
-    read). A TransferError — a map's flag set (`map_refusal`) — is raised before the tail is read: the caller rolls
-    the receiver back (its slots past plan.held are then garbage it does not hold)."""
+    read). A TransferError — a map's flag set (`map_refusal`) — is raised before the logits are returned: the caller
+    rolls the receiver back (its slots past plan.held are then garbage it does not hold). Without a recompute the
+    flags are read after the tail's forward is launched (optimistic: on a device receiver its launches overlap the
+    map instead of waiting for it; a refused map's tail is discarded with the rollback); with one, before the
+    recomputed set is chosen."""
     if receiver.length != plan.held:
         raise ValueError(f"the receiver holds {receiver.length} tokens, the plan {plan.held}")
     if plan.start > plan.held:  # the sink
@@ -74,12 +77,18 @@ def splice(
         for (keys, values), (native_keys, native_values) in zip(own, native.layers, strict=True):
             keys[:, :, plan.start : plan.native_end] = native_keys[:, :, plan.start :]
             values[:, :, plan.start : plan.native_end] = native_values[:, :, plan.start :]
-    if refusal := map_refusal([piece.flags for piece in pieces if piece.flags is not None]):
-        raise TransferError(refusal)  # the one host read of the maps' flags, before anything reads the span
-    selected = _selected(plan, receiver, ids, native, scores, queries) if plan.recomputed else None
+    flags = [piece.flags for piece in pieces if piece.flags is not None]
+    selected = None
+    if plan.recomputed:  # the chosen positions are read on the host: the flags first, so no garbage is chosen from
+        if refusal := map_refusal(flags):
+            raise TransferError(refusal)
+        selected = _selected(plan, receiver, ids, native, scores, queries)
+    logits = None
     if receiver.capabilities.forward and (plan.tail or selected is not None):
-        return receiver.read_tail(tail, selected)
-    return None
+        logits = receiver.read_tail(tail, selected)  # [B, V]
+    if not plan.recomputed and (refusal := map_refusal(flags)):  # the one host read, after the tail's launches:
+        raise TransferError(refusal)  # their host time overlaps the map's device time; the caller rolls back
+    return logits
 
 
 def _selected(
@@ -164,7 +173,7 @@ def engine_handoff(
     """The routed turn on the static engine: the receiver's cache of input_ids [1, T] spliced from the source's
     cache (`splice`, recompute fused into the turn's forward), then the turn [1, N ≥ 1] read; returns the turn's
     last logits [1, V] — what the receiver's first token is chosen from. The engine is emptied first; the map writes
-    its slots with no host sync, and a map refused by its flags raises TransferError before the turn is read, the
+    its slots with no host sync, and a map refused by its flags raises TransferError before the turn's logits return, the
     engine emptied again. An engine that holds a session's conversation is refused (`Engine.claim`).
 
     Host reads (each a device sync on a GPU; tests/test_host_reads.py counts them): the ids are checked once, here,
