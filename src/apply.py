@@ -182,8 +182,8 @@ class KVTransfer:
         `out` — two [L_t, N_blocks, H_t, block_size, d_t] destinations (`Engine.blocks`) — at `slots` [T] (slot s:
         block s // block_size, row s % block_size; default: slot = position, a static cache's), and the `MapFlags`
         (non-finite values; a finite |value| above `bound`, the magnitude guard) returned, to decide afterwards
-        (`map_refusal`) before anything reads the slots. Raises TransferError for what the host sees (types, shapes,
-        positions, ids): a refusal leaves at most slots written that the receiver does not hold yet."""
+        (`map_refusal`) before anything read from the slots is used. Raises TransferError for what the host sees
+        (types, shapes, positions, ids): a refusal leaves at most slots written that the receiver does not hold yet."""
         return self._run(source_cache, positions, input_ids, out, slots, bound)[1]
 
     @torch.no_grad()

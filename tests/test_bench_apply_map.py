@@ -21,6 +21,7 @@ def test_the_paged_path_reads_back_what_the_map_stored_at_shuffled_blocks():
     keys, values = (torch.randn(source.num_hidden_layers, *shape) for _ in range(2))  # [L_s, 1, H_s, T, d_s]
     halves, slots = bench.paged_destinations(target, seq, torch.float32, "cpu")
     assert len(set((slots // bench.BLOCK).tolist())) == 3 and not torch.equal(slots, torch.arange(seq))  # shuffled
+    assert halves[0].base.stride(1) == 2 * target.head_dim  # NHD: a token's heads adjacent, as FlashAttention stores
     flags = torch.zeros(target.num_hidden_layers, dtype=torch.int32)
     common = (keys, values, mapper, *tables, "half", "half", torch.float32)
     map_cache(*common, nonfinite=flags, backend="torch", out=halves, slots=slots)

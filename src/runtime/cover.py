@@ -2,8 +2,8 @@
 are covered — re-prefilled (the policy, a refusal, levers that leave nothing to map, or the cheaper path under
 `auto`) or mapped: the splice planned once (src/runtime/plan.py, its refusals first), each piece mapped
 (src/runtime/pieces.py), the one splice run on the receiver (src/runtime/splice.py), its provenance kept — and the
-`HandoffRecord` that says what happened. A map refused by its device flags, read before the tail, puts the receiver
-back and re-prefills, bit-identically to a session that never tried.
+`HandoffRecord` that says what happened. A map refused by its device flags (read after the tail's forward, or
+before a recompute's choice) puts the receiver back and re-prefills, bit-identically to a session that never tried.
 """
 
 from __future__ import annotations

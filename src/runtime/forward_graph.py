@@ -72,10 +72,12 @@ class ForwardGraphs:
             self._graphs[bucket] = self._capture(layers, bucket)
         graph, static = self._graphs[bucket]
         pad = bucket - count
-        static["ids"].copy_(torch.cat([ids.reshape(-1), ids.reshape(-1)[-1:].expand(pad)]))
-        static["positions"].copy_(torch.cat([positions, positions.new_zeros(pad)]))  # pads read slot 0 alone
+        # non_blocking: host inputs cross without waiting for the stream (a blocking copy drains it — a map queued
+        # before this forward would then finish before the replay is launched); each source is a new tensor
+        static["ids"].copy_(torch.cat([ids.reshape(-1), ids.reshape(-1)[-1:].expand(pad)]), non_blocking=True)
+        static["positions"].copy_(torch.cat([positions, positions.new_zeros(pad)]), non_blocking=True)  # pads: slot 0
         slots = torch.cat([positions, torch.full((pad,), self.scratch, dtype=positions.dtype, device=positions.device)])
-        static["slots"].copy_(slots)  # pads write only the scratch slot
+        static["slots"].copy_(slots, non_blocking=True)  # pads write only the scratch slot
         static["rows"].fill_(count - 1)
         graph.replay()
         return static["logits"].clone()  # [1, V]

@@ -1,6 +1,7 @@
 """The one splice: how a receiver's cache is built from native and mapped parts, used by the router session, offline
 scoring, NLL and latency alike — sink read natively → mapped span written at its own positions → the levers' native
-layers → the maps' device flags decided → tokens recomputed → hold-back (and the new turn) read natively. It carries
+layers → tokens recomputed → hold-back (and the new turn) read natively, the maps' device flags decided before the
+logits return (after the tail's launches; before the recomputed set is chosen). It carries
 out a `SplicePlan` (src/runtime/plan.py: every refusal decided before anything is touched) on any `Receiver`
 (src/runtime/receivers.py: the DynamicCache reference, the static engine). `handoff` is deterministic rollback:
 every refusal becomes the target's own prefill, with the reason.
