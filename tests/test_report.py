@@ -271,7 +271,7 @@ def test_the_vllm_headline_says_slower_only_when_every_interval_is_below_one():
     assert on == "random weights of the pair's shapes, bf16, vllm 0.1, X1, 2026-01-02"
     for high in (None, 1.2):
         assert not vllm_brief(("b/r.json", _vllm_bench(7, high)), run)[0].startswith("slower")
-    committed = benchmarks.build("vllm_ttft_h").split("\n\n", 3)[3].splitlines()  # the second record: the real pair
+    committed = benchmarks.build("vllm_ttft_i").split("\n\n", 3)[3].splitlines()  # the second record: the real pair
     routed = [line.split(" | ")[2] for line in committed if line.startswith(("| 1,024 |", "| 8,192 |"))]
     assert f"{routed[0]} at 1,024 to {routed[1]} at 8,192 tokens" in benchmarks.build("headline")  # the same cells
 
