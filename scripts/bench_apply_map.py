@@ -289,7 +289,7 @@ def bench_prefix(
     reason = triton_unsupported(keys[0], mapper, tables[0], tables[2], ("half", "half"))
     sweep, path_errors, readers = {}, {}, {}
     if "triton" in args.backends and reason is None:
-        default = default_config(seq, compute)
+        default = default_config(seq, compute, target.head_dim)
         if tuned is None and not args.no_sweep:
             tuned, sweep = sweep_tiles(call, options, args.tiles or SWEEP[compute], cuda)
         paths["triton"] = lambda: map_cache(*call, **options, config=default)
@@ -373,7 +373,7 @@ def bench_support(args, source, target, support: str, device: str) -> dict:
         "sweep_at": max(args.prefix),
         "sweep": sweep,
         "tuned_config": asdict(tuned) if tuned else None,
-        "default_config": asdict(default_config(max(args.prefix), compute)),
+        "default_config": asdict(default_config(max(args.prefix), compute, target.head_dim)),
     }
 
 

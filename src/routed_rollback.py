@@ -20,12 +20,14 @@ from src.runtime.session import Session
 
 class RefusalKind(NamedTuple):
     """One planted fault: the mapper bound, the words its refusal's reason holds, policy overrides, whether the source's
-    cache is poisoned (a NaN in its last token)."""
+    cache is poisoned (a NaN in its last token), whether the route is refused at binding by design (its warning is
+    the plant's, not the run's)."""
 
     mapper: Mapper
     reason: str
     overrides: dict | None = None
     poison: bool = False
+    at_binding: bool = False
 
 
 def _overflowing(mapper: Mapper) -> Mapper:
@@ -50,7 +52,7 @@ def rollback(
     unguarded = {"length_guard": "off"}
     kinds = {
         "artifact_mismatch": RefusalKind(replace(mapper, manifest=manifest | {"target_fingerprint": "0" * 64}),
-                                         "does not belong to this pair"),
+                                         "does not belong to this pair", at_binding=True),
         "nonfinite_map": RefusalKind(_overflowing(mapper), "is not finite", unguarded),
         "nonfinite_source": RefusalKind(mapper, "contains NaN or Inf", unguarded, poison=True),
         "beyond_length": RefusalKind(replace(mapper, manifest=manifest | {"calibration": {"seq_len": 1}}),
@@ -59,7 +61,7 @@ def rollback(
     }  # fmt: skip
     source, target = run.models["source"], run.models["target"]
     checks = {}
-    for kind, (broken, reason, overrides, poison) in kinds.items():
+    for kind, (broken, reason, overrides, poison, at_binding) in kinds.items():
         route = {("source", "target"): bind(source, target, broken, *bind_args)}
         held, refused, tokens_equal, diff = [], [], [], 0.0
         for history, turn in replays:
@@ -68,7 +70,7 @@ def rollback(
                 run.open.pop("routed").close()
             policy, engines = replace(run.policy, **(overrides or {})), run.engines.get("routed")
             with warnings.catch_warnings():
-                if kind == "artifact_mismatch":  # refused at binding on purpose: not a warning of the run
+                if at_binding:  # refused at binding on purpose: not a warning of the run
                     warnings.simplefilter("ignore", RouteRefusedWarning)  # any other kind refused there still warns
                 attempt = Session(run.models, route, policy, engines=engines)
             run.open["routed"] = attempt

@@ -330,7 +330,8 @@ class Engine:
         their slots with no host sync, by the route `span_route` decides: one replay of the span bucket's CUDA graph
         (src/runtime/map_graph.py), else `KVTransfer.into` eagerly (input_ids [1, n]: read by a token-feature mapper,
         checked otherwise). Returns the maps' device flags; a ValueError / TransferError before any slot is written
-        for what the host sees. `commit` the slots (the splice does before the flags are decided: a refusal truncates)."""
+        for what the host sees. `commit` the slots (the splice does before the flags are decided: a refusal
+        truncates)."""
         if start < 0 or end > self.capacity or end <= start:
             raise ValueError(f"slots {start}..{end - 1} outside the engine's capacity {self.capacity}")
         route = self.span_route(transfer, end - start)

@@ -174,8 +174,8 @@ def engine_handoff(
     """The routed turn on the static engine: the receiver's cache of input_ids [1, T] spliced from the source's
     cache (`splice`, recompute fused into the turn's forward), then the turn [1, N ≥ 1] read; returns the turn's
     last logits [1, V] — what the receiver's first token is chosen from. The engine is emptied first; the map writes
-    its slots with no host sync, and a map refused by its flags raises TransferError before the turn's logits return, the
-    engine emptied again. An engine that holds a session's conversation is refused (`Engine.claim`).
+    its slots with no host sync, and a map refused by its flags raises TransferError before the turn's logits
+    return, the engine emptied again. An engine that holds a session's conversation is refused (`Engine.claim`).
 
     Host reads (each a device sync on a GPU; tests/test_host_reads.py counts them): the ids are checked once, here,
     on one host copy of the conversation — free for a tokenizer's host-side ids, one copy for ids on the device —
