@@ -27,6 +27,8 @@ TASKS="[hellaswag,arc_easy,arc_challenge,winogrande,piqa,mmlu,lambada]"
 COMMON=(pair=qwen25coder_0p5b_to_1p5b pair.device=cuda "paths.data=$HOME/data" tracking.backend=json
   "tracking.json_dir=$OUT/trk" "eval.tasks.names=$TASKS" eval.tasks.limit=100 eval.nll.streams=32
   eval.nll.prefix_len=512 eval.nll.horizon=128 eval.latency.prefix_len=512)
+DONE=${DONE:-$HOME/$stage.done}  # the queue's last finished step; steps run side by side (scripts/device_bg.sh) each
+# keep their own (DONE=$HOME/<stage>-<n>.done), or one finishing first would make the others skip theirs
 DEADLINE=$((SECONDS + ${BUDGET_S:-540}))  # every stage ends inside one device call, records packed
 if [ -n "${PIN:-}" ]; then  # one code for a run whose shards span leases (src/routed_merge.py joins by code_digest):
   # PIN=<commit> with .stage/code-<commit>.tar carried (`PIN=<commit> bash scripts/stage_device.sh` makes it) replaces
@@ -46,10 +48,10 @@ pack() { if [ -d "$OUT/trk" ]; then tar czf "$OUT/trk-$stage.tgz" -C "$OUT" trk 
 step() {  # step N ARGS…: one step of a resumable queue (routed, routed2, routed3), unless an earlier call on this machine
   # finished it ($HOME/<stage>.done) or FROM=N / TO=N leave it out (a later lease on a fresh machine, one step alone)
   local n=$1; shift
-  [ "$n" -lt "${FROM:-1}" ] || [ "$n" -gt "${TO:-99}" ] || [ "$n" -le "$(cat "$HOME/$stage.done" 2>/dev/null || echo 0)" ] && return
+  [ "$n" -lt "${FROM:-1}" ] || [ "$n" -gt "${TO:-99}" ] || [ "$n" -le "$(cat "$DONE" 2>/dev/null || echo 0)" ] && return
   [ $((DEADLINE - SECONDS)) -lt 60 ] && { echo "SKIPPED (out of time): step $n" | tee -a "$OUT/log.txt"; exit 0; }
   run "$@"  # a step cut by the deadline (rc 124) runs again next call; a failed one is not retried
-  [ "$LAST_RC" -eq 124 ] || echo "$n" > "$HOME/$stage.done"
+  [ "$LAST_RC" -eq 124 ] || echo "$n" > "$DONE"
   mkdir -p "$HOME/valid" && cp -r "$OUT/trk/." "$HOME/valid/" 2>/dev/null || true  # records outlive $OUT
 }
 trap pack EXIT
@@ -206,7 +208,7 @@ print(min(800, int(int(sys.argv[2]) / per_turn / 2)))
 PY
     }
     step 1 "${R[@]}" "${LONG[@]}" workload.limit=20 eval.diagnose.fidelity=true
-    [ "$(cat "$HOME/$stage.done" 2>/dev/null || echo 0)" -ge 2 ] || LONG_LIMIT=${LONG_LIMIT:-$(affordable || true)}
+    [ "$(cat "$DONE" 2>/dev/null || echo 0)" -ge 2 ] || LONG_LIMIT=${LONG_LIMIT:-$(affordable || true)}
     echo "$SHOTS-shot items per task: ${LONG_LIMIT:-none}" | tee -a "$OUT/log.txt"
     step 2 "${R[@]}" "${LONG[@]}" workload.limit=${LONG_LIMIT:-200}  # its own call; its limit joins
     # tasks.REPORTED_TASK_LIMITS when it is reported
@@ -345,7 +347,7 @@ PY
     for direction in $UP $DOWN; do
       step $((n += 1)) "${F[@]}" "$direction" policy.levers.recompute=0.05,0.25,0.5,0.75,1.0 policy.levers.progressive=0.8
     done
-    done_here=$(cat "$HOME/frontier3.done" 2>/dev/null || echo 0)
+    done_here=$(cat "$DONE" 2>/dev/null || echo 0)
     if [ "$done_here" -lt 8 ] && [ "${FROM:-1}" -lt 9 ]; then  # a lever chosen from a partial frontier would be
       # reported on test items: every validation run first — this machine's, or all leases' runs carried as a folder
       # (VALID=<dir>, e.g. .stage/frontier3-valid) with FROM=9

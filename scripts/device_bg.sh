@@ -1,0 +1,42 @@
+#!/usr/bin/env bash
+# Jobs that outlive one device call: a lease's calls are ≤ 10 min each and the machine goes back after 30 s idle,
+# while a process that starts its own session (setsid) runs on until the machine goes back. So a long or parallel
+# stage starts here, the lease goes on with other calls (chunk moves, another job), and a later call waits for it:
+#   bash scripts/device_bg.sh start NAME [ENV=VALUE …] -- COMMAND …   start NAME in its own session, in this folder
+#   bash scripts/device_bg.sh wait SECONDS NAME …                      until every NAME ended or SECONDS passed
+#   bash scripts/device_bg.sh show                                     each job: running / rc, last log lines
+# Each job: $HOME/bg/NAME.log (stdout + stderr), $HOME/bg/NAME.rc once it ended (its exit status). Jobs that share
+# the GPU run side by side: their quality records are what one alone would write, their latencies are not (a
+# record made beside another job is marked so in its COMMANDS.md).
+set -euo pipefail
+BG=$HOME/bg
+mkdir -p "$BG"
+case ${1:-} in
+  start)
+    name=$2; shift 2
+    [ -e "$BG/$name.log" ] && { echo "device_bg: $name already started here (see $BG/$name.log)" >&2; exit 2; }
+    : > "$BG/$name.log"
+    envs=()
+    while [ "$#" -gt 0 ] && [ "$1" != "--" ]; do envs+=("$1"); shift; done
+    [ "${1:-}" = "--" ] || { echo "device_bg: start NAME [ENV=VALUE …] -- COMMAND …" >&2; exit 2; }
+    shift
+    # the job's exit status lands in NAME.rc whatever ends it (a failed command, a timeout inside it)
+    setsid env "${envs[@]}" bash -c '"$@"; echo $? > "'"$BG/$name.rc"'"' job "$@" > "$BG/$name.log" 2>&1 < /dev/null &
+    echo "started $name (pid $!)" ;;
+  wait)
+    limit=$2; shift 2
+    deadline=$((SECONDS + limit))
+    for name in "$@"; do
+      [ -e "$BG/$name.log" ] || { echo "device_bg: $name was never started here" >&2; exit 2; }
+      while [ ! -e "$BG/$name.rc" ] && [ "$SECONDS" -lt "$deadline" ]; do sleep 2; done
+      echo "$name: $( [ -e "$BG/$name.rc" ] && echo "rc $(cat "$BG/$name.rc")" || echo "still running")"
+    done ;;
+  show)
+    for log in "$BG"/*.log; do
+      [ -e "$log" ] || continue
+      name=$(basename "$log" .log)
+      echo "== $name: $( [ -e "$BG/$name.rc" ] && echo "rc $(cat "$BG/$name.rc")" || echo running)"
+      tail -3 "$log"
+    done ;;
+  *) echo "usage: device_bg.sh start NAME [ENV=VALUE …] -- COMMAND … | wait SECONDS NAME … | show" >&2; exit 2 ;;
+esac
