@@ -17,6 +17,7 @@
 #   bash scripts/device_quality.sh gate       issue 23: the gate at bf16 on the graph engine, item shards joined (stops
 #                                             where both joined runs are committed: RERUN=1 for a re-run)
 #   bash scripts/device_quality.sh frontier3  issue 25: each recompute rule's frontier on the engine, then the chosen one
+#   bash scripts/device_quality.sh frontier3-par   its steps 3-8 as three jobs side by side, then the test items
 # The GPU image has no hydra/mlflow: hydra comes from the carried wheels, tracking writes JSON records
 # that come back as one tarball in $OUT and are imported here with `python -m src.tracking import DIR`.
 set -euo pipefail
@@ -363,5 +364,29 @@ PY
       [ -n "$lever" ] && step $((n += 1)) "${F[@]}" workload.split=test workload.limit=100 "$pair" $lever
     done
     echo "frontier3 queue done" | tee -a "$OUT/log.txt" ;;
+  frontier3-par)  # frontier3's validation steps 3-8 as three chains side by side (scripts/device_bg.sh: a step
+    # peaked at 24 GB of the H100's 80 on 2026-12-07, so three fit), each chain fitting its mappers once — turn up then
+    # progressive up, turn down then progressive down, V in attention space up then down — then, only when every
+    # validation step is in and none failed (steps 1-2 of an earlier lease carried: VALID_CARRIED, the run folders),
+    # the test items of both directions side by side. Returns at once; a later call waits: `bash scripts/device_bg.sh
+    # wait 550 f3-test` and copies $HOME/f3 and $HOME/valid back. Their latencies were measured beside each other.
+    trap - EXIT
+    chain() { for s in "$@"; do mkdir -p "$HOME/f3/s$s"; echo "FROM=$s TO=$s DONE=$HOME/f3-$s.done OUT=$HOME/f3/s$s" \
+      "BUDGET_S=${BUDGET_S:-1200} bash scripts/device_quality.sh frontier3;"; done; }
+    bash scripts/device_bg.sh start f3-a -- bash -c "$(chain 3 7)"
+    bash scripts/device_bg.sh start f3-b -- bash -c "$(chain 4 8)"
+    bash scripts/device_bg.sh start f3-c -- bash -c "$(chain 5 6)"
+    bash scripts/device_bg.sh start f3-test VALID_CARRIED="${VALID_CARRIED:-}" -- bash -c '
+      bash scripts/device_bg.sh wait 3000 f3-a f3-b f3-c
+      for s in 3 4 5 6 7 8; do  # a lever chosen from a partial frontier would be reported on test items
+        [ "$(cat "$HOME/f3-$s.done" 2>/dev/null)" = "$s" ] && ! grep -q "FAILED\|SKIPPED" "$HOME/f3/s$s/log.txt" ||
+          { echo "frontier3 step $s not finished: no lever chosen, no test items"; exit 0; }
+      done
+      [ -z "$VALID_CARRIED" ] || cp -r "$VALID_CARRIED/." "$HOME/valid/"
+      cp -r "$HOME/valid" "$HOME/valid-chosen"  # the choice reads a still folder (the test runs copy into valid/)
+      for s in 9 10; do mkdir -p "$HOME/f3/s$s"
+        VALID=$HOME/valid-chosen FROM=$s TO=$s DONE=$HOME/f3-$s.done OUT=$HOME/f3/s$s BUDGET_S=900 \
+          bash scripts/device_quality.sh frontier3 & done
+      wait' ;;
   *) echo "unknown stage $stage" >&2; exit 2 ;;
 esac
