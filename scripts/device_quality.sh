@@ -366,18 +366,21 @@ PY
     echo "frontier3 queue done" | tee -a "$OUT/log.txt" ;;
   frontier3-par)  # frontier3's validation steps 3-8 as three chains side by side (scripts/device_bg.sh: a step
     # peaked at 24 GB of the H100's 80 on 2026-12-07, so three fit), each chain fitting its mappers once — turn up then
-    # progressive up, turn down then progressive down, V in attention space up then down — then, only when every
+    # progressive up, turn down then progressive down, V in attention space up then down (F3_CHAINS) — then, when every
     # validation step is in and none failed (steps 1-2 of an earlier lease carried: VALID_CARRIED, the run folders),
     # the test items of both directions side by side. Returns at once; a later call waits: `bash scripts/device_bg.sh
     # wait 550 f3-test` and copies $HOME/f3 and $HOME/valid back. Their latencies were measured beside each other.
     trap - EXIT
     chain() { for s in "$@"; do mkdir -p "$HOME/f3/s$s"; echo "FROM=$s TO=$s DONE=$HOME/f3-$s.done OUT=$HOME/f3/s$s" \
       "BUDGET_S=${BUDGET_S:-1200} bash scripts/device_quality.sh frontier3;"; done; }
-    bash scripts/device_bg.sh start f3-a -- bash -c "$(chain 3 7)"
-    bash scripts/device_bg.sh start f3-b -- bash -c "$(chain 4 8)"
-    bash scripts/device_bg.sh start f3-c -- bash -c "$(chain 5 6)"
-    bash scripts/device_bg.sh start f3-test VALID_CARRIED="${VALID_CARRIED:-}" -- bash -c '
-      bash scripts/device_bg.sh wait 3000 f3-a f3-b f3-c
+    jobs=()  # F3_CHAINS: the chains, steps comma-joined; an H200's 139 GB holds four ("3,7 4,8 5 6")
+    for c in ${F3_CHAINS:-3,7 4,8 5,6}; do
+      # shellcheck disable=SC2046  # one argument per step
+      bash scripts/device_bg.sh start "f3-${c//,/-}" -- bash -c "$(chain $(echo "$c" | tr , ' '))"
+      jobs+=("f3-${c//,/-}")
+    done
+    bash scripts/device_bg.sh start f3-test VALID_CARRIED="${VALID_CARRIED:-}" JOBS="${jobs[*]}" -- bash -c '
+      bash scripts/device_bg.sh wait 3000 $JOBS
       for s in 3 4 5 6 7 8; do  # a lever chosen from a partial frontier would be reported on test items
         [ "$(cat "$HOME/f3-$s.done" 2>/dev/null)" = "$s" ] && ! grep -q "FAILED\|SKIPPED" "$HOME/f3/s$s/log.txt" ||
           { echo "frontier3 step $s not finished: no lever chosen, no test items"; exit 0; }
