@@ -5,6 +5,9 @@
 #   bash scripts/device_bg.sh start NAME [ENV=VALUE …] -- COMMAND …   start NAME in its own session, in this folder
 #   bash scripts/device_bg.sh wait SECONDS NAME …                      until every NAME ended or SECONDS passed
 #   bash scripts/device_bg.sh show                                     each job: running / rc, last log lines
+#   bash scripts/device_bg.sh tree                                     copy this tree (with .git, without .stage and
+#                                                                      .whl) to $HOME/tree: start jobs from there, as
+#                                                                      a later call re-copies the repository's folder
 # Each job: $HOME/bg/NAME.log (stdout + stderr), $HOME/bg/NAME.rc once it ended (its exit status). Jobs that share
 # the GPU run side by side: their quality records are what one alone would write, their latencies are not (a
 # record made beside another job is marked so in its COMMANDS.md).
@@ -38,5 +41,9 @@ case ${1:-} in
       echo "== $name: $( [ -e "$BG/$name.rc" ] && echo "rc $(cat "$BG/$name.rc")" || echo running)"
       tail -3 "$log"
     done ;;
-  *) echo "usage: device_bg.sh start NAME [ENV=VALUE …] -- COMMAND … | wait SECONDS NAME … | show" >&2; exit 2 ;;
+  tree)
+    rm -rf "$HOME/tree" && mkdir -p "$HOME/tree"
+    tar --exclude=./.stage --exclude=./.whl -cf - . | tar -xf - -C "$HOME/tree"
+    echo "copied to $HOME/tree ($(du -sh "$HOME/tree" | cut -f1))" ;;
+  *) echo "usage: device_bg.sh start NAME [ENV=VALUE …] -- COMMAND … | wait SECONDS NAME … | show | tree" >&2; exit 2 ;;
 esac

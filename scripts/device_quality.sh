@@ -17,7 +17,7 @@
 #   bash scripts/device_quality.sh gate       issue 23: the gate at bf16 on the graph engine, item shards joined (stops
 #                                             where both joined runs are committed: RERUN=1 for a re-run)
 #   bash scripts/device_quality.sh frontier3  issue 25: each recompute rule's frontier on the engine, then the chosen one
-#   bash scripts/device_quality.sh frontier3-par   its steps 3-8 as three jobs side by side, then the test items
+#   bash scripts/device_quality.sh frontier3-par   its validation steps as jobs side by side, then the test items
 # The GPU image has no hydra/mlflow: hydra comes from the carried wheels, tracking writes JSON records
 # that come back as one tarball in $OUT and are imported here with `python -m src.tracking import DIR`.
 set -euo pipefail
@@ -334,7 +334,7 @@ PY
     # engines sized for the passages.
     F=(+experiment=routed "${CAPACITY[@]}" workload.warmup=2 +workload=passage workload.split=valid workload.limit=50
       workload.engine_capacity=2048 policy.levers.native_sink=4 tracking.experiment=routed_frontier3)
-    SHARES=policy.levers.recompute=0.015,0.065,0.115,0.165,0.265
+    SHARES=policy.levers.recompute=${F3_RECOMPUTE:-0.015,0.065,0.115,0.165,0.265}  # F3_RECOMPUTE: one step's lost shares
     # Order (2026-12-07): the two rules the CPU frontier could not separate first, both directions; then V in attention
     # space (at most a downward gain there); progressive last (it lost 36.7 [23, 50] points upward on the CPU, decided)
     UP=pair=qwen25coder_0p5b_to_1p5b DOWN=pair=qwen25coder_1p5b_to_0p5b
@@ -346,45 +346,47 @@ PY
       step $((n += 1)) "${F[@]}" "$direction" $SHARES policy.levers.recompute_rule=deviation fit.v_space=attention
     done
     for direction in $UP $DOWN; do
-      step $((n += 1)) "${F[@]}" "$direction" policy.levers.recompute=0.05,0.25,0.5,0.75,1.0 policy.levers.progressive=0.8
+      step $((n += 1)) "${F[@]}" "$direction" "policy.levers.recompute=${F3_RECOMPUTE:-0.05,0.25,0.5,0.75,1.0}" \
+        policy.levers.progressive=0.8
     done
-    done_here=$(cat "$DONE" 2>/dev/null || echo 0)
-    if [ "$done_here" -lt 8 ] && [ "${FROM:-1}" -lt 9 ]; then  # a lever chosen from a partial frontier would be
-      # reported on test items: every validation run first — this machine's, or all leases' runs carried as a folder
-      # (VALID=<dir>, e.g. .stage/frontier3-valid) with FROM=9
-      echo "frontier3: $done_here of 8 validation steps on this machine: no lever chosen, no test items" |
-        tee -a "$OUT/log.txt"
-      exit 0
-    fi
+    if [ "${TO:-99}" -lt 9 ]; then echo "frontier3: validation steps only (TO=$TO)" | tee -a "$OUT/log.txt"; exit 0; fi
+    # a lever chosen from a partial frontier would be reported on test items: src.choose --expect refuses a direction
+    # whose 20 settings (4 rules x 5 shares) are not all in — this machine's runs, or all leases' carried (VALID=<dir>)
     for direction in qwen25coder_0.5b_to_1.5b qwen25coder_1.5b_to_0.5b; do
       lever=$(python3 -m src.choose "${VALID:-$HOME/valid}" --workload passage --direction "$direction" \
-        --data "$HOME/data" 2>>"$OUT/log.txt") || lever=
+        --data "$HOME/data" --expect 20 2>>"$OUT/log.txt") || lever=
       echo "chosen on validation items ($direction): ${lever:-NONE}" | tee -a "$OUT/log.txt"
       pair=pair=$(echo "$direction" | sed 's/\./p/g')  # qwen25coder_0.5b_to_1.5b -> qwen25coder_0p5b_to_1p5b
       [ -n "$lever" ] && step $((n += 1)) "${F[@]}" workload.split=test workload.limit=100 "$pair" $lever
     done
     echo "frontier3 queue done" | tee -a "$OUT/log.txt" ;;
-  frontier3-par)  # frontier3's validation steps 3-8 as three chains side by side (scripts/device_bg.sh: a step
-    # peaked at 24 GB of the H100's 80 on 2026-12-07, so three fit), each chain fitting its mappers once — turn up then
-    # progressive up, turn down then progressive down, V in attention space up then down (F3_CHAINS) — then, when every
-    # validation step is in and none failed (steps 1-2 of an earlier lease carried: VALID_CARRIED, the run folders),
-    # the test items of both directions side by side. Returns at once; a later call waits: `bash scripts/device_bg.sh
-    # wait 550 f3-test` and copies $HOME/f3 and $HOME/valid back. Their latencies were measured beside each other.
+  frontier3-par)  # frontier3's validation steps as chains side by side (scripts/device_bg.sh), each chain fitting
+    # its mappers once, then the test items of both directions side by side once src.choose finds every setting of
+    # the grid (`--expect`: this machine's runs and those carried from earlier leases, VALID_CARRIED). F3_CHAINS:
+    # chains apart by spaces, a chain's steps by commas, a step's own shares after a colon apart by slashes (the
+    # shares a lease lost: "6 3:0.165,4:0.165/0.265,8:1.0"). Memory (2026-12-07, H100): a fit peaked at 33 GB and a
+    # process grew to 50 GB over a chain, so three chains ran out of memory; two on an H100, three on an H200, with
+    # the allocator's expandable segments. Returns at once; a later call waits: `bash scripts/device_bg.sh wait 550
+    # f3-test` and copies $HOME/f3 and $HOME/valid back. Their latencies were measured beside each other.
     trap - EXIT
-    chain() { for s in "$@"; do mkdir -p "$HOME/f3/s$s"; echo "FROM=$s TO=$s DONE=$HOME/f3-$s.done OUT=$HOME/f3/s$s" \
-      "BUDGET_S=${BUDGET_S:-1200} bash scripts/device_quality.sh frontier3;"; done; }
-    jobs=()  # F3_CHAINS: the chains, steps comma-joined; an H200's 139 GB holds four ("3,7 4,8 5 6")
-    for c in ${F3_CHAINS:-3,7 4,8 5,6}; do
-      # shellcheck disable=SC2046  # one argument per step
-      bash scripts/device_bg.sh start "f3-${c//,/-}" -- bash -c "$(chain $(echo "$c" | tr , ' '))"
-      jobs+=("f3-${c//,/-}")
-    done
-    bash scripts/device_bg.sh start f3-test VALID_CARRIED="${VALID_CARRIED:-}" JOBS="${jobs[*]}" -- bash -c '
-      bash scripts/device_bg.sh wait 3000 $JOBS
-      for s in 3 4 5 6 7 8; do  # a lever chosen from a partial frontier would be reported on test items
-        [ "$(cat "$HOME/f3-$s.done" 2>/dev/null)" = "$s" ] && ! grep -q "FAILED\|SKIPPED" "$HOME/f3/s$s/log.txt" ||
-          { echo "frontier3 step $s not finished: no lever chosen, no test items"; exit 0; }
+    export PYTORCH_CUDA_ALLOC_CONF=${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True}
+    chain() {  # chain "4:0.165/0.265,8": one command line per step
+      local item s shares
+      for item in $(echo "$1" | tr , ' '); do
+        s=${item%%:*}; shares=$([ "$item" = "$s" ] || echo "${item#*:}" | tr / ,)
+        mkdir -p "$HOME/f3/s$s"
+        echo "F3_RECOMPUTE=$shares FROM=$s TO=$s DONE=$HOME/f3-$s.done OUT=$HOME/f3/s$s" \
+          "BUDGET_S=${BUDGET_S:-1200} bash scripts/device_quality.sh frontier3;"
       done
+    }
+    names=()
+    for c in ${F3_CHAINS:?F3_CHAINS: the chains to run, e.g. "3,7 4,8" (see above)}; do
+      name=f3-$(echo "$c" | tr ',:/' '-_.')
+      bash scripts/device_bg.sh start "$name" -- bash -c "$(chain "$c")"
+      names+=("$name")
+    done
+    bash scripts/device_bg.sh start f3-test VALID_CARRIED="${VALID_CARRIED:-}" JOBS="${names[*]}" -- bash -c '
+      bash scripts/device_bg.sh wait 3000 $JOBS
       [ -z "$VALID_CARRIED" ] || cp -r "$VALID_CARRIED/." "$HOME/valid/"
       cp -r "$HOME/valid" "$HOME/valid-chosen"  # the choice reads a still folder (the test runs copy into valid/)
       for s in 9 10; do mkdir -p "$HOME/f3/s$s"

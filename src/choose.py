@@ -11,6 +11,10 @@ before that split rule shared a few items with test runs). Runs are compared on 
 differ, each is re-scored on those all of them scored.
 
     python -m src.choose RECORDS_DIR [--workload passage] [--direction qwen25coder_0.5b_to_1.5b] [--data shared/data]
+        [--expect N]
+
+`--expect N`: the grid's size — fewer than N distinct lever settings with a finished validation run (a step cut, a
+share lost) is refused: a lever chosen from a partial grid would be the one reported on test items.
 """
 
 from __future__ import annotations
@@ -134,6 +138,14 @@ def overrides(run: dict) -> list[str]:
     return [f"{key}={value}" for key, value in sorted(run["params"].items()) if chosen(key)]
 
 
+def require_grid(runs: list[dict], expect: int) -> None:
+    """At least `expect` distinct lever settings among `runs`, or a ValueError that counts them."""
+    settings = {tuple(overrides(run)) for run in runs}
+    if len(settings) < expect:
+        raise ValueError(f"{len(settings)} of the grid's {expect} lever settings have a finished validation run: "
+                         "no lever is chosen from a partial grid")  # fmt: skip
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("directory", type=Path)
@@ -141,9 +153,11 @@ def main() -> None:
     parser.add_argument("--direction")
     parser.add_argument("--max-loss", type=float)
     parser.add_argument("--data", type=Path, help="task files: re-score each run without reported test items")
+    parser.add_argument("--expect", type=int, default=0, help="the grid's size: refuse to choose from fewer settings")
     args = parser.parse_args()
     try:
         runs = validation_runs(args.directory, args.workload, args.direction, args.data)
+        require_grid(runs, args.expect)
         chosen = choose(runs, args.max_loss)
     except RecordError as error:
         sys.exit(f"choose: {error}")

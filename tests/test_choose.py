@@ -73,6 +73,16 @@ def test_cli_prints_only_the_overrides_on_stdout(grid):
     assert "no run kept its items: compared by their logged metrics, pairing unverified" in done.stderr
 
 
+def test_a_partial_grid_is_refused(grid):
+    """--expect: a grid with a setting lost (a cut step, a share out of memory) chooses nothing."""
+    command = [sys.executable, "-m", "src.choose", str(grid), "--workload", "passage", "--expect"]
+    whole = subprocess.run([*command, "4"], cwd=REPO, capture_output=True, text=True)
+    assert whole.returncode == 0 and whole.stdout == "policy.levers.recompute=0.25\n"
+    partial = subprocess.run([*command, "5"], cwd=REPO, capture_output=True, text=True)
+    assert partial.returncode == 1 and partial.stdout == ""
+    assert "4 of the grid's 5 lever settings have a finished validation run" in partial.stderr
+
+
 def test_cli_without_validation_runs_says_so(tmp_path):
     done = subprocess.run([sys.executable, "-m", "src.choose", str(tmp_path)], cwd=REPO, capture_output=True, text=True)
     assert done.returncode == 1 and done.stdout == ""

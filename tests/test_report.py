@@ -3,6 +3,7 @@ results/, rows and labels come out of records as the tables need, and results/ h
 weights)."""
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -292,3 +293,19 @@ def test_the_vllm_tables_name_the_mapper_each_record_timed():
     assert "the sender's export alone 5.0 ms" in vllm_brief(("b/r.json", old), run)[0]
     old["rows"][0]["export_ms"] = [-0.5] * 7
     assert "export alone within its request's noise (median -0.5 ms)" in vllm_brief(("b/r.json", old), run)[0]
+
+
+def test_a_run_set_timed_beside_other_jobs_shows_no_latency(tmp_path, monkeypatch):
+    """Table.shared_gpu: the routed rows of a run set measured beside other GPU jobs (frontier3-par) keep their quality
+    and prefill, and withhold TTFT, speedup and the gate's verdict (which reads them); the quiet run set's stay."""
+    source = ROOT / "results" / benchmarks.FRONTIER3
+    quiet = shared = sorted(source.glob("*/record.json"))[0].parent  # the same run in both sets
+    for name, run in (("quiet", quiet), ("shared", shared)):
+        shutil.copytree(run, tmp_path / name / run.name)
+    table = benchmarks.Table(("quiet", "shared"), benchmarks.routed, shared_gpu=("shared",))
+    monkeypatch.setitem(benchmarks.TABLES, "probe", table)
+    first, second = benchmarks.build("probe", tmp_path).splitlines()[2:]
+    assert "shared GPU" not in first and first.count("shared GPU") == 0
+    assert second.count("shared GPU") == 4  # p50s, p95s, speedup, gate
+    same = lambda line: [c for i, c in enumerate(line.split("|")) if i in (1, 2, 3, 4, 5, 6, 7, 11, 12, 13)]
+    assert same(first) == same(second)  # quality, prefill, handoffs, rollback as the quiet row's

@@ -34,6 +34,7 @@ class Table:
     render: Callable[..., str]  # render(rows, *documents): one (path, parsed JSON) per entry of `files`
     page: str = BENCHMARKS.name  # the page (a PAGES file name) that holds the table
     files: tuple[str, ...] = ()  # other committed records the table reads: JSON files under results/
+    shared_gpu: tuple[str, ...] = ()  # run sets measured beside other jobs on the GPU: their latencies are not shown
 
 
 ROUTED, LEVERS, FITS = "routed-h200-2026-12-03", "routed2-h200-2026-12-03", "routed3-h200-2026-12-04"
@@ -44,11 +45,15 @@ ENGINE_V2B = "engine-h100-2026-12-06b"  # the same pair job at 732d5f6: host rea
 ENGINE_V2C = "engine-h100-2026-12-06c"  # the same pair job at a35c14b: the map replayed as a CUDA graph
 ENGINE_V2D = "engine-h100-2026-12-06d"  # the same at e04778a: the map's launch order, samples and intervals kept
 ENGINE_V2E = "engine-h100-2026-12-07"  # the same at 057902f: the map graph's token-major inputs, one stacking copy
+ENGINE_V2F = "engine-h100-2026-12-07b"  # the same at 208ee8f: the turn launched before the flags' read, one-dot map
 GATE_FIRST = "gate-h100-2026-12-06"  # the first gate run: 8 shards, before its plan named 4 (unregistered)
 GATE = "gate-h100-2026-12-06b"  # scripts/device_quality.sh gate as registered: 200-shot ARC, bf16, graph engine
 FRONTIER_CPU = "frontier-cpu-2026-12-06"  # issue 34 item 2: the passage frontier on the CPU, fp32
 FRONTIER_CPU_TEST = "frontier-cpu-test-2026-12-06"  # the levers chosen on its validation runs, on test items
 FRONTIER3 = "frontier3-h100-2026-12-07"  # device_quality.sh frontier3, steps 1-2 of 8 (validation items, fp32, engine)
+FRONTIER3B = (
+    "frontier3-h100-2026-12-07b"  # steps 3, 4, 5, 7, 8 (some shares lost to memory), side by side (frontier3-par)
+)
 FUSED = "fused-fit-h200-2026-12-03/bench_fused_fit.json"
 COVERAGE = "gate-coverage-cpu-2026-12-06/coverage.json"  # scripts/gate_coverage.py
 VLLM_FILE = "vllm-h100-2026-12-06/vllm_ttft_file.json"  # scripts/bench_vllm_ttft.py, one H100
@@ -170,14 +175,16 @@ TABLES: dict[str, Table] = {
     "routed_frontier_cpu_paired": Table((FRONTIER_CPU,), routed_paired),  # the rules at equal prefill, same items
     "routed_frontier_cpu_test": Table((FRONTIER_CPU_TEST,), routed),
     "routed_frontier_cpu_test_tasks": Table((FRONTIER_CPU_TEST,), routed_tasks),
-    "routed_frontier3": Table((FRONTIER3,), routed),
-    "routed_frontier3_tasks": Table((FRONTIER3,), routed_tasks),
+    "routed_frontier3": Table((FRONTIER3, FRONTIER3B), routed, shared_gpu=(FRONTIER3B,)),
+    "routed_frontier3_tasks": Table((FRONTIER3, FRONTIER3B), routed_tasks),
+    "routed_frontier3_paired": Table((FRONTIER3, FRONTIER3B), routed_paired),  # the rules at equal prefill, same items
     "engine": Table((ENGINE,), engine),
     "engine_v2": Table((ENGINE_V2,), engine),
     "engine_v2b": Table((ENGINE_V2B,), engine),
     "engine_v2c": Table((ENGINE_V2C,), engine),
     "engine_v2d": Table((ENGINE_V2D,), engine),
     "engine_v2e": Table((ENGINE_V2E,), engine),
+    "engine_v2f": Table((ENGINE_V2F,), engine),
     "vllm_ttft": Table((), partial(vllm_ttft, runs=VLLM_RUNS), files=(VLLM_TRITON, VLLM_DEVICE)),
     "vllm_ttft_file": Table((), partial(vllm_ttft, runs=VLLM_RUNS), files=(VLLM_FILE, VLLM_SHM)),
     "vllm_ttft_b": Table((), partial(vllm_ttft, runs=VLLM_RUNS), files=(VLLM_TIMED, VLLM_REAL)),
@@ -214,7 +221,11 @@ def build(name: str, results: Path = RESULTS) -> str:
     if name not in TABLES:
         raise ValueError(f"no table {name!r} in src/report/benchmarks.py TABLES (registered: {sorted(TABLES)})")
     table = TABLES[name]
-    rows = [row for run_set in table.run_sets for row in record_rows(results / run_set)]
+    rows = [
+        row | {"shared_gpu": run_set in table.shared_gpu}
+        for run_set in table.run_sets
+        for row in record_rows(results / run_set)
+    ]
     if not rows and table.run_sets:  # a table of other records only (`files`) reads no record set
         raise ValueError(
             f"table {name!r}: {[str(results / s) for s in table.run_sets]}: none holds a FINISHED record.json"

@@ -78,11 +78,14 @@ def slashed(row: Row, names: tuple[str, ...], digits: int = 1, unit: str = "") -
 
 
 def provenance(row: Row) -> str:
-    """When, at which commit and on what a record was made (from its own tags)."""
+    """When, at which commit and on what a record was made (from its own tags); a record made where git could not
+    be read (a copy of the tree without .git) names its code by the code digest instead."""
     day = datetime.fromtimestamp(row["start_time"] / 1000, tz=UTC).strftime("%Y-%m-%d")
     commit = str(row.get("tags.git_commit", "unknown"))[:7] + (
         " (dirty)" if row.get("tags.git_dirty") == "True" else ""
     )
+    if row.get("tags.git_commit", "unknown") == "unknown" and row.get("tags.code_digest"):
+        commit = f"unknown, code digest {row['tags.code_digest']}"
     device = row.get("tags.gpu") or f"{row.get('tags.host')} CPU"
     return f"{day}, git {commit}, torch {row.get('tags.torch')}, transformers {row.get('tags.transformers')}, {device}"
 
