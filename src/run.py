@@ -11,11 +11,14 @@ from __future__ import annotations
 
 import sys
 import time
+import traceback
 from collections.abc import Callable
 
 import hydra
 import matplotlib
 import torch
+from hydra.core.hydra_config import HydraConfig
+from hydra.types import RunMode
 from omegaconf import DictConfig
 
 from src import bench, tracking
@@ -267,7 +270,13 @@ def main(cfg: DictConfig) -> float | None:
         check_config(cfg, JOBS)
     except ConfigError as error:
         sys.exit(f"config: {error}")
-    return JOBS[cfg.job](cfg)
+    try:
+        return JOBS[cfg.job](cfg)
+    except Exception:  # a sweep's launcher reports a job's error only after every job: a sweep cut short by a
+        if HydraConfig.get().mode == RunMode.MULTIRUN:  # deadline never would (nor a job failing before its record)
+            overrides = " ".join(HydraConfig.get().overrides.task)
+            print(f"job failed ({overrides}):\n{traceback.format_exc()}", file=sys.stderr, flush=True)
+        raise
 
 
 if __name__ == "__main__":

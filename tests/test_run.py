@@ -501,6 +501,22 @@ def test_quickstart_process(first, ws):
     assert {"config.yaml", "mapper/manifest.json", "plots/r2_by_layer.png"} <= artifact_paths(uri, run.info.run_id)
 
 
+def test_a_sweep_reports_a_failed_job_when_it_fails(tmp_path):
+    """Hydra's launcher raises a failed job's error only once every job of the sweep ended: a sweep cut by a deadline
+    (a device call's budget) then reports none, and a job that failed before its record opened leaves no trace. Each
+    failed job is said on stderr as it fails, before the next job starts (here: no weights under paths.home)."""
+    command = [sys.executable, "-m", "src.run", "-m", "+experiment=quickstart", "pair=qwen25coder_0p5b_to_1p5b",
+               "seed=1,2", f"paths.home={tmp_path / 'home'}", f"paths.data={DATA}", "tracking.backend=json",
+               f"tracking.json_dir={tmp_path / 'trk'}", f"hydra.sweep.dir={tmp_path / 'sweep'}"]  # fmt: skip
+    done = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 1
+    first, second = (done.stderr.find(f"job failed (+experiment=quickstart pair=qwen25coder_0p5b_to_1p5b seed={n} ")
+                     for n in (1, 2))  # fmt: skip
+    deferred = done.stderr.find("Error executing job")  # the launcher's own report, after every job
+    assert 0 <= first < second < deferred
+    assert "FileNotFoundError: no model at" in done.stderr[first:second]
+
+
 def test_multirun_process_has_one_parent_and_two_children(first, ws):
     uri = f"sqlite:///{ws.root / 'multirun.db'}"
     command = [sys.executable, "-m", "src.run", "-m", "+experiment=quickstart", "support=full,local"]
