@@ -18,6 +18,7 @@
 #                                             where both joined runs are committed: RERUN=1 for a re-run)
 #   bash scripts/device_quality.sh frontier3  issue 25: each recompute rule's frontier on the engine, then the chosen one
 #   bash scripts/device_quality.sh frontier3-par   its validation steps as jobs side by side, then the test items
+#   PAR_STAGE=signal PAR_CHAINS="1,2,3,4 5,6,7,8" bash scripts/device_quality.sh par   any queue's steps side by side
 # The GPU image has no hydra/mlflow: hydra comes from the carried wheels, tracking writes JSON records
 # that come back as one tarball in $OUT and are imported here with `python -m src.tracking import DIR`.
 set -euo pipefail
@@ -56,6 +57,24 @@ step() {  # step N ARGS…: one step of a resumable queue (routed, routed2, rout
   mkdir -p "$HOME/valid" && cp -r "$OUT/trk/." "$HOME/valid/" 2>/dev/null || true  # records outlive $OUT
 }
 trap pack EXIT
+start_chains() {  # start_chains STAGE "3,7 4:0.165/0.265,8": each chain a device_bg job running its steps in turn
+  # (FROM=TO=N, a done-file and an OUT of its own; F3_RECOMPUTE: the shares after a step's colon); names in STARTED
+  export PYTORCH_CUDA_ALLOC_CONF=${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True}
+  local stage=$1 c item s shares lines name
+  STARTED=()
+  for c in $2; do
+    lines=
+    for item in $(echo "$c" | tr , ' '); do
+      s=${item%%:*}; shares=$([ "$item" = "$s" ] || echo "${item#*:}" | tr / ,)
+      mkdir -p "$HOME/$stage/s$s"
+      lines+="F3_RECOMPUTE=$shares FROM=$s TO=$s DONE=$HOME/$stage-$s.done OUT=$HOME/$stage/s$s"
+      lines+=" BUDGET_S=${BUDGET_S:-1200} bash scripts/device_quality.sh $stage;"
+    done
+    name=$stage-$(echo "$c" | tr ',:/' '-_.')
+    bash scripts/device_bg.sh start "$name" -- bash -c "$lines"
+    STARTED+=("$name")
+  done
+}
 METHODS=+method=head_local,head_local_attn_repair,full_head_k4,block_pca,cyclic_shift
 DIAGNOSE=(eval.diagnose.fidelity=true eval.diagnose.swaps=true)
 PAPER=(+experiment=routed +workload=fewshot pair=qwen3_14b_to_32b budget=synthetic_paper fit.k=8 pair.apply_backend=auto
@@ -360,37 +379,27 @@ PY
       [ -n "$lever" ] && step $((n += 1)) "${F[@]}" workload.split=test workload.limit=100 "$pair" $lever
     done
     echo "frontier3 queue done" | tee -a "$OUT/log.txt" ;;
-  frontier3-par)  # frontier3's validation steps as chains side by side (scripts/device_bg.sh), each chain fitting
-    # its mappers once, then the test items of both directions side by side once src.choose finds every setting of
-    # the grid (`--expect`: this machine's runs and those carried from earlier leases, VALID_CARRIED). F3_CHAINS:
-    # chains apart by spaces, a chain's steps by commas, a step's own shares after a colon apart by slashes (the
-    # shares a lease lost: "6 3:0.165,4:0.165/0.265,8:1.0"). Memory (2026-12-07, H100): a fit peaked at 33 GB and a
-    # process grew to 50 GB over a chain, so three chains ran out of memory; two on an H100, three on an H200, with
-    # the allocator's expandable segments. Returns at once; a later call waits: `bash scripts/device_bg.sh wait 550
-    # f3-test` and copies $HOME/f3 and $HOME/valid back. Their latencies were measured beside each other.
+  par)  # any resumable stage's steps as chains side by side (scripts/device_bg.sh): PAR_STAGE the stage, PAR_CHAINS
+    # the chains — apart by spaces, a chain's steps by commas (signal: "1,2,3,4 5,6,7,8", one mapper a chain). Each
+    # step writes $HOME/<stage>/s<N> and copies its records into $HOME/valid. Memory (2026-12-07, H100): a fit peaked
+    # at 33 GB and a process grew to 50 GB over a chain, so three chains ran out of memory: two on an H100, three on an
+    # H200, with the allocator's expandable segments. Returns at once; a later call waits: `bash scripts/device_bg.sh
+    # wait 550 <stage>-…` and copies $HOME/<stage> and $HOME/valid back. Their latencies were measured side by side.
     trap - EXIT
-    export PYTORCH_CUDA_ALLOC_CONF=${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True}
-    chain() {  # chain "4:0.165/0.265,8": one command line per step
-      local item s shares
-      for item in $(echo "$1" | tr , ' '); do
-        s=${item%%:*}; shares=$([ "$item" = "$s" ] || echo "${item#*:}" | tr / ,)
-        mkdir -p "$HOME/f3/s$s"
-        echo "F3_RECOMPUTE=$shares FROM=$s TO=$s DONE=$HOME/f3-$s.done OUT=$HOME/f3/s$s" \
-          "BUDGET_S=${BUDGET_S:-1200} bash scripts/device_quality.sh frontier3;"
-      done
-    }
-    names=()
-    for c in ${F3_CHAINS:?F3_CHAINS: the chains to run, e.g. "3,7 4,8" (see above)}; do
-      name=f3-$(echo "$c" | tr ',:/' '-_.')
-      bash scripts/device_bg.sh start "$name" -- bash -c "$(chain "$c")"
-      names+=("$name")
-    done
-    bash scripts/device_bg.sh start f3-test VALID_CARRIED="${VALID_CARRIED:-}" JOBS="${names[*]}" -- bash -c '
+    start_chains "${PAR_STAGE:?PAR_STAGE: the stage to run}" "${PAR_CHAINS:?PAR_CHAINS: its chains, e.g. \"1,2 3,4\"}" ;;
+  frontier3-par)  # frontier3's validation steps as `par` chains (F3_CHAINS; a step's lost shares after a colon apart
+    # by slashes: "6 3:0.165,4:0.165/0.265,8:1.0"), each chain fitting its mappers once, then the test items of both
+    # directions side by side once src.choose finds every setting of the grid (`--expect`: this machine's runs and
+    # those carried from earlier leases, VALID_CARRIED). A later call waits: `bash scripts/device_bg.sh wait 550
+    # frontier3-test`.
+    trap - EXIT
+    start_chains frontier3 "${F3_CHAINS:?F3_CHAINS: the chains to run, e.g. \"3,7 4,8\"}"
+    bash scripts/device_bg.sh start frontier3-test VALID_CARRIED="${VALID_CARRIED:-}" JOBS="${STARTED[*]}" -- bash -c '
       bash scripts/device_bg.sh wait 3000 $JOBS
       [ -z "$VALID_CARRIED" ] || cp -r "$VALID_CARRIED/." "$HOME/valid/"
       cp -r "$HOME/valid" "$HOME/valid-chosen"  # the choice reads a still folder (the test runs copy into valid/)
-      for s in 9 10; do mkdir -p "$HOME/f3/s$s"
-        VALID=$HOME/valid-chosen FROM=$s TO=$s DONE=$HOME/f3-$s.done OUT=$HOME/f3/s$s BUDGET_S=900 \
+      for s in 9 10; do mkdir -p "$HOME/frontier3/s$s"
+        VALID=$HOME/valid-chosen FROM=$s TO=$s DONE=$HOME/frontier3-$s.done OUT=$HOME/frontier3/s$s BUDGET_S=900 \
           bash scripts/device_quality.sh frontier3 & done
       wait' ;;
   *) echo "unknown stage $stage" >&2; exit 2 ;;

@@ -11,10 +11,12 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 STAND_IN = """#!/bin/bash
-# src.run: log its overrides and the time it ran; src.choose: one lever (the grid check is src.choose's own test)
+# src.run: log its overrides and the time it ran; src.choose: one lever (the grid check is src.choose's own test);
+# the signal stage's report: nothing
 case "$1 $2" in
   "-m src.run") echo "$(date +%s.%N) $*" >> "$RUNS"; sleep 0.3 ;;
   "-m src.choose") echo "$*" >> "$CHOICES"; echo "policy.levers.recompute=0.1" ;;
+  "-m src.report.error_signal") ;;
   *) exit 3 ;;
 esac
 """
@@ -61,7 +63,7 @@ def test_frontier_chains_run_their_steps_and_the_test_steps_after_every_chain(le
     (home / "carried/run").mkdir(parents=True)
     env = env | {"F3_CHAINS": "6 3:0.165,4:0.165/0.265", "VALID_CARRIED": str(home / "carried")}
     assert _bash(env, "scripts/device_quality.sh", "frontier3-par", cwd=home / "tree").returncode == 0
-    assert "f3-test: rc 0" in _bash(env, "scripts/device_bg.sh", "wait", "60", "f3-test").stdout
+    assert "frontier3-test: rc 0" in _bash(env, "scripts/device_bg.sh", "wait", "60", "frontier3-test").stdout
     runs = []  # (when, the overrides as Hydra reads them: a later key wins)
     for line in (tmp_path / "runs.txt").read_text().splitlines():
         at, *args = line.split()
@@ -83,8 +85,23 @@ def test_frontier_chains_run_their_steps_and_the_test_steps_after_every_chain(le
     assert (home / "valid-chosen/run").is_dir()  # the carried records joined before the choice
 
 
-def test_frontier3_par_names_its_chains(lease):
+def test_any_queue_runs_as_chains(lease):
+    """`par`: the signal queue's steps 1-8 as two chains, one mapper each; every step alone (FROM=TO), in its turn."""
+    env, home, tmp_path = lease
+    started = _bash(env | {"PAR_STAGE": "signal", "PAR_CHAINS": "1,2,3,4 5,6,7,8"}, "scripts/device_quality.sh", "par")
+    assert started.returncode == 0 and started.stdout.count("started signal-") == 2
+    waited = _bash(env, "scripts/device_bg.sh", "wait", "60", "signal-1-2-3-4", "signal-5-6-7-8")
+    assert waited.stdout == "signal-1-2-3-4: rc 0\nsignal-5-6-7-8: rc 0\n"
+    runs = [dict(a.split("=", 1) for a in line.split()[1:] if "=" in a) for line in open(tmp_path / "runs.txt")]
+    spaces = [run["fit.v_space"] for run in runs if "eval.diagnose.read_error" in run]
+    assert len(runs) == 8 and sorted(spaces) == ["attention"] * 4 + ["token"] * 4
+    assert all((home / f"signal/s{n}/log.txt").is_file() for n in range(1, 9))
+
+
+def test_par_names_its_stage_and_chains(lease):
     env, home, _ = lease
-    done = _bash(env | {"F3_CHAINS": ""}, "scripts/device_quality.sh", "frontier3-par")
-    assert done.returncode != 0 and "F3_CHAINS" in done.stderr
-    assert not (home / "bg").exists() or not any((home / "bg").iterdir())
+    for stage, extra, missing in (("par", {"PAR_CHAINS": "1"}, "PAR_STAGE"), ("par", {"PAR_STAGE": "signal"}, "PAR_CHAINS"),
+                                  ("frontier3-par", {}, "F3_CHAINS")):  # fmt: skip
+        done = _bash(env | extra, "scripts/device_quality.sh", stage)
+        assert done.returncode != 0 and missing in done.stderr
+    assert not (home / "bg").exists() or not any((home / "bg").iterdir())  # nothing started
