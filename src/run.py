@@ -9,6 +9,7 @@ in src/bench.py; the routed-workload job in src/routed.py; the Optuna study in s
 
 from __future__ import annotations
 
+import gc
 import sys
 import time
 import traceback
@@ -273,10 +274,16 @@ def main(cfg: DictConfig) -> float | None:
     try:
         return JOBS[cfg.job](cfg)
     except Exception:  # a sweep's launcher reports a job's error only after every job: a sweep cut short by a
-        if HydraConfig.get().mode == RunMode.MULTIRUN:  # deadline never would (nor a job failing before its record)
+        # deadline never would (nor a job failing before its record opened)
+        if HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN:
             overrides = " ".join(HydraConfig.get().overrides.task)
             print(f"job failed ({overrides}):\n{traceback.format_exc()}", file=sys.stderr, flush=True)
         raise
+    finally:  # a job's engines sit in reference cycles (sessions ↔ graphs), which the collector frees only when its
+        # object counts say so: the next job of a sweep would find their CUDA graph pools and caches still held
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
 
 
 if __name__ == "__main__":

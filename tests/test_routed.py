@@ -5,10 +5,12 @@ every refusal kind, the metrics are computed from the per-item rows, and `routed
 random pair into MLflow, where the gate refuses it (random weights carry no quality evidence)."""
 
 import copy
+import gc
 import json
 import math
 import time
 import warnings
+import weakref
 from dataclasses import asdict, replace
 from pathlib import Path
 
@@ -442,6 +444,51 @@ def test_routed_job_on_the_static_engine_scores_what_the_hf_sessions_score(tmp_p
     assert on_engine["read_error.mean"] == pytest.approx(hf["read_error.mean"], rel=1e-4)  # slots read as the cache
     assert hf["read_error.mean"] > 0
     assert on_engine["rollback_verified"] == 1.0 and on_engine["ttft.same_work_items"] == 1.0
+
+
+def test_a_jobs_engines_are_freed_when_it_returns(tmp_path, monkeypatch):
+    """`src.run.main` collects after each job: a routed job's engines sit in reference cycles, and a sweep's next job
+    on a GPU found the earlier jobs' CUDA graph pools still held (20 GB in one process, 2026-12-07). Every engine the
+    job made is gone the moment it returns, before any collection the test could trigger."""
+    if not (DATA / "eval").is_dir():
+        pytest.skip("shared data not found")
+    import src.pipeline
+    import src.run
+    from src.runtime import engine
+
+    monkeypatch.setenv("KVRELAY_HOME", str(tmp_path / "home"))
+    monkeypatch.setattr(src.pipeline, "_MEMO", {})
+    made, build = [], engine.Engine.__init__
+
+    def tracked(self, *args, **kwargs):
+        build(self, *args, **kwargs)
+        made.append(weakref.ref(self))
+
+    monkeypatch.setattr(engine.Engine, "__init__", tracked)
+    cfg = compose(
+        "workload=passage", "workload.limit=1", "workload.tasks=[lambada]", "workload.rollback_items=1",
+        "workload.rollback_tokens=2", "workload.engine_capacity=2048", "budget.sequences=8", "budget.seq_len=64",
+        f"paths.data={DATA}", "tracking.backend=json", f"tracking.json_dir={tmp_path / 'records'}",
+    )  # fmt: skip
+    gc.disable()  # only the job's own collection may free them
+    try:
+        src.run.main.__wrapped__(cfg)
+        assert made and not [ref for ref in made if ref() is not None]
+    finally:
+        gc.enable()
+
+
+def test_a_failing_job_outside_a_sweep_keeps_its_own_error(monkeypatch):
+    """Called without Hydra's launcher (a composed config, as tests and notebooks do), a failing job raises its own
+    error: the sweep's failure report asks Hydra's run mode only where Hydra set one."""
+    import src.run
+
+    def failing(cfg):
+        raise RuntimeError("the job's own error")
+
+    monkeypatch.setitem(src.run.JOBS, "routed", failing)
+    with pytest.raises(RuntimeError, match="the job's own error"):
+        src.run.main.__wrapped__(compose("workload=passage", f"paths.data={DATA}"))
 
 
 def _scored(task: str, index: int, right: bool) -> dict:
