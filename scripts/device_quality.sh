@@ -373,7 +373,7 @@ PY
     # whose 20 settings (4 rules x 5 shares) are not all in — this machine's runs, or all leases' carried (VALID=<dir>)
     for direction in qwen25coder_0.5b_to_1.5b qwen25coder_1.5b_to_0.5b; do
       lever=$(python3 -m src.choose "${VALID:-$HOME/valid}" --workload passage --direction "$direction" \
-        --data "$HOME/data" --expect 20 2>>"$OUT/log.txt") || lever=
+        --data "$HOME/data" --expect 20 --experiment routed_frontier3 2>>"$OUT/log.txt") || lever=
       echo "chosen on validation items ($direction): ${lever:-NONE}" | tee -a "$OUT/log.txt"
       pair=pair=$(echo "$direction" | sed 's/\./p/g')  # qwen25coder_0.5b_to_1.5b -> qwen25coder_0p5b_to_1p5b
       [ -n "$lever" ] && step $((n += 1)) "${F[@]}" workload.split=test workload.limit=100 "$pair" $lever

@@ -11,10 +11,11 @@ before that split rule shared a few items with test runs). Runs are compared on 
 differ, each is re-scored on those all of them scored.
 
     python -m src.choose RECORDS_DIR [--workload passage] [--direction qwen25coder_0.5b_to_1.5b] [--data shared/data]
-        [--expect N]
+        [--expect N] [--experiment routed_frontier3]
 
 `--expect N`: the grid's size — fewer than N distinct lever settings with a finished validation run (a step cut, a
-share lost) is refused: a lever chosen from a partial grid would be the one reported on test items.
+share lost) is refused: a lever chosen from a partial grid would be the one reported on test items. `--experiment`:
+only the grid's own runs (another stage's validation runs in the same folder neither fill the grid nor get chosen).
 """
 
 from __future__ import annotations
@@ -33,7 +34,11 @@ LEVERS = "policy.levers."  # old records' levers too: read_record gives today's 
 
 
 def validation_runs(
-    directory: Path, workload: str | None = None, direction: str | None = None, data: Path | None = None
+    directory: Path,
+    workload: str | None = None,
+    direction: str | None = None,
+    data: Path | None = None,
+    experiment: str | None = None,
 ) -> list[dict]:
     """FINISHED routed records on validation items under `directory`: {name, params, tags, metrics}; with `data`
     (the task files) the quality metrics are recomputed on the run's items that no reported test run scores. Runs
@@ -47,6 +52,8 @@ def validation_runs(
         if record.get("status") != "FINISHED" or tags.get("job") != "routed" or tags.get("split") != "valid":
             continue
         if workload not in (None, tags.get("workload")) or direction not in (None, tags.get("direction")):
+            continue
+        if experiment not in (None, record.get("experiment")):  # another stage's runs in the same folder
             continue
         items = read_items(path.parent) if items_path(path.parent).is_file() else None
         if data is not None:
@@ -154,9 +161,10 @@ def main() -> None:
     parser.add_argument("--max-loss", type=float)
     parser.add_argument("--data", type=Path, help="task files: re-score each run without reported test items")
     parser.add_argument("--expect", type=int, default=0, help="the grid's size: refuse to choose from fewer settings")
+    parser.add_argument("--experiment", help="only the runs of this tracking experiment (the grid's stage)")
     args = parser.parse_args()
     try:
-        runs = validation_runs(args.directory, args.workload, args.direction, args.data)
+        runs = validation_runs(args.directory, args.workload, args.direction, args.data, args.experiment)
         require_grid(runs, args.expect)
         chosen = choose(runs, args.max_loss)
     except RecordError as error:

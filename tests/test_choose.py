@@ -81,6 +81,12 @@ def test_a_partial_grid_is_refused(grid):
     partial = subprocess.run([*command, "5"], cwd=REPO, capture_output=True, text=True)
     assert partial.returncode == 1 and partial.stdout == ""
     assert "4 of the grid's 5 lever settings have a finished validation run" in partial.stderr
+    record = grid / "pure" / "record.json"  # a run of another stage (signal) in the same folder: not the grid's
+    record.write_text(json.dumps(json.loads(record.read_text()) | {"experiment": "error_signal"}))
+    for path in grid.glob("r*/record.json"):
+        path.write_text(json.dumps(json.loads(path.read_text()) | {"experiment": "routed_frontier3"}))
+    own = subprocess.run([*command, "4", "--experiment", "routed_frontier3"], cwd=REPO, capture_output=True, text=True)
+    assert own.returncode == 1 and "3 of the grid's 4 lever settings" in own.stderr
 
 
 def test_cli_without_validation_runs_says_so(tmp_path):
