@@ -382,8 +382,9 @@ PY
   par)  # any resumable stage's steps as chains side by side (scripts/device_bg.sh): PAR_STAGE the stage, PAR_CHAINS
     # the chains — apart by spaces, a chain's steps by commas (signal: "1,2,3,4 5,6,7,8", one mapper a chain). Each
     # step writes $HOME/<stage>/s<N> and copies its records into $HOME/valid. Memory (2026-12-07, H100): a fit peaked
-    # at 33 GB and a process grew to 50 GB over a chain, so three chains ran out of memory: two on an H100, three on an
-    # H200, with the allocator's expandable segments. Returns at once; a later call waits: `bash scripts/device_bg.sh
+    # at 33 GB and a run at 29-31 GB, but a sweep's process grew to 47-50 GB (earlier runs' CUDA graph pools, now
+    # collected after each job: src/run.py), and ran its neighbour out of memory. Two chains on an H100 should fit now
+    # (not yet seen), three on an H200; the allocator's expandable segments on. Returns at once; a later call waits: `bash scripts/device_bg.sh
     # wait 550 <stage>-…` and copies $HOME/<stage> and $HOME/valid back. Their latencies were measured side by side.
     trap - EXIT
     start_chains "${PAR_STAGE:?PAR_STAGE: the stage to run}" "${PAR_CHAINS:?PAR_CHAINS: its chains, e.g. \"1,2 3,4\"}" ;;
