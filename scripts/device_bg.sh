@@ -42,6 +42,7 @@ case ${1:-} in
       tail -3 "$log"
     done ;;
   tree)
+    [ "$(pwd -P)" != "$(cd "$HOME" && pwd -P)/tree" ] || { echo "device_bg: tree copies the repository's folder, not \$HOME/tree itself" >&2; exit 2; }
     rm -rf "$HOME/tree" && mkdir -p "$HOME/tree"
     tar --exclude=./.stage --exclude=./.whl -cf - . | tar -xf - -C "$HOME/tree"
     echo "copied to $HOME/tree ($(du -sh "$HOME/tree" | cut -f1))" ;;

@@ -398,7 +398,7 @@ PY
     bash scripts/device_bg.sh start frontier3-test VALID_CARRIED="${VALID_CARRIED:-}" JOBS="${STARTED[*]}" -- bash -c '
       bash scripts/device_bg.sh wait 3000 $JOBS
       [ -z "$VALID_CARRIED" ] || cp -r "$VALID_CARRIED/." "$HOME/valid/"
-      cp -r "$HOME/valid" "$HOME/valid-chosen"  # the choice reads a still folder (the test runs copy into valid/)
+      rm -rf "$HOME/valid-chosen" && cp -r "$HOME/valid" "$HOME/valid-chosen"  # a still folder (test runs copy into valid/)
       for s in 9 10; do mkdir -p "$HOME/frontier3/s$s"
         VALID=$HOME/valid-chosen FROM=$s TO=$s DONE=$HOME/frontier3-$s.done OUT=$HOME/frontier3/s$s BUDGET_S=900 \
           bash scripts/device_quality.sh frontier3 & done
