@@ -9,11 +9,12 @@
 #                                                                      .whl) to $HOME/tree: start jobs from there, as
 #                                                                      a later call re-copies the repository's folder
 # Each job: $HOME/bg/NAME.log (stdout + stderr), $HOME/bg/NAME.rc once it ended (its exit status). Jobs that share
-# the GPU run side by side: their quality records are what one alone would write, their latencies are not (a
-# record made beside another job is marked so in its COMMANDS.md).
+# the GPU run side by side: their quality records are what one alone would write, their latencies are not (the
+# run set is named in `Table.shared_gpu`, src/report/benchmarks.py, and its COMMANDS.md says so).
 set -euo pipefail
 BG=$HOME/bg
 mkdir -p "$BG"
+state() { if [ -e "$BG/$1.rc" ]; then echo "rc $(cat "$BG/$1.rc")"; else echo "$2"; fi; }  # state NAME WHILE-RUNNING
 case ${1:-} in
   start)
     name=$2; shift 2
@@ -32,17 +33,19 @@ case ${1:-} in
     for name in "$@"; do
       [ -e "$BG/$name.log" ] || { echo "device_bg: $name was never started here" >&2; exit 2; }
       while [ ! -e "$BG/$name.rc" ] && [ "$SECONDS" -lt "$deadline" ]; do sleep 2; done
-      echo "$name: $( [ -e "$BG/$name.rc" ] && echo "rc $(cat "$BG/$name.rc")" || echo "still running")"
+      echo "$name: $(state "$name" "still running")"
     done ;;
   show)
     for log in "$BG"/*.log; do
       [ -e "$log" ] || continue
       name=$(basename "$log" .log)
-      echo "== $name: $( [ -e "$BG/$name.rc" ] && echo "rc $(cat "$BG/$name.rc")" || echo running)"
+      echo "== $name: $(state "$name" running)"
       tail -3 "$log"
     done ;;
   tree)
-    [ "$(pwd -P)" != "$(cd "$HOME" && pwd -P)/tree" ] || { echo "device_bg: tree copies the repository's folder, not \$HOME/tree itself" >&2; exit 2; }
+    if [ "$(pwd -P)" = "$(cd "$HOME" && pwd -P)/tree" ]; then
+      echo "device_bg: tree copies the repository's folder, not \$HOME/tree itself" >&2; exit 2
+    fi
     rm -rf "$HOME/tree" && mkdir -p "$HOME/tree"
     tar --exclude=./.stage --exclude=./.whl -cf - . | tar -xf - -C "$HOME/tree"
     echo "copied to $HOME/tree ($(du -sh "$HOME/tree" | cut -f1))" ;;

@@ -48,7 +48,7 @@ run() {
 }
 pack() { if [ -d "$OUT/trk" ]; then tar czf "$OUT/trk-$stage.tgz" -C "$OUT" trk && rm -rf "$OUT/trk"; fi; }
 step() {  # step N ARGS…: one step of a resumable queue (routed, routed2, routed3), unless an earlier call on this machine
-  # finished it ($HOME/<stage>.done) or FROM=N / TO=N leave it out (a later lease on a fresh machine, one step alone)
+  # finished it ($DONE) or FROM=N / TO=N leave it out (a later lease on a fresh machine, one step alone)
   local n=$1; shift
   [ "$n" -lt "${FROM:-1}" ] || [ "$n" -gt "${TO:-99}" ] || [ "$n" -le "$(cat "$DONE" 2>/dev/null || echo 0)" ] && return
   [ $((DEADLINE - SECONDS)) -lt 60 ] && { echo "SKIPPED (out of time): step $n" | tee -a "$OUT/log.txt"; exit 0; }
@@ -58,7 +58,8 @@ step() {  # step N ARGS…: one step of a resumable queue (routed, routed2, rout
 }
 trap pack EXIT
 start_chains() {  # start_chains STAGE "3,7 4:0.165/0.265,8": each chain a device_bg job running its steps in turn
-  # (FROM=TO=N, a done-file and an OUT of its own; F3_RECOMPUTE: the shares after a step's colon); names in STARTED
+  # (FROM=TO=N, a done-file and an OUT of its own; the shares after a step's colon reach frontier3 as F3_RECOMPUTE,
+  # the one stage that reads them); the jobs' names in STARTED
   export PYTORCH_CUDA_ALLOC_CONF=${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True}
   local stage=$1 c item s shares lines name
   STARTED=()
@@ -382,10 +383,11 @@ PY
   par)  # any resumable stage's steps as chains side by side (scripts/device_bg.sh): PAR_STAGE the stage, PAR_CHAINS
     # the chains — apart by spaces, a chain's steps by commas (signal: "1,2,3,4 5,6,7,8", one mapper a chain). Each
     # step writes $HOME/<stage>/s<N> and copies its records into $HOME/valid. Memory (2026-12-07, H100): a fit peaked
-    # at 33 GB and a run at 29-31 GB, but a sweep's process grew to 47-50 GB (earlier runs' CUDA graph pools, now
-    # collected after each job: src/run.py), and ran its neighbour out of memory. Two chains on an H100 should fit now
-    # (not yet seen), three on an H200; the allocator's expandable segments on. Returns at once; a later call waits: `bash scripts/device_bg.sh
-    # wait 550 <stage>-…` and copies $HOME/<stage> and $HOME/valid back. Their latencies were measured side by side.
+    # at 33 GB and a run at 29-31 GB, but a sweep's process grew to 47-50 GB (most likely earlier runs' CUDA graph
+    # pools, now collected after each job: src/run.py) and ran its neighbour out of memory. Two chains on an H100
+    # should fit now (not yet seen), three on an H200; the allocator's expandable segments on. Returns at once; a
+    # later call waits (`bash scripts/device_bg.sh wait 550 <stage>-…`) and copies $HOME/<stage> and $HOME/valid
+    # back. Their latencies were measured side by side.
     trap - EXIT
     start_chains "${PAR_STAGE:?PAR_STAGE: the stage to run}" "${PAR_CHAINS:?PAR_CHAINS: its chains, e.g. \"1,2 3,4\"}" ;;
   frontier3-par)  # frontier3's validation steps as `par` chains (F3_CHAINS; a step's lost shares after a colon apart

@@ -279,8 +279,8 @@ def main(cfg: DictConfig) -> float | None:
             overrides = " ".join(HydraConfig.get().overrides.task)
             print(f"job failed ({overrides}):\n{traceback.format_exc()}", file=sys.stderr, flush=True)
         raise
-    finally:  # a job's engines sit in reference cycles (sessions ↔ graphs), which the collector frees only when its
-        # object counts say so: the next job of a sweep would find their CUDA graph pools and caches still held
+    finally:  # a job's engines sit in reference cycles, which the collector frees only when its object counts say
+        # so: the next job of a sweep would find their CUDA graph pools and caches still held
         gc.collect()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()

@@ -51,9 +51,7 @@ GATE = "gate-h100-2026-12-06b"  # scripts/device_quality.sh gate as registered: 
 FRONTIER_CPU = "frontier-cpu-2026-12-06"  # issue 34 item 2: the passage frontier on the CPU, fp32
 FRONTIER_CPU_TEST = "frontier-cpu-test-2026-12-06"  # the levers chosen on its validation runs, on test items
 FRONTIER3 = "frontier3-h100-2026-12-07"  # device_quality.sh frontier3, steps 1-2 of 8 (validation items, fp32, engine)
-FRONTIER3B = (
-    "frontier3-h100-2026-12-07b"  # steps 3, 4, 5, 7, 8 (some shares lost to memory), side by side (frontier3-par)
-)
+FRONTIER3B = "frontier3-h100-2026-12-07b"  # steps 3, 4, 5, 7, 8 side by side (frontier3-par), shares lost
 FUSED = "fused-fit-h200-2026-12-03/bench_fused_fit.json"
 COVERAGE = "gate-coverage-cpu-2026-12-06/coverage.json"  # scripts/gate_coverage.py
 VLLM_FILE = "vllm-h100-2026-12-06/vllm_ttft_file.json"  # scripts/bench_vllm_ttft.py, one H100
