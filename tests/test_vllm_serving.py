@@ -78,7 +78,7 @@ def served(tmp_path_factory):
     timings = root / "timings.jsonl"
     engines = [engine(pair.small, {"transport": exports})]
     os.environ[TIMINGS] = str(timings)  # read by the engine's processes as they start: the receiver's only
-    engines.append(engine(pair.large, receiver))
+    engines.append(engine(pair.large, receiver, disable_log_stats=False))  # its metrics: the connector's counters
     del os.environ[TIMINGS]
     engines.append(engine(pair.large, None))
     ids = [mapper_id(load_mapper(path)) for path in (pair.fitted, pair.identity)]
@@ -256,6 +256,58 @@ def test_a_late_refusal_recomputes_the_span(served, poison):
     reference = generate(served.plain, conversation)
     assert tokens(out) == tokens(reference)
     assert torch.equal(logprobs(out), logprobs(reference))
+
+
+def kvrelay_counters(llm) -> dict[tuple[str, str], float]:
+    """The receiver's kvrelay Prometheus counters now: (family, outcome or "") → value (the families of the
+    /metrics page's vllm:kvrelay_*_total samples)."""
+    return {(m.name, m.labels.get("outcome", "")): m.value for m in llm.get_metrics()
+            if m.name.startswith("vllm:kvrelay_")}  # fmt: skip
+
+
+def test_the_engines_metrics_count_each_handoff_as_its_record_says(served):
+    """Prometheus counters (what `vllm serve` shows on /metrics) after a mapped handoff, a refused one, a late
+    refusal and parameters that do not parse: each outcome counted once, the mapped tokens as its record says."""
+    before = kvrelay_counters(served.large)
+    prompt = fresh(100)
+    mapped = record(generate(served.large, prompt + fresh(5), handoff(export(served.small, prompt), served.fitted)))
+    refused = record(generate(served.large, fresh(106), handoff(export(served.small, fresh(100)), served.fitted)))
+    prompt = fresh(100)
+    export_id = export(served.small, prompt)
+    header = served.transport.header(export_id)
+    keys, values, _ = served.transport.load(export_id, 0, len(prompt))
+    served.transport.put(export_id + "p", torch.full_like(keys, float("nan")), values, list(header.ids),
+                         header.source_fingerprint, header.tokenizer_hash, (0, header.heads, header.heads),
+                         fingerprint_dtype=header.fingerprint_dtype)  # fmt: skip
+    late = record(generate(served.large, prompt + fresh(6), handoff(export_id + "p", served.fitted)))
+    bad = record(generate(served.large, fresh(40), {"kvrelay": "please"}))
+    assert [r.get("handoff", {}).get("status") for r in (mapped, refused, late, bad)] == [
+        "mapped", "refused", "recomputed", None]  # fmt: skip
+    after = kvrelay_counters(served.large)
+    delta = {key: after[key] - before.get(key, 0.0) for key in after}
+    assert delta[("vllm:kvrelay_handoffs", "mapped")] == 1
+    assert delta[("vllm:kvrelay_handoffs", "refused")] == 1
+    assert delta[("vllm:kvrelay_handoffs", "recomputed")] == 1
+    assert delta[("vllm:kvrelay_mapped_tokens", "")] == mapped["handoff"]["mapped"] == 96
+    assert delta[("vllm:kvrelay_request_errors", "")] == 1
+
+
+def test_the_counts_cross_processes_as_data_and_sum_over_steps():
+    """vLLM's path for the counts: the scheduler's stats per step → `data` over IPC → rebuilt by the connector class
+    → summed over an interval; an unknown count is refused by name, not dropped."""
+    from src.serving.metrics import COUNTS, KVRelayStats
+    from src.serving.vllm_connector import KVRelayConnector
+
+    step = KVRelayStats()
+    step.count({"handoff": {"status": "mapped", "mapped": 64}, "export": None})
+    step.count({"handoff": {"status": "refused", "reason": "length guard", "hit": 0}, "error": "x"})
+    interval = KVRelayConnector.build_kv_connector_stats(dict(step.data))
+    interval.aggregate(KVRelayConnector.build_kv_connector_stats(dict(step.data)))
+    assert interval.reduce() == {**dict.fromkeys(COUNTS, 0), "handoffs_mapped": 2, "handoffs_refused": 2,
+                                 "mapped_tokens": 128, "exports_unfinished": 2, "request_errors": 2}  # fmt: skip
+    assert KVRelayConnector.build_kv_connector_stats().is_empty()
+    with pytest.raises(ValueError, match="handoffs_maped"):
+        KVRelayStats(data={"handoffs_maped": 1})
 
 
 def test_a_batch_mixing_mapped_and_plain_requests_is_right_for_each(served):

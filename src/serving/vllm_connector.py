@@ -51,6 +51,7 @@ from src.runtime.plan import SplicePlan
 from src.serving.claim import claim
 from src.serving.config import connector_config
 from src.serving.metadata import KVRelayMetadata, Load, Save
+from src.serving.metrics import KVRelayPromMetrics, KVRelayStats
 from src.serving.paged import UNQUANTIZED, Writer, check_layout, flash_halves, read_export, slots_for, write_mapped
 from src.serving.params import KEY, Handoff, RelayParams, parse
 from src.serving.provenance import rekey, salted
@@ -89,6 +90,7 @@ class KVRelayConnector(KVConnectorBase_V1):
     """The kvrelay connector (module docstring)."""
 
     timings = Timings("off")  # src/serving/timings.py: off unless the engine's environment asks (__init__)
+    _stats: KVRelayStats | None = None  # the scheduler side's counts since the last step (metrics.py)
 
     def __init__(self, vllm_config, role: KVConnectorRole, kv_cache_config=None):
         super().__init__(vllm_config, role, kv_cache_config)
@@ -105,6 +107,7 @@ class KVRelayConnector(KVConnectorBase_V1):
             self.hash_fn = get_hash_fn_by_name(vllm_config.cache_config.prefix_caching_hash_algo)  # vLLM's block keys
             self._tracked: dict[str, _Tracked] = {}
             self._loads: list[Load] = []
+            self._stats = KVRelayStats()
             return
         self.device = torch.device(vllm_config.device_config.device)
         if self.config.export_memory == "device" and self.device.type != "cuda":  # before any model loads
@@ -263,7 +266,26 @@ class KVRelayConnector(KVConnectorBase_V1):
         if tracked.export_id is not None and not tracked.exported:
             tracked.record["export"] = None
             tracked.record["export_reason"] = "the request finished before its prefill completed"
+        self._stats.count(tracked.record)
         return False, {KEY: tracked.record}
+
+    def get_kv_connector_stats(self) -> KVRelayStats | None:
+        """The scheduler side's counts since the last call (vLLM asks once per step), then zero; None where there
+        are none, and always on the worker side (it counts nothing: a late refusal reaches the request's record)."""
+        stats = self._stats
+        if stats is None or stats.is_empty():
+            return None
+        self._stats = KVRelayStats()
+        return stats
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVRelayStats:
+        """The counts as they crossed from the engine core (`KVRelayStats.data`)."""
+        return KVRelayStats(data=dict(data or {}))
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config, metric_types, labelnames, per_engine_labelvalues) -> KVRelayPromMetrics:
+        return KVRelayPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     # ---------------------------------------------------------------- worker side
 
