@@ -7,7 +7,8 @@ the small server reads the history and exports it; the large server maps that ex
 Both servers load the kvrelay connector from this checkout (`--kv-transfer-config`, module src.serving.vllm_connector;
 run from the repository root). The request carries `kv_transfer_params` ({"kvrelay": {"export": true}}, then
 {"kvrelay": {"handoff": {"export": id, "mapper": id}}}, with the conversation's provenance salt as its `cache_salt`:
-src/serving/provenance.py); each response returns the connector's record in its own `kv_transfer_params`. The
+src/serving/provenance.py); each response returns the connector's record in its own `kv_transfer_params`, and the
+servers' /metrics must count the export and the mapped handoff (vllm:kvrelay_*_total, src/serving/metrics.py). The
 servers this script started are stopped when it ends (or after --timeout seconds).
 """
 
@@ -68,6 +69,20 @@ def wait_healthy(port: int, process: subprocess.Popen, deadline: float) -> None:
     raise TimeoutError(f"the server on port {port} was not healthy in time")
 
 
+def kvrelay_metrics(port: int) -> dict[str, float]:
+    """The server's vllm:kvrelay_* counters from its Prometheus page: `name{labels}` (without the engine's) → value."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as response:
+        lines = response.read().decode().splitlines()
+    counters = {}
+    for line in lines:
+        if line.startswith("vllm:kvrelay_") and "_total" in line.split("{")[0]:
+            sample, value = line.rsplit(" ", 1)
+            name, _, labels = sample.partition("{")
+            outcome = [label for label in labels.rstrip("}").split(",") if label.startswith("outcome=")]
+            counters[name + (f"{{{outcome[0]}}}" if outcome else "")] = float(value)
+    return counters
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--small", type=Path)
@@ -111,7 +126,12 @@ def main(argv: list[str] | None = None) -> int:
                                   "kv_transfer_params": handoff})  # fmt: skip
         print("large:", large["choices"][0]["text"][:40], large["kv_transfer_params"], large.get("usage"))
         done = large["kv_transfer_params"]["kvrelay"]["handoff"]
-        return 0 if (done["status"], done.get("keys")) == ("mapped", "cache_salt") else 1
+        counters = {port: kvrelay_metrics(port) for port in (small_port, large_port)}  # the servers' own counts
+        for name, port in (("small", small_port), ("large", large_port)):
+            print(f"{name} /metrics:", ", ".join(f"{key} {value:g}" for key, value in counters[port].items()))
+        counted = (counters[small_port].get('vllm:kvrelay_exports_total{outcome="published"}'),
+                   counters[large_port].get('vllm:kvrelay_handoffs_total{outcome="mapped"}')) == (1, 1)  # fmt: skip
+        return 0 if (done["status"], done.get("keys"), counted) == ("mapped", "cache_salt", True) else 1
     finally:
         for process in servers:
             if process.poll() is None:
