@@ -1,6 +1,9 @@
 #!/usr/bin/env bash
 # Real-pair quality runs on the lent H200 (Qwen2.5-Coder 0.5B → 1.5B), one stage per device call:
 #   bash scripts/device_quality.sh setup      wheels (.whl) + data (.stage/data) carried; install, check GPU
+#   bash scripts/device_quality.sh data       the rest of .stage/data: the tree + all of it passed a call's 64 MiB
+#                                             (2026-12-07), so setup carries .stage/data/corpora + README.md and
+#                                             this call .stage/data/eval
 #   (`bash scripts/stage_device.sh` stages .whl, .stage/data and the GGUF chunks here and lists the chunk calls;
 #   each chunk is moved to $HOME/stage by its own call, back to back, before `setup`)
 #   bash scripts/device_quality.sh models     join + verify the GGUFs, de-quantize to safetensors (fetch_models.py)
@@ -90,6 +93,8 @@ case $stage in
     python3 -c "import torch, transformers, hydra, gguf; print(torch.__version__, transformers.__version__)"
     python3 -m pytest -q -p no:cacheprovider tests/test_fingerprint.py -k cuda 2>&1 | tail -3 || true  # the CUDA checksum
     mkdir -p "$OUT/trk" ;;
+  data)
+    mkdir -p "$HOME/data" && cp -r .stage/data/. "$HOME/data/" && du -sh "$HOME/data"/* ;;
   models)
     for name in qwen25coder_0p5b:qwen2.5-coder-0.5b-q4.gguf qwen25coder_1p5b:qwen2.5-coder-1.5b-q4.gguf; do
       mkdir -p "$KVRELAY_HOME/gguf/${name%%:*}"

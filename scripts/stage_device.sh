@@ -8,8 +8,11 @@
 # of margin; PIN also archives that commit's code for runs whose shards span leases, see device_quality.sh)
 # Then, back to back in one lease (an idle machine is given back after 30 s):
 #   one `run` per chunk: carry [".stage/<chunk>"], command `mkdir -p $HOME/stage && mv .stage/<chunk> $HOME/stage/`
-#   one `run` carrying [".whl", ".stage/data"]: `bash scripts/device_quality.sh setup && bash scripts/device_quality.sh
-#   models && …` (device_quality.sh joins the chunks, checks the sha256 and converts on the GPU machine)
+#   one `run` carrying [".whl", ".stage/data/corpora", ".stage/data/README.md"]: `bash scripts/device_quality.sh setup`,
+#   one carrying [".stage/data/eval"]: `bash scripts/device_quality.sh data` (the tree and all the data passed 64 MiB
+#   on 2026-12-07), then `bash scripts/device_quality.sh models && …` (device_quality.sh joins the chunks, checks the
+#   sha256 and converts on the GPU machine). The chunks are sized for the tree of the day they were cut: after the
+#   tree grows, cut them again (this script) or a chunk's call is refused before it runs.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 tree_mb=$(git ls-files -z | xargs -0 stat -c %s | awk '{k += int(($1 + 4095) / 4096)} END {print int(k / 256) + 1}')
