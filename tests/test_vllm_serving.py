@@ -306,6 +306,9 @@ def test_the_counts_cross_processes_as_data_and_sum_over_steps():
     assert interval.reduce() == {**dict.fromkeys(COUNTS, 0), "handoffs_mapped": 2, "handoffs_refused": 2,
                                  "mapped_tokens": 128, "exports_unfinished": 2, "request_errors": 2}  # fmt: skip
     assert KVRelayConnector.build_kv_connector_stats().is_empty()
+    step.reset()
+    step.count({"handoff": {"status": "deferred"}})  # a status no record writes: counted nowhere, never raised
+    assert step.is_empty()
     with pytest.raises(ValueError, match="handoffs_maped"):
         KVRelayStats(data={"handoffs_maped": 1})
 

@@ -33,12 +33,13 @@ COUNTS = (*(f"handoffs_{outcome}" for outcome in OUTCOMES), "mapped_tokens", "ex
 
 
 def record_counts(record: dict) -> dict[str, int]:
-    """One finished request's record → the counts it adds (every key of COUNTS)."""
+    """One finished request's record → the counts it adds (every key of COUNTS). Called inside vLLM's scheduler, so
+    it never raises: a status outside OUTCOMES (none is written today) counts nowhere."""
     counts = dict.fromkeys(COUNTS, 0)
-    handoff = record.get("handoff")
-    if handoff is not None:
-        counts[f"handoffs_{handoff['status']}"] = 1
-        counts["mapped_tokens"] = handoff.get("mapped", 0) if handoff["status"] == "mapped" else 0
+    status = (record.get("handoff") or {}).get("status")
+    if status in OUTCOMES:
+        counts[f"handoffs_{status}"] = 1
+        counts["mapped_tokens"] = int(record["handoff"].get("mapped", 0)) if status == "mapped" else 0
     if "export" in record:
         counts["exports_published" if record["export"] is not None else "exports_unfinished"] = 1
     counts["request_errors"] = int("error" in record)
