@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # Real-pair quality runs on the lent H200 (Qwen2.5-Coder 0.5B → 1.5B), one stage per device call:
-#   bash scripts/device_quality.sh setup      wheels (.whl) + data (.stage/data) carried; install, check GPU
-#   bash scripts/device_quality.sh data       the rest of .stage/data: the tree + all of it passed a call's 64 MiB
-#                                             (2026-12-07), so setup carries .stage/data/corpora + README.md and
-#                                             this call .stage/data/eval
+#   bash scripts/device_quality.sh setup      wheels (.whl) + .stage/data/corpora and README.md carried; install,
+#                                             check GPU
+#   bash scripts/device_quality.sh data       .stage/data/eval carried (the tree + all of .stage/data passed a call's
+#                                             64 MiB on 2026-12-07)
 #   (`bash scripts/stage_device.sh` stages .whl, .stage/data and the GGUF chunks here and lists the chunk calls;
 #   each chunk is moved to $HOME/stage by its own call, back to back, before `setup`)
 #   bash scripts/device_quality.sh models     join + verify the GGUFs, de-quantize to safetensors (fetch_models.py)

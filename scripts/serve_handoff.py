@@ -71,16 +71,13 @@ def wait_healthy(port: int, process: subprocess.Popen, deadline: float) -> None:
 
 def kvrelay_metrics(port: int) -> dict[str, float]:
     """The server's vllm:kvrelay_* counters from its Prometheus page: `name{labels}` (without the engine's) → value."""
+    from prometheus_client.parser import text_string_to_metric_families  # vLLM's own dependency
+
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as response:
-        lines = response.read().decode().splitlines()
-    counters = {}
-    for line in lines:
-        if line.startswith("vllm:kvrelay_") and "_total" in line.split("{")[0]:
-            sample, value = line.rsplit(" ", 1)
-            name, _, labels = sample.partition("{")
-            outcome = [label for label in labels.rstrip("}").split(",") if label.startswith("outcome=")]
-            counters[name + (f"{{{outcome[0]}}}" if outcome else "")] = float(value)
-    return counters
+        families = text_string_to_metric_families(response.read().decode())
+    samples = [s for family in families for s in family.samples if s.name.startswith("vllm:kvrelay_")]
+    return {s.name + (f'{{outcome="{s.labels["outcome"]}"}}' if "outcome" in s.labels else ""): s.value
+            for s in samples if s.name.endswith("_total")}  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -238,12 +238,9 @@ def test_every_refusal_gives_the_output_of_vllm_without_the_connector(served, ki
     assert torch.equal(logprobs(out), logprobs(reference))  # bit for bit
 
 
-@pytest.mark.parametrize("poison", ["nan", "huge"])
-def test_a_late_refusal_recomputes_the_span(served, poison):
-    """An export whose values map to NaN, or past the magnitude guard: the claim holds (its header is sound), the
-    worker reports the span's blocks as a load error, vLLM recomputes them — the output of a plain prefill."""
-    prompt = fresh(100)
-    conversation = prompt + fresh(6)
+def poisoned_export(served, prompt: list[int], poison: str) -> str:
+    """The small model's export of `prompt` with its keys made NaN ("nan") or 1e6 times larger ("huge"), under a new
+    id: a header the claim accepts, values the worker refuses late."""
     export_id = export(served.small, prompt)
     header = served.transport.header(export_id)
     keys, values, _ = served.transport.load(export_id, 0, len(prompt))
@@ -251,7 +248,16 @@ def test_a_late_refusal_recomputes_the_span(served, poison):
     served.transport.put(export_id + "p", bad, values, list(header.ids), header.source_fingerprint,
                          header.tokenizer_hash, (0, header.heads, header.heads),
                          fingerprint_dtype=header.fingerprint_dtype)  # fmt: skip
-    out = generate(served.large, conversation, handoff(export_id + "p", served.fitted))
+    return export_id + "p"
+
+
+@pytest.mark.parametrize("poison", ["nan", "huge"])
+def test_a_late_refusal_recomputes_the_span(served, poison):
+    """An export whose values map to NaN, or past the magnitude guard: the claim holds (its header is sound), the
+    worker reports the span's blocks as a load error, vLLM recomputes them — the output of a plain prefill."""
+    prompt = fresh(100)
+    conversation = prompt + fresh(6)
+    out = generate(served.large, conversation, handoff(poisoned_export(served, prompt, poison), served.fitted))
     assert record(out)["handoff"]["status"] == "recomputed"
     reference = generate(served.plain, conversation)
     assert tokens(out) == tokens(reference)
@@ -271,15 +277,10 @@ def test_the_engines_metrics_count_each_handoff_as_its_record_says(served):
     before = kvrelay_counters(served.large)
     prompt = fresh(100)
     mapped = record(generate(served.large, prompt + fresh(5), handoff(export(served.small, prompt), served.fitted)))
-    refused = record(generate(served.large, fresh(106), handoff(export(served.small, fresh(100)), served.fitted)))
+    refused = record(generate(served.large, *_refusal(served, "not a prefix")[:2]))
     prompt = fresh(100)
-    export_id = export(served.small, prompt)
-    header = served.transport.header(export_id)
-    keys, values, _ = served.transport.load(export_id, 0, len(prompt))
-    served.transport.put(export_id + "p", torch.full_like(keys, float("nan")), values, list(header.ids),
-                         header.source_fingerprint, header.tokenizer_hash, (0, header.heads, header.heads),
-                         fingerprint_dtype=header.fingerprint_dtype)  # fmt: skip
-    late = record(generate(served.large, prompt + fresh(6), handoff(export_id + "p", served.fitted)))
+    late = record(generate(served.large, prompt + fresh(6), handoff(poisoned_export(served, prompt, "nan"),
+                                                                    served.fitted)))  # fmt: skip
     bad = record(generate(served.large, fresh(40), {"kvrelay": "please"}))
     assert [r.get("handoff", {}).get("status") for r in (mapped, refused, late, bad)] == [
         "mapped", "refused", "recomputed", None]  # fmt: skip

@@ -39,7 +39,8 @@ def record_counts(record: dict) -> dict[str, int]:
     status = (record.get("handoff") or {}).get("status")
     if status in OUTCOMES:
         counts[f"handoffs_{status}"] = 1
-        counts["mapped_tokens"] = int(record["handoff"].get("mapped", 0)) if status == "mapped" else 0
+    if status == "mapped":
+        counts["mapped_tokens"] = int(record["handoff"].get("mapped", 0))
     if "export" in record:
         counts["exports_published" if record["export"] is not None else "exports_unfinished"] = 1
     counts["request_errors"] = int("error" in record)
