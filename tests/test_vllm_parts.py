@@ -197,6 +197,61 @@ def test_vllm_counting_other_than_the_planned_span_is_refused_and_its_blocks_rec
     assert worker.get_block_ids_with_load_errors() == {8}
 
 
+@needs_vllm
+def test_a_request_resumed_after_preemption_with_a_shorter_hit_is_claimed_again_from_there(monkeypatch):
+    """vLLM asks get_num_new_matched_tokens again each step a request waits for blocks and when a preempted one
+    resumes, whose native prefix blocks may have been evicted meanwhile: a shorter hit. The claim from that hit is
+    re-keyed from the earlier block (rekey raised inside vLLM's scheduler before, and the engine died: 2026-12-07),
+    the record's span is the union of the loads (a later resume may hit the request's own mapped blocks and map
+    less), each hit's claim is computed once, and a resume that finds the whole span held stays "mapped", saying
+    so."""
+    from vllm import SamplingParams
+    from vllm.utils.hashing import get_hash_fn_by_name
+    from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+    from vllm.v1.request import Request
+
+    import src.serving.vllm_connector as connector
+
+    hash_fn = get_hash_fn_by_name("sha256")
+    init_none_hash(hash_fn)
+    request = Request(
+        "r", PROMPT, SamplingParams(max_tokens=1), None, block_hasher=get_request_block_hasher(32, hash_fn)
+    )
+    native = list(request.block_hashes)  # 3 whole blocks of the 105 tokens
+    scheduler = connector.KVRelayConnector.__new__(connector.KVRelayConnector)  # its role's state only: no engine
+    scheduler.block_size, scheduler._loads, scheduler.hash_fn = 32, [], hash_fn
+    scheduler.config = connector_config({"policy": {"levers": {"hold_back": 4}, "max_length_factor": 3.0}}, "recompute")
+    scheduler.routes = {
+        "m:1": SimpleNamespace(route=ROUTE, source_fingerprint="source-fp", fingerprint_dtype="bfloat16")
+    }
+    scheduler.tokenizer_hash, scheduler.target_layers = "tok", LAYERS
+    handoff = Handoff("e1", "m:1")
+    tracked = connector._Tracked(RelayParams(handoff=handoff), PROMPT, {}, header=HEADER)
+    scheduler._tracked = {"r": tracked}
+    blocks = SimpleNamespace(get_block_ids=lambda: ([7, 8, 9, 10],))
+    claims = []
+    monkeypatch.setattr(connector, "claim", lambda *args: claims.append(args[1]) or claim(*args))
+
+    assert scheduler.get_num_new_matched_tokens(request, 64) == (32, False)  # a native hit of 2 blocks
+    assert scheduler.get_num_new_matched_tokens(request, 64) == (32, False)  # asked again while it waits
+    scheduler.update_state_after_alloc(request, blocks, 32)
+    assert request.block_hashes[:2] == native[:2] and request.block_hashes[2] != native[2]
+    assert scheduler.get_num_new_matched_tokens(request, 32) == (64, False)  # resumed; its native block 1 evicted
+    assert request.block_hashes[0] == native[0] and request.block_hashes[1] != native[1]
+    scheduler.update_state_after_alloc(request, blocks, 64)
+    done = tracked.record["handoff"]
+    assert (done["status"], done["hit"], done["start"], done["end"], done["mapped"], done["loads"]) == (
+        "mapped", 32, 32, 96, 64, 2)  # fmt: skip
+    keys = list(request.block_hashes)
+    assert scheduler.get_num_new_matched_tokens(request, 64) == (32, False)  # again; its own mapped block 1 held
+    scheduler.update_state_after_alloc(request, blocks, 32)
+    done = tracked.record["handoff"]
+    assert (done["start"], done["end"], done["mapped"], done["loads"]) == (32, 96, 64, 3)  # the span ever mapped
+    assert request.block_hashes == keys and claims == [64, 32]
+    assert scheduler.get_num_new_matched_tokens(request, 96) == (0, False)  # resumed holding its whole span
+    assert done["status"] == "mapped" and done["resumed"].startswith("read natively from token 96: nothing to map")
+
+
 # ---------------------------------------------------------------------------------------------------- provenance
 
 

@@ -59,6 +59,7 @@ class Served:
     identity: str
     pair: object
     timings: Path  # the receiver's KVRELAY_TIMINGS (the sender's is unset)
+    receiver: dict  # the receiver's kv_connector_extra_config
 
 
 @pytest.fixture(scope="module")
@@ -82,7 +83,7 @@ def served(tmp_path_factory):
     del os.environ[TIMINGS]
     engines.append(engine(pair.large, None))
     ids = [mapper_id(load_mapper(path)) for path in (pair.fitted, pair.identity)]
-    yield Served(*engines, Transport(exports), *ids, pair, timings)
+    yield Served(*engines, Transport(exports), *ids, pair, timings, receiver)
     for llm in engines:  # now, not at interpreter exit
         llm.llm_engine.engine_core.shutdown()
     for key, value in saved.items():
@@ -168,7 +169,7 @@ def test_a_salted_handoff_is_keyed_apart_by_vllm_and_a_tenants_salt_is_re_keyed(
     out = generate(served.large, conversation, handoff(export_id, served.fitted), salt=salt)
     done = record(out)["handoff"]
     assert (done["status"], done["keys"], done["start"], done["end"]) == ("mapped", "cache_salt", 0, 128)
-    assert "rekey" not in {phase for _, phase, _ in _timed_phases(served, out)}
+    assert "rekey" not in {phase for _, phase, _ in _timed_phases(served.timings, out)}
     assert generate(served.large, conversation, salt=salt).num_cached_tokens == 128  # a later turn of it
     assert generate(served.large, conversation).num_cached_tokens == 0  # plain: none of the mapped blocks
     other = fresh(128)
@@ -327,6 +328,94 @@ def test_a_batch_mixing_mapped_and_plain_requests_is_right_for_each(served):
         torch.testing.assert_close(logprobs(out), logprobs(reference), atol=1e-4, rtol=0)  # batched GEMMs
 
 
+# ---------------------------------------------------------------------------------------------------- preemption
+
+
+@dataclass
+class Tight:
+    llm: object
+    timings: Path
+
+
+@pytest.fixture(scope="module")
+def tight(served, tmp_path_factory):
+    """The receiver with 10 usable blocks of 32 tokens (11, one vLLM's null block) and prompts up to 320 (max_model_len): two requests that
+    grow to 10 and 8 blocks cannot both run, so vLLM preempts the later one (recompute: its blocks are freed, their
+    keys stay in the prefix cache until evicted) and resumes it once the other has finished. Stats and host timings
+    on (the preemption counter, the claims)."""
+    timings = tmp_path_factory.mktemp("tight") / "timings.jsonl"
+    os.environ.update(ENV)
+    os.environ[TIMINGS] = str(timings)
+    try:
+        llm = engine(served.pair.large, served.receiver, disable_log_stats=False, max_model_len=320,
+                     num_gpu_blocks_override=11)  # fmt: skip
+    finally:
+        del os.environ[TIMINGS]
+    yield Tight(llm, timings)
+    llm.llm_engine.engine_core.shutdown()
+
+
+def preemptions(llm) -> float:
+    return next(m.value for m in llm.get_metrics() if m.name == "vllm:num_preemptions")
+
+
+def preempted_handoff(served, tight, native: int) -> tuple[list[int], str, object, object]:
+    """A plain request of 100 tokens that generates 220 (10 blocks) and, after it, a handoff of a 100-token export
+    into a 107-token conversation that generates 120 (8 blocks), on `tight` with an empty prefix cache, after a plain
+    request of the conversation's first `native` tokens (its native prefix hit): (conversation, export id, the plain
+    request's output, the handoff's output). Asserts that vLLM preempted one of them."""
+    from vllm import SamplingParams
+
+    from src.serving.params import prompt as vllm_prompt
+
+    tight.llm.reset_prefix_cache()
+    prompt = fresh(100)
+    conversation, other = prompt + fresh(7), fresh(100)
+    export_id = export(served.small, prompt)
+    if native:
+        generate(tight.llm, conversation[:native], n=1)
+    before = preemptions(tight.llm)
+    sampling = [SamplingParams(temperature=0.0, max_tokens=220, detokenize=False),
+                SamplingParams(temperature=0.0, max_tokens=120, detokenize=False,
+                               extra_args={"kv_transfer_params": handoff(export_id, served.fitted)})]  # fmt: skip
+    plain, mapped = tight.llm.generate([vllm_prompt(other), vllm_prompt(conversation)], sampling, use_tqdm=False)
+    assert preemptions(tight.llm) > before  # else this test tests nothing
+    assert tokens(plain) == tokens(generate(served.plain, other, n=220))
+    return conversation, export_id, plain, mapped
+
+
+def test_a_preempted_handoff_whose_native_prefix_was_evicted_maps_from_the_shorter_hit(served, tight):
+    """Loaded over a native prefix hit of 64 tokens, preempted, and its native blocks evicted meanwhile: it resumes
+    with a shorter hit and maps from there (re-keyed from the earlier block: provenance.rekey) — no error inside
+    vLLM's scheduler, which would kill the engine (it did, 2026-12-07); the record's span is everything ever mapped;
+    afterwards a plain request of the conversation hits native blocks only, and the engine serves on."""
+    conversation, _, _, mapped = preempted_handoff(served, tight, native=64)
+    done = record(mapped)["handoff"]
+    assert done["status"] == "mapped" and done["loads"] >= 2 and done["start"] < 64 and done["end"] == 96
+    assert generate(tight.llm, conversation, n=1).num_cached_tokens <= done["start"]
+    prompt = fresh(50)
+    assert tokens(generate(tight.llm, prompt)) == tokens(generate(served.plain, prompt))
+
+
+def test_a_preempted_handoff_resumes_on_its_mapped_span_with_the_same_tokens(served, tight):
+    """The handoff, preempted after its load, resumes on what the prefix cache kept of its blocks (under their
+    provenance keys), mapping again from the export whatever of its span was evicted, and generates what it
+    generates unpreempted; its record counts the span once and says how it resumed (a second load, or its span
+    and more held: which one depends on the block pool's order, so on the tests before); a plain request of the
+    conversation afterwards still gets none of it."""
+    conversation, export_id, _, mapped = preempted_handoff(served, tight, native=0)
+    done = record(mapped)["handoff"]
+    assert (done["status"], done["start"], done["end"], done["mapped"]) == ("mapped", 0, 96, 96)
+    assert done["loads"] == 2 or done["resumed"].startswith("read natively from token"), done
+    alone = generate(served.large, conversation, handoff(export_id, served.fitted), n=120)  # no memory pressure
+    assert record(alone)["handoff"]["loads"] == 1
+    assert tokens(mapped) == tokens(alone)
+    claims = [p for _, p, _ in _timed_phases(tight.timings, mapped) if p == "claim"]
+    assert len(claims) <= 227 // 32  # one per native hit it met (a whole-block prefix of its 227 tokens, its
+    # output included once preempted), not one per scheduler step it waited (≈ 90 here)
+    assert generate(tight.llm, conversation, n=1).num_cached_tokens == 0
+
+
 # ---------------------------------------------------------------------------------------------------- the router
 
 
@@ -372,9 +461,10 @@ def test_a_refused_switch_continues_exactly_as_plain_vllm(served):
 # ---------------------------------------------------------------------------------------------------- timings
 
 
-def _timed_phases(served, output) -> list[tuple[str, str, int]]:
-    """(role, phase, tokens) of every timing line of the request behind `output` (vLLM's id: the output's + a suffix)."""
-    lines = [json.loads(line) for line in served.timings.read_text().splitlines()] if served.timings.exists() else []
+def _timed_phases(timings: Path, output) -> list[tuple[str, str, int]]:
+    """(role, phase, tokens) of every line of the KVRELAY_TIMINGS file `timings` of the request behind `output`
+    (vLLM's id: the output's + a suffix)."""
+    lines = [json.loads(line) for line in timings.read_text().splitlines()] if timings.exists() else []
     return [(e["role"], e["phase"], e["tokens"]) for e in lines if e["request"].startswith(output.request_id + "-")]
 
 
@@ -388,12 +478,12 @@ def test_timings_name_every_phase_of_a_handoff_where_set_and_nothing_where_unset
     assert (served.timings.read_text() if served.timings.exists() else "") == before
     out = generate(served.large, conversation, handoff(export_id, served.fitted), n=1)
     assert record(out)["handoff"]["status"] == "mapped"
-    timed = _timed_phases(served, out)
+    timed = _timed_phases(served.timings, out)
     want = [("scheduler", p, len(conversation)) for p in PHASES["scheduler"]]
     want += [("worker", p, 96) for p in PHASES["worker"]]
     assert sorted(timed) == sorted(want)
     own = generate(served.large, fresh(70), {"kvrelay": {"export": True}}, n=1)
-    assert sorted(_timed_phases(served, own)) == [("scheduler", "export", 70), ("worker", "export", 70)]
+    assert sorted(_timed_phases(served.timings, own)) == [("scheduler", "export", 70), ("worker", "export", 70)]
 
 
 # ---------------------------------------------------------------------------------------------------- the TTFT bench

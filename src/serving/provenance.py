@@ -72,9 +72,11 @@ def salted(request, mapper_id: str) -> bool:
 def rekey(request, start: int, mapper_id: str, block_size: int, hash_fn: Callable[[Any], bytes] | None = None) -> None:
     """Re-key `request` (a vLLM Request) from the block holding position `start` (a multiple of block_size) on. A
     request already re-keyed at that block or an earlier one is left alone (its chain carries a key from there on);
-    one re-keyed at a later block is a ValueError. hash_fn: the engine's block hash function (vLLM's
-    `get_hash_fn_by_name(prefix_caching_hash_algo)`), for the one-loop chain (module docstring); None: vLLM's
-    hasher for every request."""
+    one re-keyed at a later block is re-keyed again from this one — a request preempted after its load whose native
+    prefix blocks were evicted meanwhile resumes with a shorter hit, and its span is mapped from there (its keys
+    before `start` are still native: the tainted block is derived from the native one). hash_fn: the engine's block
+    hash function (vLLM's `get_hash_fn_by_name(prefix_caching_hash_algo)`), for the one-loop chain (module
+    docstring); None: vLLM's hasher for every request."""
     if start % block_size:
         raise ValueError(f"a mapped span starts on a block boundary, not at {start} (block {block_size})")
     first = start // block_size
@@ -82,8 +84,6 @@ def rekey(request, start: int, mapper_id: str, block_size: int, hash_fn: Callabl
     done = getattr(request, "_kvrelay_provenance", None)
     if done is not None and done[0] <= first:
         return
-    if done is not None:
-        raise ValueError(f"request {request.request_id} is already re-keyed from block {done[0]}, after {first}")
     full = request.num_tokens // block_size
     if len(hashes) != full:
         raise ValueError(f"request {request.request_id}: {len(hashes)} block hashes for {request.num_tokens} tokens "

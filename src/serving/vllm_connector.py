@@ -77,11 +77,18 @@ class _Tracked:
     handoff: Handoff | None = None
     keys: str = ""  # how the claimed request's prefix-cache keys are kept apart: "cache_salt" or "re-keyed"
     load_blocks: set[int] = field(default_factory=set)
+    decisions: dict[int, SplicePlan | str] = field(default_factory=dict)  # the claim per native hit: vLLM asks again
+    # each step a request waits for blocks, and again when a preempted one resumes
 
 
 def _refuse(tracked: _Tracked, reason: str, hit: int) -> None:
-    """No span mapped for this request this time: an ordinary prefill, and its record says why."""
-    if tracked.record.get("handoff", {}).get("status") != "mapped":  # a resumed request may find its span held
+    """No span mapped for this request this time: an ordinary prefill, and its record says why. A request preempted
+    after its load stays "mapped" (what it generated before was read over the mapped span), its record saying how it
+    resumed."""
+    done = tracked.record.get("handoff", {})
+    if done.get("status") == "mapped":
+        done["resumed"] = f"read natively from token {hit}: {reason}"
+    else:
         tracked.record["handoff"] = {"status": "refused", "reason": reason, "hit": hit}
     tracked.plan = None
 
@@ -164,8 +171,12 @@ class KVRelayConnector(KVConnectorBase_V1):
             tracked.keys = "cache_salt"
         else:
             tracked.keys = "re-keyed"
-            with self.timings.phase("rekey", request.request_id, len(tracked.prompt)):
-                rekey(request, plan.start, handoff.mapper_id, self.block_size, self.hash_fn)
+            try:  # never raise inside vLLM's scheduler: an ordinary prefill instead
+                with self.timings.phase("rekey", request.request_id, len(tracked.prompt)):
+                    rekey(request, plan.start, handoff.mapper_id, self.block_size, self.hash_fn)
+            except ValueError as error:
+                _refuse(tracked, f"mapped span not re-keyed: {error}", num_computed_tokens)
+                return 0, False
         tracked.plan, tracked.handoff = plan, handoff
         return plan.end - plan.start, False  # plan.start is the hit: the tokens past it that the plan maps
 
@@ -179,10 +190,12 @@ class KVRelayConnector(KVConnectorBase_V1):
                     tracked.header = self.transport.header(handoff.export_id)
             except ExportError as error:
                 return str(error)
-        with self.timings.phase("claim", request_id, len(tracked.prompt)):
-            return claim(tracked.prompt, hit, tracked.header, route.route, route.source_fingerprint,
-                         route.fingerprint_dtype, self.config.policy, self.tokenizer_hash, self.block_size,
-                         self.target_layers)  # fmt: skip
+        if hit not in tracked.decisions:
+            with self.timings.phase("claim", request_id, len(tracked.prompt)):
+                tracked.decisions[hit] = claim(tracked.prompt, hit, tracked.header, route.route,
+                                               route.source_fingerprint, route.fingerprint_dtype, self.config.policy,
+                                               self.tokenizer_hash, self.block_size, self.target_layers)  # fmt: skip
+        return tracked.decisions[hit]
 
     def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
         """The claim's plan becomes a `Load`, once vLLM has allocated its blocks and counted exactly its span,
@@ -214,10 +227,15 @@ class KVRelayConnector(KVConnectorBase_V1):
         load = Load(request_id, handoff.export_id, handoff.mapper_id, plan, counted)
         tracked.load_blocks = set(load.block_ids)
         prompt_blocks = block_ids[: -(-len(tracked.prompt) // self.block_size)]  # the prompt's blocks (tests read them)
+        start, end, loads = plan.start, plan.end, 1
+        done = tracked.record.get("handoff", {})
+        if done.get("status") == "mapped":  # loaded again after a preemption, from the hit it resumed with: the span
+            # ever mapped is the union (a shorter hit: its native blocks were evicted; a longer one: its own mapped)
+            start, end, loads = min(start, done["start"]), max(end, done["end"]), done["loads"] + 1
         tracked.record["handoff"] = {"status": "mapped", "reason": f"policy: {self.config.policy.mode}",
-                                     "hit": plan.held, "start": plan.start, "end": plan.end,
-                                     "mapped": plan.end - plan.start, "mapper": load.mapper_id,
-                                     "keys": tracked.keys, "blocks": prompt_blocks}  # fmt: skip
+                                     "hit": start, "start": start, "end": end, "mapped": end - start,
+                                     "mapper": load.mapper_id, "keys": tracked.keys, "blocks": prompt_blocks,
+                                     "loads": loads}  # fmt: skip
         self._loads.append(load)
 
     def build_connector_meta(self, scheduler_output) -> KVRelayMetadata:
