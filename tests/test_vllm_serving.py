@@ -339,16 +339,17 @@ class Tight:
 
 @pytest.fixture(scope="module")
 def tight(served, tmp_path_factory):
-    """The receiver with 10 usable blocks of 32 tokens (11, one vLLM's null block) and prompts up to 320 (max_model_len): two requests that
-    grow to 10 and 8 blocks cannot both run, so vLLM preempts the later one (recompute: its blocks are freed, their
-    keys stay in the prefix cache until evicted) and resumes it once the other has finished. Stats and host timings
-    on (the preemption counter, the claims)."""
+    """The receiver on a constrained server: 10 usable blocks of 32 tokens (11, one vLLM's null block), prompts up to
+    320 tokens (max_model_len), prefills in chunks of 64 (max_num_batched_tokens). Two requests that grow to 10 and 8
+    blocks cannot both run, so vLLM preempts the later one (recompute: its blocks are freed, their keys stay in the
+    prefix cache until evicted) and resumes it once the other has finished. Stats and host timings on (the
+    preemption counter, the claims)."""
     timings = tmp_path_factory.mktemp("tight") / "timings.jsonl"
     os.environ.update(ENV)
     os.environ[TIMINGS] = str(timings)
     try:
         llm = engine(served.pair.large, served.receiver, disable_log_stats=False, max_model_len=320,
-                     num_gpu_blocks_override=11)  # fmt: skip
+                     num_gpu_blocks_override=11, max_num_batched_tokens=64, max_num_seqs=8)  # fmt: skip
     finally:
         del os.environ[TIMINGS]
     yield Tight(llm, timings)
@@ -414,6 +415,29 @@ def test_a_preempted_handoff_resumes_on_its_mapped_span_with_the_same_tokens(ser
     assert len(claims) <= 227 // 32  # one per native hit it met (a whole-block prefix of its 227 tokens, its
     # output included once preempted), not one per scheduler step it waited (≈ 90 here)
     assert generate(tight.llm, conversation, n=1).num_cached_tokens == 0
+
+
+def test_chunked_prefills_export_the_whole_prompt_and_read_a_long_tail_over_the_mapped_span(served, tight):
+    """Prefills in chunks of 64 tokens: a 200-token prompt's export, saved once its fourth chunk completes, maps by
+    the identity route into the unchunked receiver to re-prefill's tokens and logits; a handoff into the chunked
+    receiver whose 154-token tail is read in three chunks over the mapped span gives the unchunked receiver's."""
+    tight.llm.reset_prefix_cache()
+    prompt = fresh(200)
+    conversation = prompt + fresh(7)
+    export_id = export(tight.llm, prompt)
+    served.large.reset_prefix_cache()
+    mapped = generate(served.large, conversation, handoff(export_id, served.identity))
+    assert (record(mapped)["handoff"]["status"], record(mapped)["handoff"]["end"]) == ("mapped", 192)
+    reference = generate(served.plain, conversation)
+    assert tokens(mapped) == tokens(reference)
+    torch.testing.assert_close(logprobs(mapped), logprobs(reference), atol=1e-4, rtol=0)
+    prompt = fresh(100)
+    conversation = prompt + fresh(150)
+    params = handoff(export(served.small, prompt), served.fitted)
+    chunked, whole = generate(tight.llm, conversation, params), generate(served.large, conversation, params)
+    assert record(chunked)["handoff"]["end"] == record(whole)["handoff"]["end"] == 96
+    assert tokens(chunked) == tokens(whole)
+    torch.testing.assert_close(logprobs(chunked), logprobs(whole), atol=1e-4, rtol=0)
 
 
 # ---------------------------------------------------------------------------------------------------- the router
