@@ -203,8 +203,8 @@ def test_a_request_resumed_after_preemption_with_a_shorter_hit_is_claimed_again_
     resumes, whose native prefix blocks may have been evicted meanwhile: a shorter hit. The claim from that hit is
     re-keyed from the earlier block (rekey raised inside vLLM's scheduler before, and the engine died: 2026-12-07),
     the record's span is the union of the loads (a later resume may hit the request's own mapped blocks and map
-    less), each hit's claim is computed once, and a resume that finds the whole span held stays "mapped", saying
-    so."""
+    less), each hit's claim is computed once, and a resume whose load is refused late or that finds the whole span
+    held stays "mapped" (what it generated before read the mapped span), saying so."""
     from vllm import SamplingParams
     from vllm.utils.hashing import get_hash_fn_by_name
     from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
@@ -248,6 +248,8 @@ def test_a_request_resumed_after_preemption_with_a_shorter_hit_is_claimed_again_
     done = tracked.record["handoff"]
     assert (done["start"], done["end"], done["mapped"], done["loads"]) == (32, 96, 64, 3)  # the span ever mapped
     assert request.block_hashes == keys and claims == [64, 32]
+    scheduler.update_connector_output(SimpleNamespace(invalid_block_ids={9}))  # the third load refused late
+    assert done["status"] == "mapped" and done["resumed"].startswith("late refusal of the resumed load")
     assert scheduler.get_num_new_matched_tokens(request, 96) == (0, False)  # resumed holding its whole span
     assert done["status"] == "mapped" and done["resumed"].startswith("read natively from token 96: nothing to map")
 

@@ -273,8 +273,11 @@ class KVRelayConnector(KVConnectorBase_V1):
         for tracked in self._tracked.values():
             if failed & tracked.load_blocks:
                 record = tracked.record["handoff"]
-                record["status"], record["mapped"] = "recomputed", 0
-                record["reason"] = "late refusal on the worker (its log names it): the span was recomputed natively"
+                if record["loads"] > 1:  # a resumed request's load: what it generated before read the mapped span
+                    record["resumed"] = "late refusal of the resumed load (the worker's log names it): recomputed"
+                else:
+                    record["status"], record["mapped"] = "recomputed", 0
+                    record["reason"] = "late refusal on the worker (its log names it): the span was recomputed natively"
                 tracked.load_blocks = set()
 
     def request_finished(self, request, block_ids) -> tuple[bool, dict[str, Any] | None]:
