@@ -9,6 +9,7 @@
 #                                          fused recompute by deviation and by the turn rule; 7 re-prefill repeats (a
 #                                          speedup's 95 % interval needs ≥ 7 a side: intervals.median_ratio_interval)
 #   bash scripts/device_engine.sh large    +experiment=handoff, Qwen3 14B → 32B shapes, 4K / 16K / 32K, graph engine
+#                                          (LARGE_LENGTHS="[4096,16384]": fewer, for a short lease)
 # APPLY=gemm: the map as one GEMM per target head (kernels/apply_map_gemm.py) instead of auto (Triton on CUDA).
 # Records are JSON (tracking.backend=json) packed into $OUT/trk-<stage>.tgz; here: `python -m src.tracking import DIR`.
 set -euo pipefail
@@ -40,7 +41,7 @@ case $stage in
     grep "^prefix" "$OUT/pair.txt" | cut -c1-400 ;;
   large)
     python3 -m src.run "${COMMON[@]}" pair=qwen3_14b_to_32b fit.k=8 "eval.handoff.engines=[graph]" \
-      "eval.handoff.recompute_shares=[]" eval.handoff.warmup=1 "eval.handoff.prefix_lens=[4096,16384,32768]" \
+      "eval.handoff.recompute_shares=[]" eval.handoff.warmup=1 "eval.handoff.prefix_lens=${LARGE_LENGTHS:-[4096,16384,32768]}" \
       eval.handoff.repeats=10 eval.handoff.prefill_repeats=2 2>&1 | tee "$OUT/large.txt" | grep -v "^prefix" || true
     grep "^prefix" "$OUT/large.txt" | cut -c1-400 ;;
   *) echo "unknown stage $stage"; exit 2 ;;
