@@ -417,6 +417,34 @@ def test_a_preempted_handoff_resumes_on_its_mapped_span_with_the_same_tokens(ser
     assert generate(tight.llm, conversation, n=1).num_cached_tokens == 0
 
 
+def test_an_export_preempted_inside_its_chunked_prefill_holds_the_whole_prompt(served, tight):
+    """A plain request of 127 tokens (4 blocks) that decodes 220 and, after it, an export of a 190-token prompt
+    prefilled in chunks of 64: when the first needs its fifth block, the export, three chunks in, is preempted and
+    resumes later with its blocks given anew (vLLM's `resumed_req_ids`); what it publishes is still its whole prompt's
+    K/V — mapped by the identity route into the unchunked receiver, re-prefill's tokens and logits (plant: a resumed
+    request's blocks appended to those it held → other tokens)."""
+    from vllm import SamplingParams
+
+    from src.serving.params import prompt as vllm_prompt
+
+    tight.llm.reset_prefix_cache()
+    prompt, other = fresh(190), fresh(127)
+    before = preemptions(tight.llm)
+    sampling = [SamplingParams(temperature=0.0, max_tokens=220, detokenize=False),
+                SamplingParams(temperature=0.0, max_tokens=1, detokenize=False,
+                               extra_args={"kv_transfer_params": {"kvrelay": {"export": True}}})]  # fmt: skip
+    _, exported = tight.llm.generate([vllm_prompt(other), vllm_prompt(prompt)], sampling, use_tqdm=False)
+    assert preemptions(tight.llm) > before
+    assert record(exported)["export_tokens"] == 190
+    conversation = prompt + fresh(7)
+    served.large.reset_prefix_cache()
+    mapped = generate(served.large, conversation, handoff(record(exported)["export"], served.identity))
+    assert (record(mapped)["handoff"]["status"], record(mapped)["handoff"]["end"]) == ("mapped", 160)
+    reference = generate(served.plain, conversation)
+    assert tokens(mapped) == tokens(reference)
+    torch.testing.assert_close(logprobs(mapped), logprobs(reference), atol=1e-4, rtol=0)
+
+
 def test_chunked_prefills_export_the_whole_prompt_and_read_a_long_tail_over_the_mapped_span(served, tight):
     """Prefills in chunks of 64 tokens: a 200-token prompt's export, saved once its fourth chunk completes, maps by
     the identity route into the unchunked receiver to re-prefill's tokens and logits; a handoff into the chunked
