@@ -419,7 +419,7 @@ def test_a_preempted_handoff_resumes_on_its_mapped_span_with_the_same_tokens(ser
 
 def test_an_export_preempted_inside_its_chunked_prefill_holds_the_whole_prompt(served, tight):
     """A plain request of 127 tokens (4 blocks) that decodes 220 and, after it, an export of a 190-token prompt
-    prefilled in chunks of 64: when the first needs its fifth block, the export, three chunks in, is preempted and
+    prefilled in chunks of 64: when the first needs its fifth block, the export, its prefill unfinished, is preempted and
     resumes later with its blocks given anew (vLLM's `resumed_req_ids`); what it publishes is still its whole prompt's
     K/V — mapped by the identity route into the unchunked receiver, re-prefill's tokens and logits (plant: a resumed
     request's blocks appended to those it held → other tokens)."""
