@@ -161,6 +161,17 @@ def test_the_claim_is_the_runtimes_splice_plan_its_end_rounded_down_to_a_block(h
     assert (plan == runtime) == (end == runtime.end)  # no remainder: the very same plan
 
 
+def _scheduler(**state):
+    """The connector's scheduler side without an engine: blocks of 32, no loads yet, and `state`."""
+    from src.serving.vllm_connector import KVRelayConnector
+
+    scheduler = KVRelayConnector.__new__(KVRelayConnector)
+    scheduler.block_size, scheduler._loads = 32, []
+    for name, value in state.items():
+        setattr(scheduler, name, value)
+    return scheduler
+
+
 @needs_vllm
 def test_vllm_counting_other_than_the_planned_span_is_refused_and_its_blocks_recomputed(monkeypatch):
     """update_state_after_alloc: the plan's span counted → a Load of its blocks carrying the plan; none counted → a
@@ -169,8 +180,7 @@ def test_vllm_counting_other_than_the_planned_span_is_refused_and_its_blocks_rec
     from src.serving.metadata import KVRelayMetadata
     from src.serving.vllm_connector import KVRelayConnector, _Tracked
 
-    scheduler = KVRelayConnector.__new__(KVRelayConnector)  # its role's state only: no engine
-    scheduler.block_size, scheduler.config, scheduler._loads = 32, connector_config({}, "recompute"), []
+    scheduler = _scheduler(config=connector_config({}, "recompute"))
     handoff, plan = Handoff("e1", "m:1"), _claim(32)
     request, blocks = SimpleNamespace(request_id="r"), SimpleNamespace(get_block_ids=lambda: ([7, 8, 9, 10],))
 
@@ -218,13 +228,11 @@ def test_a_request_resumed_after_preemption_with_a_shorter_hit_is_claimed_again_
         "r", PROMPT, SamplingParams(max_tokens=1), None, block_hasher=get_request_block_hasher(32, hash_fn)
     )
     native = list(request.block_hashes)  # 3 whole blocks of the 105 tokens
-    scheduler = connector.KVRelayConnector.__new__(connector.KVRelayConnector)  # its role's state only: no engine
-    scheduler.block_size, scheduler._loads, scheduler.hash_fn = 32, [], hash_fn
-    scheduler.config = connector_config({"policy": {"levers": {"hold_back": 4}, "max_length_factor": 3.0}}, "recompute")
-    scheduler.routes = {
-        "m:1": SimpleNamespace(route=ROUTE, source_fingerprint="source-fp", fingerprint_dtype="bfloat16")
-    }
-    scheduler.tokenizer_hash, scheduler.target_layers = "tok", LAYERS
+    scheduler = _scheduler(
+        config=connector_config({"policy": {"levers": {"hold_back": 4}, "max_length_factor": 3.0}}, "recompute"),
+        routes={"m:1": SimpleNamespace(route=ROUTE, source_fingerprint="source-fp", fingerprint_dtype="bfloat16")},
+        hash_fn=hash_fn, tokenizer_hash="tok", target_layers=LAYERS,
+    )  # fmt: skip
     handoff = Handoff("e1", "m:1")
     tracked = connector._Tracked(RelayParams(handoff=handoff), PROMPT, {}, header=HEADER)
     scheduler._tracked = {"r": tracked}

@@ -360,29 +360,50 @@ def preemptions(llm) -> float:
     return next(m.value for m in llm.get_metrics() if m.name == "vllm:num_preemptions")
 
 
-def preempted_handoff(served, tight, native: int) -> tuple[list[int], str, object, object]:
-    """A plain request of 100 tokens that generates 220 (10 blocks) and, after it, a handoff of a 100-token export
-    into a 107-token conversation that generates 120 (8 blocks), on `tight` with an empty prefix cache, after a plain
-    request of the conversation's first `native` tokens (its native prefix hit): (conversation, export id, the plain
-    request's output, the handoff's output). Asserts that vLLM preempted one of them."""
+def beside(tight, other: list[int], prompt: list[int], params: dict, n: int) -> tuple[object, object]:
+    """One batch on `tight`: a plain request of `other` that generates up to 220 tokens and, after it, `prompt` with
+    the kvrelay `params` that generates `n` — their outputs. Asserts that vLLM preempted one of them (else the caller
+    tests nothing)."""
     from vllm import SamplingParams
 
     from src.serving.params import prompt as vllm_prompt
 
+    before = preemptions(tight.llm)
+    sampling = [SamplingParams(temperature=0.0, max_tokens=220, detokenize=False),
+                SamplingParams(temperature=0.0, max_tokens=n, detokenize=False,
+                               extra_args={"kv_transfer_params": params})]  # fmt: skip
+    plain, out = tight.llm.generate([vllm_prompt(other), vllm_prompt(prompt)], sampling, use_tqdm=False)
+    assert preemptions(tight.llm) > before
+    return plain, out
+
+
+def identity_maps_to_reprefill(served, prompt: list[int], export_id: str, end: int) -> None:
+    """The large model's own export of `prompt`, mapped by the identity route into the unchunked receiver for the
+    conversation prompt + 7 new tokens (its native blocks dropped first), maps 0..end − 1 and gives re-prefill's
+    tokens and logits: the export holds the whole prompt's K/V."""
+    conversation = prompt + fresh(7)
+    served.large.reset_prefix_cache()
+    mapped = generate(served.large, conversation, handoff(export_id, served.identity))
+    assert (record(mapped)["handoff"]["status"], record(mapped)["handoff"]["end"]) == ("mapped", end)
+    reference = generate(served.plain, conversation)
+    assert tokens(mapped) == tokens(reference)
+    torch.testing.assert_close(logprobs(mapped), logprobs(reference), atol=1e-4, rtol=0)
+
+
+def preempted_handoff(served, tight, native: int) -> tuple[list[int], str, object]:
+    """`beside` a plain request of 100 tokens (10 blocks once it has generated 220; what vLLM without the connector
+    generates), a handoff of a 100-token export into a 107-token conversation that generates 120 (8 blocks), on
+    `tight` with an empty prefix cache, after a plain request of the conversation's first `native` tokens (its native
+    prefix hit): (conversation, export id, the handoff's output)."""
     tight.llm.reset_prefix_cache()
     prompt = fresh(100)
     conversation, other = prompt + fresh(7), fresh(100)
     export_id = export(served.small, prompt)
     if native:
         generate(tight.llm, conversation[:native], n=1)
-    before = preemptions(tight.llm)
-    sampling = [SamplingParams(temperature=0.0, max_tokens=220, detokenize=False),
-                SamplingParams(temperature=0.0, max_tokens=120, detokenize=False,
-                               extra_args={"kv_transfer_params": handoff(export_id, served.fitted)})]  # fmt: skip
-    plain, mapped = tight.llm.generate([vllm_prompt(other), vllm_prompt(conversation)], sampling, use_tqdm=False)
-    assert preemptions(tight.llm) > before  # else this test tests nothing
+    plain, mapped = beside(tight, other, conversation, handoff(export_id, served.fitted), 120)
     assert tokens(plain) == tokens(generate(served.plain, other, n=220))
-    return conversation, export_id, plain, mapped
+    return conversation, export_id, mapped
 
 
 def test_a_preempted_handoff_whose_native_prefix_was_evicted_maps_from_the_shorter_hit(served, tight):
@@ -390,7 +411,7 @@ def test_a_preempted_handoff_whose_native_prefix_was_evicted_maps_from_the_short
     with a shorter hit and maps from there (re-keyed from the earlier block: provenance.rekey) — no error inside
     vLLM's scheduler, which would kill the engine (it did, 2026-12-07); the record's span is everything ever mapped;
     afterwards a plain request of the conversation hits native blocks only, and the engine serves on."""
-    conversation, _, _, mapped = preempted_handoff(served, tight, native=64)
+    conversation, _, mapped = preempted_handoff(served, tight, native=64)
     done = record(mapped)["handoff"]
     assert done["status"] == "mapped" and done["loads"] >= 2 and done["start"] < 64 and done["end"] == 96
     assert generate(tight.llm, conversation, n=1).num_cached_tokens <= done["start"]
@@ -404,7 +425,7 @@ def test_a_preempted_handoff_resumes_on_its_mapped_span_with_the_same_tokens(ser
     generates unpreempted; its record counts the span once and says how it resumed (a second load, or its span
     and more held: which one depends on the block pool's order, so on the tests before); a plain request of the
     conversation afterwards still gets none of it."""
-    conversation, export_id, _, mapped = preempted_handoff(served, tight, native=0)
+    conversation, export_id, mapped = preempted_handoff(served, tight, native=0)
     done = record(mapped)["handoff"]
     assert (done["status"], done["start"], done["end"], done["mapped"]) == ("mapped", 0, 96, 96)
     assert done["loads"] == 2 or done["resumed"].startswith("read natively from token"), done
@@ -412,8 +433,8 @@ def test_a_preempted_handoff_resumes_on_its_mapped_span_with_the_same_tokens(ser
     assert record(alone)["handoff"]["loads"] == 1
     assert tokens(mapped) == tokens(alone)
     claims = [p for _, p, _ in _timed_phases(tight.timings, mapped) if p == "claim"]
-    assert len(claims) <= 227 // 32  # one per native hit it met (a whole-block prefix of its 227 tokens, its
-    # output included once preempted), not one per scheduler step it waited (≈ 90 here)
+    assert len(claims) <= 227 // 32  # one per native hit it met (whole-block prefixes of its 227 tokens, its output
+    # included once preempted: 6 met on 2026-12-07), not one per scheduler step it waited (92 before the memo)
     assert generate(tight.llm, conversation, n=1).num_cached_tokens == 0
 
 
@@ -423,26 +444,11 @@ def test_an_export_preempted_inside_its_chunked_prefill_holds_the_whole_prompt(s
     resumes later with its blocks given anew (vLLM's `resumed_req_ids`); what it publishes is still its whole prompt's
     K/V — mapped by the identity route into the unchunked receiver, re-prefill's tokens and logits (plant: a resumed
     request's blocks appended to those it held → other tokens)."""
-    from vllm import SamplingParams
-
-    from src.serving.params import prompt as vllm_prompt
-
     tight.llm.reset_prefix_cache()
-    prompt, other = fresh(190), fresh(127)
-    before = preemptions(tight.llm)
-    sampling = [SamplingParams(temperature=0.0, max_tokens=220, detokenize=False),
-                SamplingParams(temperature=0.0, max_tokens=1, detokenize=False,
-                               extra_args={"kv_transfer_params": {"kvrelay": {"export": True}}})]  # fmt: skip
-    _, exported = tight.llm.generate([vllm_prompt(other), vllm_prompt(prompt)], sampling, use_tqdm=False)
-    assert preemptions(tight.llm) > before
+    prompt = fresh(190)
+    _, exported = beside(tight, fresh(127), prompt, {"kvrelay": {"export": True}}, 1)
     assert record(exported)["export_tokens"] == 190
-    conversation = prompt + fresh(7)
-    served.large.reset_prefix_cache()
-    mapped = generate(served.large, conversation, handoff(record(exported)["export"], served.identity))
-    assert (record(mapped)["handoff"]["status"], record(mapped)["handoff"]["end"]) == ("mapped", 160)
-    reference = generate(served.plain, conversation)
-    assert tokens(mapped) == tokens(reference)
-    torch.testing.assert_close(logprobs(mapped), logprobs(reference), atol=1e-4, rtol=0)
+    identity_maps_to_reprefill(served, prompt, record(exported)["export"], 160)
 
 
 def test_chunked_prefills_export_the_whole_prompt_and_read_a_long_tail_over_the_mapped_span(served, tight):
@@ -451,14 +457,7 @@ def test_chunked_prefills_export_the_whole_prompt_and_read_a_long_tail_over_the_
     receiver whose 154-token tail is read in three chunks over the mapped span gives the unchunked receiver's."""
     tight.llm.reset_prefix_cache()
     prompt = fresh(200)
-    conversation = prompt + fresh(7)
-    export_id = export(tight.llm, prompt)
-    served.large.reset_prefix_cache()
-    mapped = generate(served.large, conversation, handoff(export_id, served.identity))
-    assert (record(mapped)["handoff"]["status"], record(mapped)["handoff"]["end"]) == ("mapped", 192)
-    reference = generate(served.plain, conversation)
-    assert tokens(mapped) == tokens(reference)
-    torch.testing.assert_close(logprobs(mapped), logprobs(reference), atol=1e-4, rtol=0)
+    identity_maps_to_reprefill(served, prompt, export(tight.llm, prompt), 192)
     prompt = fresh(100)
     conversation = prompt + fresh(150)
     params = handoff(export(served.small, prompt), served.fitted)

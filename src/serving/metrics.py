@@ -8,7 +8,8 @@ output carries under `kv_transfer_params["kvrelay"]`, so a dashboard and a reque
     handoffs_mapped / handoffs_refused / handoffs_recomputed    the record's handoff status: mapped; refused before
                                                                 anything loaded (an ordinary prefill); recomputed (a
                                                                 late refusal: vLLM recomputed the span's blocks)
-    mapped_tokens                                               the tokens the mapped handoffs loaded
+    mapped_tokens                                               the span each mapped handoff's record names (once,
+                                                                however many loads a preempted one took)
     exports_published / exports_unfinished                      a sender's export: published, or its request
                                                                 finished before its prefill did
     request_errors                                              parameters that did not parse, a span not re-keyed
