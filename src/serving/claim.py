@@ -87,7 +87,7 @@ def claim(
     end = end // block_size * block_size
     if end <= hit:
         return (
-            f"nothing to map: {len(prompt)} prompt tokens, {exported} exported, {hit} held natively, block {block_size}"
+            f"nothing to map: {len(prompt)} prompt tokens, {exported} exported, {hit} already cached, block {block_size}"
         )
     if refusal := length_refusal(policy, route, exported, end):
         return refusal
