@@ -5,7 +5,7 @@ the small server reads the history and exports it; the large server maps that ex
     python scripts/serve_handoff.py --small DIR --large DIR --mapper DIR [--transport /dev/shm/kvrelay] [--gpu]
 
 Both servers load the kvrelay connector from this checkout (`--kv-transfer-config`, module src.serving.vllm_connector;
-run from the repository root). The request carries `kv_transfer_params` ({"kvrelay": {"export": true}}, then
+run from the repository root), each config checked first by src/serving/preflight.py (exit 2 before any server starts). The request carries `kv_transfer_params` ({"kvrelay": {"export": true}}, then
 {"kvrelay": {"handoff": {"export": id, "mapper": id}}}, with the conversation's provenance salt as its `cache_salt`:
 src/serving/provenance.py); each response returns the connector's record in its own `kv_transfer_params`, and the
 servers' /metrics must count the export and the mapped handoff (vllm:kvrelay_*_total, src/serving/metrics.py). The
@@ -93,6 +93,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     from src.artifact import load_mapper
     from src.runtime.routing import mapper_id
+    from src.serving.preflight import preflight
     from src.serving.provenance import provenance_salt
 
     work = Path(tempfile.mkdtemp(prefix="kvrelay-serve-"))
@@ -104,6 +105,13 @@ def main(argv: list[str] | None = None) -> int:
     transport = args.transport or str(work / "exports")
     small_port, large_port = (int(p) for p in args.ports.split(","))
     route = {"transport": transport, "routes": [{"mapper": str(args.mapper), "source": str(args.small)}]}
+    try:  # what each server's connector would refuse once its model loaded, refused before either starts
+        for model, extra in ((args.small, {"transport": transport}), (args.large, route)):
+            print(f"preflight {model.name}:", "; ".join(preflight(model, json.loads(transfer_config(extra)),
+                                                                   "cuda" if args.gpu else "cpu")))  # fmt: skip
+    except (ValueError, OSError) as error:
+        print(f"preflight: {error}", file=sys.stderr)
+        return 2
     deadline = time.time() + args.timeout
     servers = [serve(args.small, small_port, {"transport": transport}, args.gpu, work / "small.log"),
                serve(args.large, large_port, route, args.gpu, work / "large.log")]  # fmt: skip

@@ -124,6 +124,20 @@ def connector_config(extra: Mapping | None, load_failure_policy: str) -> Connect
     )
 
 
+def engine_refusal(config: ConnectorConfig, device_type: str, pipeline_stages: int) -> str | None:
+    """Why an engine on `device_type` split into `pipeline_stages` stages cannot run the connector with `config`, or
+    None. Pipeline stages each hold some of the model's layers, while an export holds every layer and a map writes
+    every target layer from any source layer on one worker (tensor parallelism splits heads instead: served)."""
+    if pipeline_stages > 1:
+        return (f"kvrelay: pipeline parallelism ({pipeline_stages} stages) is not served: a stage holds some of the "
+                "model's layers, while an export holds every layer and a map writes every target layer on one worker; "
+                "use tensor parallelism (each worker maps its own KV heads)")  # fmt: skip
+    if config.export_memory == "device" and device_type != "cuda":
+        return (f'kvrelay: export_memory "device" keeps exports in CUDA memory; this engine runs on {device_type} '
+                '(use "host")')  # fmt: skip
+    return None
+
+
 def fitted_dtypes(manifest: Mapping) -> dict[str, str]:
     """The connector's dtype settings a mapper was fitted for: `fingerprint_dtype` its fit's `pair.dtype` (what its
     fingerprints were taken in), `compute_dtype` its fit's `pair.compute_dtype`; float32 where its manifest keeps

@@ -4,9 +4,10 @@ receiver's paged blocks.
     KVTransferConfig(kv_connector="KVRelayConnector", kv_connector_module_path="src.serving.vllm_connector",
                      kv_role="kv_both", kv_load_failure_policy="recompute", kv_connector_extra_config={...})
 
-(settings: src/serving/config.py; request parameters: src/serving/params.py). One class, two roles, as vLLM's own
-connectors: the scheduler side decides, once per step, and writes its decisions into `KVRelayMetadata`
-(metadata.py); the worker side only executes them.
+(settings: src/serving/config.py, refused as the connector starts — which vLLM does once the model has loaded, so
+`python -m src.serving.preflight` runs the same checks before; request parameters: src/serving/params.py). One
+class, two roles, as vLLM's own connectors: the scheduler side decides, once per step, and writes its decisions into
+`KVRelayMetadata` (metadata.py); the worker side only executes them.
 
 Scheduler: a request asking for an export gets an id (returned in its output's `kv_transfer_params`), and when its
 prefill completes the step's metadata carries a `Save` of its prompt's blocks. A handoff request is claimed in
@@ -49,7 +50,7 @@ from vllm.utils.hashing import get_hash_fn_by_name
 from src.models import dtype_name
 from src.runtime.plan import SplicePlan
 from src.serving.claim import claim
-from src.serving.config import connector_config
+from src.serving.config import connector_config, engine_refusal
 from src.serving.metadata import KVRelayMetadata, Load, Save
 from src.serving.metrics import KVRelayPromMetrics, KVRelayStats
 from src.serving.paged import UNQUANTIZED, Writer, check_layout, flash_halves, read_export, slots_for, write_mapped
@@ -103,6 +104,9 @@ class KVRelayConnector(KVConnectorBase_V1):
         super().__init__(vllm_config, role, kv_cache_config)
         transfer = vllm_config.kv_transfer_config
         self.config = connector_config(transfer.kv_connector_extra_config, transfer.kv_load_failure_policy)
+        device = torch.device(vllm_config.device_config.device)
+        if refusal := engine_refusal(self.config, device.type, vllm_config.parallel_config.pipeline_parallel_size):
+            raise ValueError(refusal)  # before the export directory is made or any route read
         self.block_size = vllm_config.cache_config.block_size
         self.transport = Transport(self.config.transport, self.config.export_memory, self.config.export_pool_mb << 20)
         self.timings = Timings.from_environment("scheduler" if role == KVConnectorRole.SCHEDULER else "worker")
@@ -116,10 +120,7 @@ class KVRelayConnector(KVConnectorBase_V1):
             self._loads: list[Load] = []
             self._stats = KVRelayStats()
             return
-        self.device = torch.device(vllm_config.device_config.device)
-        if self.config.export_memory == "device" and self.device.type != "cuda":  # before any model loads
-            raise ValueError(f'kvrelay: export_memory "device" keeps exports in CUDA memory; this engine runs on '
-                             f"{self.device.type} (use \"host\")")  # fmt: skip
+        self.device = device
         from vllm.distributed.parallel_state import (
             get_tensor_model_parallel_rank,
             get_tensor_model_parallel_world_size,
