@@ -34,7 +34,7 @@ def test_a_served_route_is_named_with_its_calibration_and_nothing_is_written(pai
     lines = preflight(pair.large, transfer(pair, exports), "cpu")
     assert lines[0].startswith(f"transport {exports} (host exports), policy mode map")
     assert lines[1:] == [f"route {mapper_id(load_mapper(pair.fitted))}: {pair.small} → {pair.large} (calibrated at "
-                         "64 tokens, length no evidence)"]  # fmt: skip
+                         "64 tokens, length no evidence; its sender sets fingerprint_dtype float32)"]  # fmt: skip
     assert not exports.exists()  # the engine makes its export directory, not the check
     sender = CONNECTOR | {"kv_connector_extra_config": {"transport": str(exports)}}
     assert preflight(pair.small, sender, "cpu")[-1] == "no routes: this engine only exports"
