@@ -5,7 +5,6 @@ own splice, as at TP = 1 (tests/test_vllm_serving.py). Pipeline stages are refus
 
 from __future__ import annotations
 
-import os
 import random
 import re
 
@@ -34,9 +33,9 @@ pytestmark = pytest.mark.slow
 TP = {"VLLM_CPU_NUM_OF_RESERVED_CPU": "0", "VLLM_CPU_OMP_THREADS_BIND": "0|1"}  # one core per rank, both engines
 
 
-def test_a_tp2_receiver_maps_its_own_heads_from_a_tp2_senders_export(tmp_path):
-    saved = {key: os.environ.get(key) for key in {**ENV, **TP}}
-    os.environ.update(ENV | TP)
+def test_a_tp2_receiver_maps_its_own_heads_from_a_tp2_senders_export(tmp_path, monkeypatch):
+    for key, value in (ENV | TP).items():
+        monkeypatch.setenv(key, value)
     pair = serving_pair(tmp_path)
     exports = str(tmp_path / "exports")
     route = {
@@ -59,28 +58,24 @@ def test_a_tp2_receiver_maps_its_own_heads_from_a_tp2_senders_export(tmp_path):
     finally:
         for llm in (small, large):
             llm.llm_engine.engine_core.shutdown()
-        for key, value in saved.items():
-            os.environ.pop(key, None) if value is None else os.environ.__setitem__(key, value)
 
 
-def test_pipeline_stages_are_refused_by_name_as_the_connector_starts_and_by_preflight_before(tmp_path, capfd):
+def test_pipeline_stages_are_refused_by_name_as_the_connector_starts_and_by_preflight_before(
+    tmp_path, capfd, monkeypatch
+):
     """A receiver in two pipeline stages: vLLM loads each stage's layers, then each stage's connector refuses naming
     pipeline parallelism (before: the layer count, "this engine holds 1 × 2 × 32"); preflight says it first."""
-    saved = {key: os.environ.get(key) for key in {**ENV, **TP}}
-    os.environ.update(ENV | TP)
+    for key, value in (ENV | TP).items():
+        monkeypatch.setenv(key, value)
     pair = serving_pair(tmp_path)
     extra = {
         "transport": str(tmp_path / "exports"),
         "routes": [{"mapper": str(pair.fitted), "source": str(pair.small)}],
     }
     reason = "kvrelay: pipeline parallelism (2 stages) is not served"
-    try:
-        with pytest.raises(ValueError, match=re.escape(reason)):
-            preflight(pair.large, CONNECTOR | {"kv_connector_extra_config": extra}, "cpu", pipeline_stages=2)
-        with pytest.raises(RuntimeError):
-            engine(pair.large, extra, pipeline_parallel_size=2)
-        assert reason in capfd.readouterr().err  # each stage's worker process logs its refusal
-        assert not (tmp_path / "exports").exists()
-    finally:
-        for key, value in saved.items():
-            os.environ.pop(key, None) if value is None else os.environ.__setitem__(key, value)
+    with pytest.raises(ValueError, match=re.escape(reason)):
+        preflight(pair.large, CONNECTOR | {"kv_connector_extra_config": extra}, "cpu", pipeline_stages=2)
+    with pytest.raises(RuntimeError):
+        engine(pair.large, extra, pipeline_parallel_size=2)
+    assert reason in capfd.readouterr().err  # each stage's worker process logs its refusal
+    assert not (tmp_path / "exports").exists()
