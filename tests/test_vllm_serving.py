@@ -467,6 +467,27 @@ def test_chunked_prefills_export_the_whole_prompt_and_read_a_long_tail_over_the_
     torch.testing.assert_close(logprobs(chunked), logprobs(whole), atol=1e-4, rtol=0)
 
 
+def test_an_engine_without_prefix_caching_maps_and_exports(served):
+    """A receiver and sender with vLLM's prefix caching off (`enable_prefix_caching=False`: no block keys, nothing ever
+    served as a hit, so no provenance to keep): a handoff maps the span as on the caching receiver — its tokens and
+    logits — and its own export of a prompt maps by the identity route to re-prefill's."""
+    llm = engine(served.pair.large, served.receiver, enable_prefix_caching=False)
+    try:
+        prompt = fresh(100)
+        conversation = prompt + fresh(5)
+        params = handoff(export(served.small, prompt), served.fitted)
+        uncached, cached = generate(llm, conversation, params), generate(served.large, conversation, params)
+        done = record(uncached)["handoff"]
+        assert (done["status"], done["start"], done["end"]) == ("mapped", 0, 96), done
+        assert tokens(uncached) == tokens(cached)
+        torch.testing.assert_close(logprobs(uncached), logprobs(cached), atol=1e-4, rtol=0)
+        assert generate(llm, conversation, n=1).num_cached_tokens == 0
+        prompt = fresh(100)
+        identity_maps_to_reprefill(served, prompt, export(llm, prompt), 96)
+    finally:
+        llm.llm_engine.engine_core.shutdown()
+
+
 # ---------------------------------------------------------------------------------------------------- the router
 
 
