@@ -51,6 +51,7 @@ def _bad(pair, exports: Path, case: str) -> tuple[dict, dict]:
         "an unknown key": (extra(keep_export=4), {}),
         "a lever needing a forward": (extra(policy={"levers": {"recompute": 0.1}}), {}),
         "pipeline stages": (good, {"pipeline_stages": 2}),
+        "a quantized KV cache": (good, {"cache_dtype": "fp8"}),
         "device exports on a CPU engine": (extra(export_memory="device"), {}),
         "a mapper into another model": (good, {"model": pair.small}),
         "a route from another source": (route(pair.fitted, pair.large), {}),
@@ -64,6 +65,7 @@ REASONS = {
     "an unknown key": r"unknown kv_connector_extra_config keys \['keep_export'\]",
     "a lever needing a forward": "cannot serve levers.recompute > 0",
     "pipeline stages": r"pipeline parallelism \(2 stages\) is not served",
+    "a quantized KV cache": r"a quantized KV cache \(kv_cache_dtype 'fp8'\) is not served",
     "device exports on a CPU engine": 'export_memory "device" keeps exports in CUDA memory; this engine runs on cpu',
     "a mapper into another model": "cannot serve: mapper refused",
     "a route from another source": "cannot serve: mapper refused",
@@ -86,6 +88,7 @@ def test_the_command_exits_0_with_the_routes_and_2_with_the_reason(pair, tmp_pat
     assert "route " in capsys.readouterr().out
     for argv, reason in (
         (["--kv-transfer-config", good, "--pipeline-parallel-size", "2"], "pipeline parallelism (2 stages)"),
+        (["--kv-transfer-config", good, "--kv-cache-dtype", "fp8_e5m2"], "a quantized KV cache"),
         (["--kv-transfer-config", "{not json"], "preflight: Expecting property name"),
         (["--kv-transfer-config", "[1]"], "must be a JSON object"),
     ):
@@ -101,7 +104,8 @@ def test_the_connector_refuses_pipeline_stages_as_it_starts_before_its_export_di
 
     extra = transfer(pair, tmp_path / "exports")["kv_connector_extra_config"]
     config = NS(kv_transfer_config=NS(kv_connector_extra_config=extra, kv_load_failure_policy="recompute"),
-                device_config=NS(device=torch.device("cpu")), parallel_config=NS(pipeline_parallel_size=2))  # fmt: skip
+                device_config=NS(device=torch.device("cpu")), parallel_config=NS(pipeline_parallel_size=2),
+                cache_config=NS(cache_dtype="auto", block_size=32))  # fmt: skip
     for role in (base.KVConnectorRole.SCHEDULER, base.KVConnectorRole.WORKER):
         with pytest.raises(ValueError, match=REASONS["pipeline stages"]):
             KVRelayConnector(config, role)

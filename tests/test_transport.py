@@ -123,7 +123,7 @@ def test_a_worker_on_a_cpu_refuses_device_exports_before_any_model_loads(tmp_pat
     monkeypatch.setattr(routes, "load_model", lambda *a, **k: pytest.fail("a model loaded before the refusal"))
     extra = {"export_memory": "device", "transport": str(tmp_path)}
     config = NS(kv_transfer_config=NS(kv_connector_extra_config=extra, kv_load_failure_policy="recompute"),
-                cache_config=NS(block_size=32), model_config=NS(model=str(tmp_path), tokenizer=None),
+                cache_config=NS(block_size=32, cache_dtype="auto"), model_config=NS(model=str(tmp_path), tokenizer=None),
                 device_config=NS(device=torch.device("cpu")), parallel_config=NS(pipeline_parallel_size=1))  # fmt: skip
     with pytest.raises(
         ValueError, match='export_memory "device" keeps exports in CUDA memory; this engine runs on cpu'

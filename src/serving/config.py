@@ -16,7 +16,7 @@
 Every key has its default here (an engine that only exports needs none). Refused before serving, with the key named
 (as the connector starts, and before vLLM loads a model by src/serving/preflight.py): an unknown key, a wrong type,
 `kv_load_failure_policy` other than "recompute" (a late refusal must re-prefill, never fail the request), the
-engines it cannot run in (`engine_refusal`: pipeline stages; device exports off CUDA), and the policies a connector
+engines it cannot run in (`engine_refusal`: pipeline stages, a quantized KV cache, device exports off CUDA), and the policies a connector
 cannot serve — mode `auto` (its measured costs live in a
 Session), `native_layers` and `recompute` (a receiver forward inside the load: not without patching vLLM) — the
 latter refused by the very plan a request's claim builds (src/serving/claim.py `paged_plan`: `check_splice` on a
@@ -40,6 +40,7 @@ from src.serving.transport import DEFAULT_DIRECTORY, MEMORIES
 
 POLICY_DEFAULTS = Path(__file__).resolve().parents[2] / "conf" / "policy" / "default.yaml"
 DTYPES = ("float32", "bfloat16", "float16")
+UNQUANTIZED_CACHES = ("auto", "bfloat16", "float16")  # vLLM's kv_cache_dtype values that store K/V as they are
 LONG_PREFIX = 1 << 20  # prompt tokens the lever check assumes: every share is a positive count
 
 
@@ -126,10 +127,16 @@ def connector_config(extra: Mapping | None, load_failure_policy: str) -> Connect
     )
 
 
-def engine_refusal(config: ConnectorConfig, device_type: str, pipeline_stages: int) -> str | None:
-    """Why an engine on `device_type` split into `pipeline_stages` stages cannot run the connector with `config`, or
-    None. Pipeline stages each hold some of the model's layers, while an export holds every layer and a map writes
-    every target layer from any source layer on one worker (tensor parallelism splits heads instead: served)."""
+def engine_refusal(config: ConnectorConfig, device_type: str, pipeline_stages: int, cache_dtype: str) -> str | None:
+    """Why an engine on `device_type` split into `pipeline_stages` stages, its KV cache in `cache_dtype` (vLLM's
+    `kv_cache_dtype`), cannot run the connector with `config`, or None. Pipeline stages each hold some of the model's
+    layers, while an export holds every layer and a map writes every target layer from any source layer on one worker
+    (tensor parallelism splits heads instead: served). A quantized cache keeps its values scaled, in bytes an export
+    would read as they are and a map would write unscaled."""
+    if cache_dtype not in UNQUANTIZED_CACHES:
+        return (f"kvrelay: a quantized KV cache (kv_cache_dtype {cache_dtype!r}) is not served: an export would read "
+                "its bytes without their scales and a map write values without them; use kv_cache_dtype \"auto\" (the "
+                "model's dtype), \"bfloat16\" or \"float16\"")  # fmt: skip
     if pipeline_stages > 1:
         return (f"kvrelay: pipeline parallelism ({pipeline_stages} stages) is not served: a stage holds some of the "
                 "model's layers, while an export holds every layer and a map writes every target layer on one worker; "

@@ -105,7 +105,8 @@ class KVRelayConnector(KVConnectorBase_V1):
         transfer = vllm_config.kv_transfer_config
         self.config = connector_config(transfer.kv_connector_extra_config, transfer.kv_load_failure_policy)
         device = torch.device(vllm_config.device_config.device)
-        if refusal := engine_refusal(self.config, device.type, vllm_config.parallel_config.pipeline_parallel_size):
+        stages, cache_dtype = vllm_config.parallel_config.pipeline_parallel_size, vllm_config.cache_config.cache_dtype
+        if refusal := engine_refusal(self.config, device.type, stages, cache_dtype):
             raise ValueError(refusal)  # before the export directory is made or any route read
         self.block_size = vllm_config.cache_config.block_size
         self.transport = Transport(self.config.transport, self.config.export_memory, self.config.export_pool_mb << 20)
