@@ -5,8 +5,9 @@ the small server reads the history and exports it; the large server maps that ex
     python scripts/serve_handoff.py --small DIR --large DIR --mapper DIR [--transport /dev/shm/kvrelay] [--gpu]
 
 Both servers load the kvrelay connector from this checkout (`--kv-transfer-config`, module src.serving.vllm_connector;
-run from the repository root), each config checked first by src/serving/preflight.py (exit 2 before any server starts). The request carries `kv_transfer_params` ({"kvrelay": {"export": true}}, then
-{"kvrelay": {"handoff": {"export": id, "mapper": id}}}, with the conversation's provenance salt as its `cache_salt`:
+run from the repository root), each config checked first by src/serving/preflight.py (exit 2 before any server
+starts). The request carries `kv_transfer_params` ({"kvrelay": {"export": true}}, then {"kvrelay": {"handoff":
+{"export": id, "mapper": id}}}, with the conversation's provenance salt as its `cache_salt`:
 src/serving/provenance.py); each response returns the connector's record in its own `kv_transfer_params`, and the
 servers' /metrics must count the export and the mapped handoff (vllm:kvrelay_*_total, src/serving/metrics.py). The
 servers this script started are stopped when it ends (or after --timeout seconds).

@@ -16,11 +16,11 @@
 Every key has its default here (an engine that only exports needs none). Refused before serving, with the key named
 (as the connector starts, and before vLLM loads a model by src/serving/preflight.py): an unknown key, a wrong type,
 `kv_load_failure_policy` other than "recompute" (a late refusal must re-prefill, never fail the request), the
-engines it cannot run in (`engine_refusal`: pipeline stages, a quantized KV cache, device exports off CUDA), and the policies a connector
-cannot serve — mode `auto` (its measured costs live in a
-Session), `native_layers` and `recompute` (a receiver forward inside the load: not without patching vLLM) — the
-latter refused by the very plan a request's claim builds (src/serving/claim.py `paged_plan`: `check_splice` on a
-receiver without a forward), built here once on a long prompt, so no second list of refusals.
+engines it cannot run in (`engine_refusal`: pipeline stages, a quantized KV cache, device exports off CUDA), and
+the policies a connector cannot serve — mode `auto` (its measured costs live in a Session), `native_layers` and
+`recompute` (a receiver forward inside the load: not without patching vLLM) — the latter refused by the very plan a
+request's claim builds (src/serving/claim.py `paged_plan`: `check_splice` on a receiver without a forward), built
+here once on a long prompt, so no second list of refusals.
 """
 
 from __future__ import annotations

@@ -1,10 +1,10 @@
 """An engine's kvrelay settings checked before vLLM loads its model. vLLM builds a KV connector only once the model
 is loaded and its KV cache sized (both roles, in 0.26 and 0.32: `initialize_from_config` on the worker, the
 scheduler after it), so every refusal the connector raises at its start — an unknown key, a policy it cannot serve,
-pipeline stages, a quantized KV cache, a mapper fitted for another model or tokenizer, device exports on a CPU engine — comes after that
-load: minutes for a large model, and a server that never comes up. This runs the same checks first, by the same
-functions (config.py, routes.py), with no vLLM and no weights loaded (the fingerprints stream from the safetensors
-files, src/model_identity.py):
+pipeline stages, a quantized KV cache, a mapper fitted for another model or tokenizer, device exports on a CPU
+engine — comes after that load: minutes for a large model, and a server that never comes up. This runs the same
+checks first, by the same functions (config.py, routes.py), with no vLLM and no weights loaded (the fingerprints
+stream from the safetensors files, src/model_identity.py):
 
     python -m src.serving.preflight --model DIR --kv-transfer-config JSON [--tokenizer DIR]
         [--pipeline-parallel-size N] [--kv-cache-dtype auto] [--device cuda|cpu]
