@@ -86,9 +86,8 @@ def claim(
             end = min(end, low)
     end = end // block_size * block_size
     if end <= hit:
-        return (
-            f"nothing to map: {len(prompt)} prompt tokens, {exported} exported, {hit} already cached, block {block_size}"
-        )
+        return (f"nothing to map: {len(prompt)} prompt tokens, {exported} exported, {hit} already cached, "
+                f"block {block_size}")  # fmt: skip
     if refusal := length_refusal(policy, route, exported, end):
         return refusal
     return paged_plan(policy.levers, hit, end, len(prompt), layers)

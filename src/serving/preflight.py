@@ -55,7 +55,8 @@ def preflight(
     for (identity, route), spec in zip(scheduled.items(), config.routes, strict=True):
         evidence = f"verified to {route.route.verified_length}" if route.route.verified_length else "no evidence"
         lines.append(f"route {identity}: {spec.source} → {model} (calibrated at {route.route.calibrated_length} "
-                     f"tokens, length {evidence}; its sender sets fingerprint_dtype {route.fingerprint_dtype})")  # fmt: skip
+                     f"tokens, length {evidence}; its sender sets fingerprint_dtype "
+                     f"{route.fingerprint_dtype})")  # fmt: skip
     return lines if config.routes else [*lines, "no routes: this engine only exports"]
 
 
