@@ -43,7 +43,7 @@ def test_a_served_route_is_named_with_its_calibration_and_nothing_is_written(pai
 def _bad(pair, exports: Path, case: str) -> tuple[dict, dict]:
     """A config the connector refuses at its start, and preflight's other arguments."""
     good = transfer(pair, exports)
-    extra = lambda **changes: good | {"kv_connector_extra_config": good["kv_connector_extra_config"] | changes}  # noqa: E731
+    extra = lambda **changes: transfer(pair, exports, **changes)  # noqa: E731
     route = lambda mapper, source: extra(routes=[{"mapper": str(mapper), "source": str(source)}])  # noqa: E731
     return {
         "another connector": (good | {"kv_connector": "LMCacheConnectorV1"}, {}),
